@@ -1,0 +1,7 @@
+"""``python -m lmforge`` is the ``lmforge`` command."""
+
+import sys
+
+from lmforge.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Configuration, run directories, I/O helpers: the bottom layer."""

@@ -1,0 +1,260 @@
+"""Typed configuration: dataclasses loaded from YAML with dotted command-line overrides.
+
+A recipe is a YAML mapping whose shape is a dataclass tree. ``load_config`` reads the
+file with ``yaml.safe_load``, applies ``a.b.c=value`` overrides, and builds the
+dataclasses, checking every value against its annotation. Mistakes are reported with
+the dotted key, the offending value and, for unknown keys, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message says which key and why."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Build ``cls`` from a YAML recipe (optional) plus ``key.sub=value`` overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: a recipe must be a mapping of keys to values, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides or []:
+        apply_override(data, item)
+    return from_dict(cls, data, source=source)
+
+
+def parse_scalar(text: str) -> Any:
+    """Parse an override value the way a user means it: ``3e-4`` is a float, ``[1,2]`` a list.
+
+    YAML 1.1 reads ``3e-4`` as a string, so numbers are tried first.
+    """
+    stripped = text.strip()
+    if re.fullmatch(r"[+-]?\d+", stripped):
+        return int(stripped)
+    try:
+        return float(stripped)
+    except ValueError:
+        pass
+    try:
+        return yaml.safe_load(stripped) if stripped else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override to a nested dict in place."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.subkey=value")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = parse_scalar(raw)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def from_dict(cls: type[T], data: Any, *, source: str = "config", prefix: str = "") -> T:
+    """Build dataclass ``cls`` from nested plain data, type-checking each field."""
+    where = f"'{prefix.rstrip('.')}'" if prefix else "the recipe"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping, got {_show(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = get_type_hints(cls)
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = str(unknown[0])
+        close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(fields))}"
+        raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], f"{prefix}{name}", source)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{source}: missing required key '{prefix}{name}'")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{source}: {where}: {exc}") from exc
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    origin = get_origin(tp)
+    args = get_args(tp)
+
+    def bad() -> ConfigError:
+        return ConfigError(f"{source}: '{key}' must be {_type_name(tp)}, got {_show(value)}")
+
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError:
+                continue
+        raise bad()
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{source}: '{key}' must be one of {', '.join(repr(a) for a in args)}, got {_show(value)}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value if value is not None else {}, source=source, prefix=f"{key}.")
+    if origin in (list, tuple):
+        if isinstance(value, str) and origin is list and args and args[0] is str:
+            value = [value]  # one path where a list of paths is expected
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise bad()
+            return tuple(_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad()
+        ktp, vtp = args if args else (Any, Any)
+        return {_coerce(k, ktp, key, source): _coerce(v, vtp, f"{key}.{k}", source) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and math.isfinite(value):
+            return int(value)
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 leaves "3e-4" a string
+            except ValueError:
+                pass
+        raise bad()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    if tp is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        raise bad()
+    raise ConfigError(f"{source}: '{key}' has an unsupported annotation {tp!r}")
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if origin in (Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        text = " or ".join(names)
+        return f"{text} or null" if type(None) in args else text
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if origin is tuple:
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain nested data (dicts, lists, scalars) for a dataclass tree, ready for YAML."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, Path):
+        return str(cfg)
+    return cfg
+
+
+def dump_config(cfg: Any) -> str:
+    """The resolved config as YAML text; ``load_config`` on it gives back an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml") -> Path:
+    """Write the resolved config into the run directory (atomically)."""
+    from lmforge.core.io import atomic_write_text
+
+    path = Path(run_dir) / name
+    atomic_write_text(path, dump_config(cfg))
+    return path
+
+
+__all__ = [
+    "ConfigError",
+    "apply_override",
+    "dump_config",
+    "from_dict",
+    "load_config",
+    "parse_scalar",
+    "save_config",
+    "to_dict",
+]

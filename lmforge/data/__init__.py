@@ -1,0 +1,1 @@
+"""Documents, tokenizer, token shards and loaders."""

@@ -1,0 +1,185 @@
+"""Read documents from JSONL, Parquet and plain-text files.
+
+Every reader yields ``Document(id, text, source)``. A bad record (malformed JSON, invalid
+UTF-8, a missing or non-string text field) is an ``InputError`` naming the file and line,
+or, with ``skip_bad_records``, is skipped and counted in a ``SkipLog`` so that nothing is
+dropped without a trace.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from lmforge.core.io import InputError, expand_paths
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+@dataclass
+class DocumentsConfig:
+    """Where documents come from and how to read them."""
+
+    paths: list[str] = field(default_factory=list)  # files or glob patterns (``**`` allowed)
+    text_field: str = "text"  # JSONL key / Parquet column holding the text
+    id_field: str = "id"  # optional; missing ids become ``<file>:<line>``
+    skip_bad_records: bool = False  # count and skip bad records instead of stopping
+
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    source: str
+
+
+@dataclass
+class SkipLog:
+    """Counts of records set aside, by reason, with the first few locations as examples."""
+
+    by_reason: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+    max_examples: int = 20
+
+    def add(self, reason: str, where: str, detail: str) -> None:
+        self.by_reason[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(f"{where}: {detail}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "by_reason": dict(sorted(self.by_reason.items())), "examples": self.examples}
+
+
+def file_format(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+def read_documents(cfg: DocumentsConfig, skipped: SkipLog | None = None) -> Iterator[Document]:
+    """Yield the documents of every configured file, in configured order."""
+    skipped = skipped if skipped is not None else SkipLog()
+    for path in expand_paths(cfg.paths, what="document"):
+        yield from read_file(path, cfg, skipped)
+
+
+def read_file(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    fmt = file_format(path)
+    if fmt == "jsonl":
+        yield from _read_jsonl(path, cfg, skipped)
+    elif fmt == "parquet":
+        yield from _read_parquet(path, cfg, skipped)
+    else:
+        yield from _read_text(path, cfg, skipped)
+
+
+def _bad(cfg: DocumentsConfig, skipped: SkipLog, reason: str, where: str, detail: str) -> None:
+    if not cfg.skip_bad_records:
+        raise InputError(f"{where}: {detail} (set skip_bad_records: true to skip and count such records)")
+    skipped.add(reason, where, detail)
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    try:
+        return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+
+
+def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    with _open_binary(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                _bad(cfg, skipped, "invalid_utf8", where, f"invalid UTF-8 at byte {exc.start} of the line")
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                _bad(cfg, skipped, "malformed_json", where, f"malformed JSON: {exc.msg} at column {exc.colno}")
+                continue
+            if not isinstance(record, dict):
+                _bad(cfg, skipped, "not_an_object", where, f"expected a JSON object, got {type(record).__name__}")
+                continue
+            text = record.get(cfg.text_field)
+            if text is None:
+                _bad(cfg, skipped, "missing_text", where, f"no {cfg.text_field!r} field (keys: {sorted(record)[:8]})")
+                continue
+            if not isinstance(text, str):
+                _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
+                continue
+            if not text:
+                skipped.add("empty_text", where, "empty text")
+                continue
+            doc_id = record.get(cfg.id_field)
+            yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{lineno}", text=text, source=str(path))
+
+
+def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    names = pf.schema_arrow.names
+    if cfg.text_field not in names:
+        raise InputError(f"{path}: no {cfg.text_field!r} column (columns: {names})")
+    columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field in names else [])
+    row = 0
+    for batch in pf.iter_batches(columns=columns, batch_size=4096):
+        texts = batch.column(cfg.text_field).to_pylist()
+        ids = batch.column(cfg.id_field).to_pylist() if cfg.id_field in names else [None] * len(texts)
+        for text, doc_id in zip(texts, ids):
+            row += 1
+            where = f"{path}:row {row}"
+            if text is None:
+                _bad(cfg, skipped, "missing_text", where, f"{cfg.text_field!r} is null")
+                continue
+            if not isinstance(text, str):
+                _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
+                continue
+            if not text:
+                skipped.add("empty_text", where, "empty text")
+                continue
+            yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, source=str(path))
+
+
+def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    """A plain-text file is one document; its id is the file name."""
+    with _open_binary(path) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        _bad(cfg, skipped, "invalid_utf8", f"{path}:{line}", f"invalid UTF-8 at byte {exc.start} of the file")
+        return
+    if not text:
+        skipped.add("empty_text", str(path), "empty file")
+        return
+    yield Document(id=path.name, text=text, source=str(path))
+
+
+def split_of(doc_id: str, val_fraction: float) -> str:
+    """``"val"`` or ``"train"``, from a stable hash of the document id (not of its position)."""
+    digest = hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest()
+    return "val" if int.from_bytes(digest, "big") < val_fraction * 2**64 else "train"

@@ -1,0 +1,199 @@
+"""Stateful loader of fixed-length training windows from token shards.
+
+Each sample is ``seq_len + 1`` consecutive tokens (inputs and shifted targets). Windows
+are cut once per dataset (``window_starts``), shuffled per epoch from the seed, and drawn
+from several datasets by weight. Sample ``i`` of the global stream depends only on the
+seed and ``i``: data-parallel rank ``r`` of ``w`` takes rows ``r*B .. (r+1)*B`` of every
+global batch of ``w*B`` samples, so ranks never overlap, and ``state_dict()`` is just
+counters, so a resumed loader gives exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmforge.core.io import InputError
+from lmforge.data.shards import Shard, open_shards, read_manifest
+
+
+@dataclass
+class DatasetSource:
+    path: str  # a directory written by ``lmforge prepare``
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"dataset weight must be positive, got {self.weight} for {self.path}")
+
+
+@dataclass
+class LoaderConfig:
+    """Which token datasets to read and how to cut them into windows."""
+
+    datasets: list[DatasetSource] = field(default_factory=list)
+    seq_len: int = 256
+    bos_aligned: bool = True  # start windows at document starts where the documents allow
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {self.seq_len}")
+
+
+def window_starts(doc_starts: np.ndarray, n_tokens: int, seq_len: int, bos_aligned: bool) -> np.ndarray:
+    """Start offsets of the ``seq_len + 1``-token windows of one shard.
+
+    Contiguous windows tile the shard with a stride of ``seq_len`` (each shares its last
+    token, a target, with the next window's first input). BOS-aligned windows start at a
+    document start: when a window ends inside a document that began within it, the next
+    window restarts at that document's BOS, so no token is dropped and a document is never
+    entered mid-way; only a document longer than a window is continued mid-document.
+    """
+    if n_tokens < seq_len + 1:
+        return np.zeros(0, dtype=np.int64)
+    if not bos_aligned:
+        return np.arange(0, n_tokens - seq_len, seq_len, dtype=np.int64)
+    starts = []
+    pos = int(doc_starts[0])
+    last = n_tokens - seq_len - 1
+    while pos <= last:
+        starts.append(pos)
+        end = pos + seq_len
+        cut_doc_start = int(doc_starts[np.searchsorted(doc_starts, end, side="right") - 1])
+        pos = cut_doc_start if cut_doc_start > pos else end
+    return np.asarray(starts, dtype=np.int64)
+
+
+class TokenDataset:
+    """All windows of one split of one prepared directory."""
+
+    def __init__(self, path: str | Path, split: str, seq_len: int, bos_aligned: bool):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.shards: list[Shard] = open_shards(self.path, split)
+        per_shard = [window_starts(s.doc_starts, len(s.tokens), seq_len, bos_aligned) for s in self.shards]
+        self.shard_of = np.concatenate([np.full(len(w), i, dtype=np.int32) for i, w in enumerate(per_shard)] or [np.zeros(0, np.int32)])
+        self.start_of = np.concatenate(per_shard or [np.zeros(0, np.int64)])
+        self.seq_len = seq_len
+        if len(self) == 0:
+            n = sum(len(s.tokens) for s in self.shards)
+            raise InputError(f"{self.path}: split {split!r} has {n} tokens, too few for one window of {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return len(self.start_of)
+
+    def window(self, index: int) -> np.ndarray:
+        shard = self.shards[self.shard_of[index]]
+        start = int(self.start_of[index])
+        return shard.tokens[start : start + self.seq_len + 1]
+
+
+def _uniform(seed: int, indices: np.ndarray) -> np.ndarray:
+    """Counter-based uniforms in [0, 1): splitmix64 of (seed, sample index)."""
+    with np.errstate(over="ignore"):
+        z = indices.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
+class TokenLoader:
+    """Yields ``(batch_size, seq_len + 1)`` int64 tensors for one data-parallel rank.
+
+    With ``loop=True`` (training) it cycles through epochs forever; with ``loop=False``
+    (evaluation, one dataset) it visits every window once and stops.
+    """
+
+    def __init__(
+        self,
+        cfg: LoaderConfig,
+        batch_size: int,
+        *,
+        split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        loop: bool = True,
+    ):
+        if not cfg.datasets:
+            raise InputError("no datasets configured for the loader")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.cfg, self.batch_size, self.rank, self.world_size, self.loop = cfg, batch_size, rank, world_size, loop
+        self.datasets = [TokenDataset(d.path, split, cfg.seq_len, cfg.bos_aligned) for d in cfg.datasets]
+        if not loop and len(self.datasets) != 1:
+            raise InputError("a non-looping (evaluation) loader reads exactly one dataset")
+        hashes = {d.manifest["tokenizer_sha256"] for d in self.datasets}
+        if len(hashes) > 1:
+            raise InputError(f"datasets were tokenized with different tokenizers: {[str(d.path) for d in self.datasets]}")
+        weights = np.array([d.weight for d in cfg.datasets], dtype=np.float64)
+        self.cum_weights = np.cumsum(weights / weights.sum())
+        self.cum_weights[-1] = 1.0
+        self.samples = 0  # global samples consumed by all ranks together
+        self.cursors = [[0, 0] for _ in self.datasets]  # per dataset: epoch, position in epoch
+        self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
+
+    # -- order
+    def _permutation(self, d: int, epoch: int) -> np.ndarray | None:
+        if not self.cfg.shuffle:
+            return None
+        key = (d, epoch)
+        if key not in self._perm_cache:
+            self._perm_cache = {k: v for k, v in self._perm_cache.items() if k[0] != d}
+            rng = np.random.default_rng([self.cfg.seed, d, epoch])
+            self._perm_cache[key] = rng.permutation(len(self.datasets[d]))
+        return self._perm_cache[key]
+
+    def _next_window(self, d: int) -> int:
+        epoch, pos = self.cursors[d]
+        if pos >= len(self.datasets[d]):
+            epoch, pos = epoch + 1, 0
+        perm = self._permutation(d, epoch)
+        index = int(perm[pos]) if perm is not None else pos
+        self.cursors[d] = [epoch, pos + 1]
+        return index
+
+    # -- iteration
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        global_batch = self.batch_size * self.world_size
+        if not self.loop:
+            remaining = len(self.datasets[0]) - self.samples
+            if remaining <= 0:
+                raise StopIteration
+            global_batch = min(global_batch, remaining)
+        sample_ids = np.arange(self.samples, self.samples + global_batch)
+        choices = np.searchsorted(self.cum_weights, _uniform(self.cfg.seed, sample_ids), side="right")
+        picks = [(int(d), self._next_window(int(d))) for d in choices]
+        self.samples += global_batch
+        mine = picks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        if not mine:  # the last evaluation batch can leave a rank without rows
+            return torch.zeros((0, self.cfg.seq_len + 1), dtype=torch.long)
+        rows = np.stack([self.datasets[d].window(w) for d, w in mine]).astype(np.int64)
+        return torch.from_numpy(rows)
+
+    # -- exact resume
+    def state_dict(self) -> dict:
+        return {
+            "samples": self.samples,
+            "cursors": [list(c) for c in self.cursors],
+            "windows": [len(d) for d in self.datasets],
+            "seed": self.cfg.seed,
+            "seq_len": self.cfg.seq_len,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("seq_len", self.cfg.seq_len), ("seed", self.cfg.seed), ("windows", [len(d) for d in self.datasets])):
+            if state[key] != mine:
+                raise InputError(f"loader state does not match this data: saved {key}={state[key]}, now {mine}")
+        self.samples = int(state["samples"])
+        self.cursors = [[int(e), int(p)] for e, p in state["cursors"]]

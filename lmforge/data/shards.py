@@ -1,0 +1,197 @@
+"""Token shards: the on-disk format every training stage reads.
+
+A prepared dataset is a directory::
+
+    manifest.json                 tokenizer hash, dtype, counts, sources, skipped records
+    train-00000.tokens.npy        flat token array (uint16 if the vocabulary fits, else uint32)
+    train-00000.docs.npy          int64 offsets of document starts, plus the end (n_docs + 1)
+    val-00000.tokens.npy ...
+
+Arrays are ``.npy`` files, so ``np.load(..., mmap_mode="r")`` maps them without copying
+and the dtype travels with the data. Each document is stored as
+``[BOS] tokens [EOS]`` (both optional) and never straddles two shards.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmforge.core.io import InputError, sha256_file
+from lmforge.data.documents import Document, split_of
+from lmforge.data.tokenizer import Tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT = "lmforge-token-shards"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+class ShardWriter:
+    """Accumulates documents of one split and writes a shard whenever ``shard_tokens`` is reached."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.shards: list[dict] = []
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        if self.pending_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        lengths = np.fromiter((len(t) for t in self.pending), dtype=np.int64, count=len(self.pending))
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        stem = f"{self.split}-{len(self.shards):05d}"
+        tokens_file, docs_file = f"{stem}.tokens.npy", f"{stem}.docs.npy"
+        np.save(self.out_dir / tokens_file, np.concatenate(self.pending).astype(self.dtype, copy=False))
+        np.save(self.out_dir / docs_file, offsets)
+        self.shards.append(
+            {
+                "tokens": tokens_file,
+                "docs": docs_file,
+                "n_tokens": int(offsets[-1]),
+                "n_docs": len(lengths),
+                "sha256": sha256_file(self.out_dir / tokens_file),
+            }
+        )
+        self.pending, self.pending_tokens = [], 0
+
+    def summary(self) -> dict:
+        return {
+            "n_tokens": sum(s["n_tokens"] for s in self.shards),
+            "n_docs": sum(s["n_docs"] for s in self.shards),
+            "shards": self.shards,
+        }
+
+
+def _batched_in_background(docs: Iterable[Document], batch_docs: int) -> Iterator[list[Document]]:
+    """Read and parse the next batch on a thread while the caller tokenizes this one."""
+    q: queue.Queue = queue.Queue(maxsize=4)
+    done = object()
+
+    def produce() -> None:
+        try:
+            batch: list[Document] = []
+            for doc in docs:
+                batch.append(doc)
+                if len(batch) >= batch_docs:
+                    q.put(batch)
+                    batch = []
+            if batch:
+                q.put(batch)
+            q.put(done)
+        except BaseException as exc:  # re-raised in the consumer, with its message intact
+            q.put(exc)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    while True:
+        item = q.get()
+        if item is done:
+            break
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    thread.join()
+
+
+def tokenize_to_shards(
+    docs: Iterable[Document],
+    tokenizer: Tokenizer,
+    out_dir: Path,
+    *,
+    val_fraction: float,
+    shard_tokens: int,
+    add_bos: bool = True,
+    add_eos: bool = True,
+    batch_docs: int = 512,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Tokenize ``docs`` into train/val shards under ``out_dir``; return the splits' summaries.
+
+    Output depends only on the documents, their order and the tokenizer, so the same
+    inputs give byte-identical shards. ``progress(n_docs, n_bytes)`` is called per batch.
+    """
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens) for s in SPLITS}
+    prefix = [tokenizer.bos_id] if add_bos else []
+    suffix = [tokenizer.eos_id] if add_eos else []
+    sources: dict[str, int] = {}
+    n_bytes = 0
+    for batch in _batched_in_background(docs, batch_docs):
+        encoded = tokenizer.encode_batch([d.text for d in batch])
+        for doc, ids in zip(batch, encoded):
+            writers[split_of(doc.id, val_fraction)].add(np.array(prefix + ids + suffix, dtype=dtype))
+            sources[doc.source] = sources.get(doc.source, 0) + 1
+        if progress is not None:
+            batch_bytes = sum(len(d.text.encode("utf-8")) for d in batch)
+            n_bytes += batch_bytes
+            progress(len(batch), batch_bytes)
+    for w in writers.values():
+        w.flush()
+    return {
+        "splits": {s: w.summary() for s, w in writers.items()},
+        "sources": [{"path": p, "n_docs": n} for p, n in sources.items()],
+    }
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Shard:
+    tokens: np.ndarray  # memory-mapped, 1-D
+    doc_starts: np.ndarray  # int64, n_docs + 1 offsets into ``tokens``
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise InputError(f"{path}: not found; is {directory} a directory written by `lmforge prepare`?")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON: {exc}") from exc
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise InputError(f"{path}: not an lmforge token-shard manifest of version {FORMAT_VERSION}")
+    return manifest
+
+
+def open_shards(directory: str | Path, split: str = "train") -> list[Shard]:
+    """Memory-map every shard of ``split``; checks sizes against the manifest."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if split not in manifest["splits"]:
+        raise InputError(f"{directory}: no split {split!r} (has {sorted(manifest['splits'])})")
+    dtype = np.dtype(manifest["dtype"])
+    shards = []
+    for info in manifest["splits"][split]["shards"]:
+        tokens_path, docs_path = directory / info["tokens"], directory / info["docs"]
+        try:
+            tokens = np.load(tokens_path, mmap_mode="r")
+            doc_starts = np.load(docs_path)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{tokens_path}: cannot read shard: {exc}") from exc
+        if tokens.dtype != dtype or tokens.ndim != 1 or len(tokens) != info["n_tokens"]:
+            raise InputError(f"{tokens_path}: expected {info['n_tokens']} {dtype} tokens, found {len(tokens)} {tokens.dtype}")
+        if len(doc_starts) != info["n_docs"] + 1 or doc_starts[-1] != len(tokens):
+            raise InputError(f"{docs_path}: document index does not match its token file")
+        shards.append(Shard(tokens=tokens, doc_starts=doc_starts))
+    return shards

@@ -1,0 +1,202 @@
+"""Byte-level BPE tokenizer: training with the ``tokenizers`` library, saving in HF's format.
+
+The pre-tokenizer is the GPT-4 / Llama-3 split pattern (digits in groups of at most
+three, contractions, punctuation runs) followed by byte-level mapping, so every string
+round-trips exactly. Special tokens take the first ids: beginning and end of text,
+padding (never the same id as end-of-turn), then the ChatML turn markers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json
+
+# Llama-3's pre-tokenization pattern (itself GPT-4's cl100k pattern).
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+@dataclass
+class TokenizerConfig:
+    """What BPE vocabulary to learn and which special tokens to reserve."""
+
+    vocab_size: int = 8192
+    min_frequency: int = 2  # a pair must occur this often to be merged
+    bos_token: str = "<|begin_of_text|>"
+    eos_token: str = "<|end_of_text|>"
+    pad_token: str = "<|pad|>"
+    chat_tokens: list[str] = field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
+    extra_special_tokens: list[str] = field(default_factory=list)
+    model_max_length: int = 2048  # recorded in tokenizer_config.json for HF users
+    max_train_chars: int | None = None  # cap on training text, None = use all of it
+
+    def __post_init__(self) -> None:
+        specials = self.special_tokens
+        if len(set(specials)) != len(specials):
+            raise ValueError(f"special tokens must be distinct, got {specials}")
+        if self.vocab_size < 256 + len(specials):
+            raise ValueError(f"vocab_size must be at least {256 + len(specials)} (256 bytes + special tokens)")
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return [self.bos_token, self.eos_token, self.pad_token, *self.chat_tokens, *self.extra_special_tokens]
+
+
+class Tokenizer:
+    """A trained tokenizer: ``encode``/``decode`` without hidden special-token handling."""
+
+    def __init__(self, hf: HFTokenizer, config: dict):
+        self.hf = hf
+        self.config = config
+        self.bos_id = self.token_to_id(config["bos_token"])
+        self.eos_id = self.token_to_id(config["eos_token"])
+        self.pad_id = self.token_to_id(config["pad_token"])
+
+    # -- loading and saving
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        directory = Path(directory)
+        tok_file, cfg_file = directory / TOKENIZER_FILE, directory / TOKENIZER_CONFIG_FILE
+        for f in (tok_file, cfg_file):
+            if not f.is_file():
+                raise InputError(f"{f}: not found; train a tokenizer with `lmforge tokenizer <recipe>` first")
+        try:
+            hf = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:
+            raise InputError(f"{tok_file}: not a valid tokenizer.json: {exc}") from exc
+        try:
+            config = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(f"{cfg_file}: not valid JSON: {exc}") from exc
+        return cls(hf, config)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        atomic_write_bytes(directory / TOKENIZER_FILE, self.to_json().encode("utf-8"))
+        atomic_write_json(directory / TOKENIZER_CONFIG_FILE, self.config)
+
+    def to_json(self) -> str:
+        return self.hf.to_str(pretty=True)
+
+    @property
+    def sha256(self) -> str:
+        """Identity of the vocabulary and merges; token shards record it."""
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+    # -- vocabulary
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int:
+        idx = self.hf.token_to_id(token)
+        if idx is None:
+            raise InputError(f"token {token!r} is not in the vocabulary")
+        return idx
+
+    # -- encoding
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many texts in parallel (the Rust side uses all cores)."""
+        return [e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+
+def build_untrained(cfg: TokenizerConfig) -> tuple[HFTokenizer, trainers.BpeTrainer]:
+    """The empty byte-level BPE pipeline and its trainer."""
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=cfg.special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    return hf, trainer
+
+
+def hf_tokenizer_config(cfg: TokenizerConfig) -> dict:
+    """``tokenizer_config.json`` so that ``transformers`` loads the tokenizer as-is."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": cfg.bos_token,
+        "eos_token": cfg.eos_token,
+        "pad_token": cfg.pad_token,
+        "additional_special_tokens": [*cfg.chat_tokens, *cfg.extra_special_tokens],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg.model_max_length,
+    }
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
+    """Learn a byte-level BPE vocabulary of ``cfg.vocab_size`` tokens from ``texts``."""
+    hf, trainer = build_untrained(cfg)
+    hf.train_from_iterator(_capped(texts, cfg.max_train_chars), trainer=trainer)
+    specials = [hf.token_to_id(t) for t in cfg.special_tokens]
+    assert specials == list(range(len(specials))), "special tokens must take the first ids"
+    return Tokenizer(hf, hf_tokenizer_config(cfg))
+
+
+def _capped(texts: Iterable[str], limit: int | None) -> Iterator[str]:
+    used = 0
+    for text in texts:
+        if limit is not None and used + len(text) > limit:
+            if limit - used > 0:
+                yield text[: limit - used]
+            return
+        used += len(text)
+        yield text
+
+
+def compression_stats(tok: Tokenizer, texts: Iterable[str], batch: int = 256) -> dict:
+    """Bytes and characters per token of ``texts`` (higher means better compression)."""
+    n_bytes = n_chars = n_tokens = n_docs = 0
+    buf: list[str] = []
+
+    def flush() -> None:
+        nonlocal n_tokens
+        n_tokens += sum(len(ids) for ids in tok.encode_batch(buf))
+        buf.clear()
+
+    for text in texts:
+        n_docs += 1
+        n_bytes += len(text.encode("utf-8"))
+        n_chars += len(text)
+        buf.append(text)
+        if len(buf) >= batch:
+            flush()
+    if buf:
+        flush()
+    return {
+        "documents": n_docs,
+        "bytes": n_bytes,
+        "tokens": n_tokens,
+        "bytes_per_token": n_bytes / n_tokens if n_tokens else float("nan"),
+        "chars_per_token": n_chars / n_tokens if n_tokens else float("nan"),
+    }

@@ -1,0 +1,1 @@
+"""Stages of the lifecycle, one module per verb."""

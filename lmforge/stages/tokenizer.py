@@ -1,0 +1,78 @@
+"""``lmforge tokenizer``: train a byte-level BPE tokenizer on the configured documents."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from lmforge.core.io import InputError, atomic_write_json
+from lmforge.core.run import log, progress_bar, start_run
+from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents, split_of
+from lmforge.data.tokenizer import TokenizerConfig, compression_stats, train_tokenizer
+
+
+@dataclass
+class TokenizerRecipe:
+    run_dir: str = "runs/tokenizer"  # receives tokenizer.json, tokenizer_config.json, stats.json
+    data: DocumentsConfig = field(default_factory=DocumentsConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # Documents whose id hashes below this fraction are held out to measure compression.
+    # Use the same value as `prepare`'s val_fraction so the tokenizer never sees validation text.
+    heldout_fraction: float = 0.05
+    max_heldout_chars: int = 20_000_000
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+
+
+def run_tokenizer(recipe: TokenizerRecipe) -> dict:
+    run_dir = start_run(recipe, recipe.run_dir)
+    skipped = SkipLog()
+    heldout: list[str] = []
+    counts = {"documents": 0, "chars": 0}
+    bar = progress_bar(None, "reading documents", unit="doc")
+
+    def training_texts() -> Iterator[str]:
+        held_chars = 0
+        for doc in read_documents(recipe.data, skipped):
+            bar.update(1)
+            if split_of(doc.id, recipe.heldout_fraction) == "val":
+                if held_chars < recipe.max_heldout_chars:
+                    heldout.append(doc.text)
+                    held_chars += len(doc.text)
+                continue
+            counts["documents"] += 1
+            counts["chars"] += len(doc.text)
+            yield doc.text
+
+    t0 = time.perf_counter()
+    tok = train_tokenizer(training_texts(), recipe.tokenizer)
+    seconds = time.perf_counter() - t0
+    bar.close()
+    if counts["documents"] == 0:
+        raise InputError(f"no training documents in {recipe.data.paths} ({skipped.total} records skipped)")
+    tok.save(run_dir)
+    stats = {
+        "vocab_size": tok.vocab_size,
+        "special_tokens": recipe.tokenizer.special_tokens,
+        "train": {**counts, "seconds": round(seconds, 3)},
+        "heldout": compression_stats(tok, heldout) if heldout else None,
+        "skipped": skipped.to_dict(),
+        "tokenizer_sha256": tok.sha256,
+    }
+    atomic_write_json(run_dir / "stats.json", stats)
+    log.info(
+        "tokenizer: %d tokens learned from %d documents (%.1f MB) in %.1fs -> %s",
+        tok.vocab_size, counts["documents"], counts["chars"] / 1e6, seconds, run_dir,
+    )
+    if stats["heldout"]:
+        h = stats["heldout"]
+        log.info("tokenizer: held-out compression %.3f bytes/token (%d documents, %d tokens)",
+                 h["bytes_per_token"], h["documents"], h["tokens"])
+    else:
+        log.info("tokenizer: no held-out documents (heldout_fraction=%s); compression not measured", recipe.heldout_fraction)
+    if skipped.total:
+        log.info("tokenizer: skipped %d bad records: %s", skipped.total, dict(skipped.by_reason))
+    return stats

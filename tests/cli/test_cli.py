@@ -1,0 +1,67 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmforge.cli.main import VERBS, main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_help_lists_every_verb_with_a_line_each(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for verb in VERBS:
+        assert verb.name in out and verb.summary[:30] in out
+
+
+def test_python_dash_m_prints_the_same_help_as_the_console_script():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    assert all(v.name in r.stdout for v in VERBS)
+
+
+@pytest.mark.parametrize("verb", [v.name for v in VERBS])
+def test_every_verb_has_its_own_help_listing_recipe_keys(verb, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([verb, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "recipe keys" in out and "run_dir" in out
+
+
+def test_unknown_key_is_reported_with_a_suggestion_and_exit_code_2(capsys):
+    assert main(["prepare", "val_fractoin=0.1"]) == 2
+    assert "did you mean 'val_fraction'" in capsys.readouterr().err
+
+
+def test_print_config_shows_the_resolved_recipe(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("tokenizer:\n  vocab_size: 1000\n")
+    assert main(["tokenizer", str(recipe), "tokenizer.min_frequency=3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size: 1000" in out and "min_frequency: 3" in out
+
+
+def test_tokenizer_then_prepare_from_the_command_line(tmp_path, corpus_jsonl):
+    r = run_cli("tokenizer", f"data.paths={corpus_jsonl}", f"run_dir={tmp_path}/tok", "tokenizer.vocab_size=400", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads((tmp_path / "tok" / "stats.json").read_text())
+    assert stats["vocab_size"] == 400 and stats["heldout"]["bytes_per_token"] > 1
+    assert "bytes/token" in r.stderr
+    r = run_cli("prepare", f"data.paths={corpus_jsonl}", f"tokenizer={tmp_path}/tok", f"run_dir={tmp_path}/data", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["n_docs"] == 60
+    assert (tmp_path / "data" / "config.yaml").is_file() and (tmp_path / "tok" / "config.yaml").is_file()
+
+
+def test_a_bad_input_file_is_a_one_line_error_not_a_traceback(tmp_path, small_tokenizer_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    r = run_cli("prepare", f"data.paths={bad}", f"tokenizer={small_tokenizer_dir}", f"run_dir={tmp_path}/out")
+    assert r.returncode == 2
+    assert "bad.jsonl:2: malformed JSON" in r.stderr and "Traceback" not in r.stderr

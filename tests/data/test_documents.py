@@ -1,0 +1,102 @@
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lmforge.core.io import InputError
+from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents, split_of
+
+
+def read(paths, skip=False, skipped=None, **kw):
+    return list(read_documents(DocumentsConfig(paths=[str(p) for p in paths], skip_bad_records=skip, **kw), skipped))
+
+
+def test_jsonl_documents_keep_ids_and_default_to_file_and_line(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"id": "x", "text": "hello"}\n\n{"text": "world"}\n')
+    docs = read([p])
+    assert [(d.id, d.text) for d in docs] == [("x", "hello"), ("a.jsonl:3", "world")]
+
+
+def test_gzipped_jsonl_is_read(tmp_path):
+    p = tmp_path / "a.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write('{"text": "zipped"}\n')
+    assert [d.text for d in read([p])] == ["zipped"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (b'{"text": "ok"', r"bad\.jsonl:2: malformed JSON"),
+        (b'{"text": "caf\xe9"}', r"bad\.jsonl:2: invalid UTF-8 at byte 13"),
+        (b'{"body": "no text"}', r"bad\.jsonl:2: no 'text' field"),
+        (b'{"text": 42}', r"bad\.jsonl:2: 'text' is int, not a string"),
+        (b"[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
+    ],
+)
+def test_bad_jsonl_record_is_an_error_naming_file_and_line(tmp_path, line, message):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "good"}\n' + line + b"\n")
+    with pytest.raises(InputError, match=message):
+        read([p])
+
+
+def test_bad_records_are_skipped_and_counted_when_asked(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "good"}\n{oops\n{"text": "caf\xe9"}\n{"x": 1}\n{"text": ""}\n{"text": "also good"}\n')
+    skipped = SkipLog()
+    docs = read([p], skip=True, skipped=skipped)
+    assert [d.text for d in docs] == ["good", "also good"]
+    assert skipped.to_dict()["by_reason"] == {"empty_text": 1, "invalid_utf8": 1, "malformed_json": 1, "missing_text": 1}
+    assert skipped.total == 4 and any("bad.jsonl:2" in e for e in skipped.examples)
+
+
+def test_parquet_documents_and_null_text(tmp_path):
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["one", None, "three"]}), p)
+    with pytest.raises(InputError, match=r"d\.parquet:row 2: 'text' is null"):
+        read([p])
+    skipped = SkipLog()
+    assert [(d.id, d.text) for d in read([p], skip=True, skipped=skipped)] == [("a", "one"), ("c", "three")]
+    assert skipped.by_reason["missing_text"] == 1
+
+
+def test_parquet_without_text_column_names_the_columns(tmp_path):
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), p)
+    with pytest.raises(InputError, match=r"no 'text' column \(columns: \['body'\]\)"):
+        read([p])
+
+
+def test_plain_text_file_is_one_document_and_invalid_utf8_names_the_line(tmp_path):
+    good, bad = tmp_path / "a.txt", tmp_path / "b.txt"
+    good.write_text("line one\nline two\n")
+    bad.write_bytes(b"fine\nstill fine\nbroken \xff here\n")
+    assert [(d.id, d.text) for d in read([good])] == [("a.txt", "line one\nline two\n")]
+    with pytest.raises(InputError, match=r"b\.txt:3: invalid UTF-8"):
+        read([bad])
+
+
+def test_custom_text_field(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text(json.dumps({"content": "c"}) + "\n")
+    assert [d.text for d in read([p], text_field="content")] == ["c"]
+
+
+def test_a_path_that_matches_nothing_is_an_error(tmp_path):
+    with pytest.raises(InputError, match="matches no file"):
+        read([tmp_path / "missing" / "*.jsonl"])
+    with pytest.raises(InputError, match="matches no file"):
+        read([tmp_path / "missing.jsonl"])
+
+
+def test_split_is_a_stable_hash_of_the_id():
+    ids = [f"doc-{i}" for i in range(20000)]
+    val = [i for i in ids if split_of(i, 0.1) == "val"]
+    assert 0.09 < len(val) / len(ids) < 0.11
+    assert val == [i for i in ids if split_of(i, 0.1) == "val"]  # same answer every time
+    assert set(val) <= {i for i in ids if split_of(i, 0.2) == "val"}  # growing the fraction only adds
+    assert all(split_of(i, 0.0) == "train" for i in ids[:100])

@@ -1,0 +1,97 @@
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lmforge.core.io import InputError
+from lmforge.data.documents import DocumentsConfig, split_of
+from lmforge.data.shards import open_shards, read_manifest, token_dtype
+from lmforge.stages.prepare import PrepareRecipe, run_prepare
+from tests.conftest import write_jsonl
+
+
+def prepare(tmp_path, tok_dir, paths, name="out", **kw):
+    data_kw = {k: kw.pop(k) for k in list(kw) if k in ("skip_bad_records", "text_field")}
+    recipe = PrepareRecipe(run_dir=str(tmp_path / name), tokenizer=str(tok_dir),
+                           data=DocumentsConfig(paths=[str(p) for p in paths], **data_kw), **kw)
+    return run_prepare(recipe), tmp_path / name
+
+
+def test_same_inputs_give_byte_identical_shards(tmp_path, small_tokenizer_dir, corpus_jsonl):
+    _, a = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], "a", shard_tokens=3000, batch_docs=7)
+    _, b = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], "b", shard_tokens=3000, batch_docs=7)
+    files = sorted(p.name for p in a.iterdir() if p.name.endswith(".npy")) + ["manifest.json"]
+    assert len(files) > 4  # several shards per split
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_each_stored_document_is_bos_tokens_eos(tmp_path, small_tokenizer, small_tokenizer_dir, corpus_texts, corpus_jsonl):
+    manifest, out = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], shard_tokens=4000, val_fraction=0.2)
+    expected = {"train": [], "val": []}
+    for i, text in enumerate(corpus_texts):
+        expected[split_of(f"doc{i}", 0.2)].append([0, *small_tokenizer.encode(text), 1])
+    for split in ("train", "val"):
+        stored = []
+        for shard in open_shards(out, split):
+            starts = shard.doc_starts
+            stored += [shard.tokens[starts[j] : starts[j + 1]].tolist() for j in range(len(starts) - 1)]
+        assert stored == expected[split]
+        assert manifest["splits"][split]["n_docs"] == len(expected[split])
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer_sha256"] == small_tokenizer.sha256
+    assert manifest["n_tokens"] == sum(len(d) for s in expected.values() for d in s)
+    assert manifest["sources"] == [{"path": str(corpus_jsonl), "n_docs": len(corpus_texts)}]
+
+
+def test_token_dtype_widens_past_65536():
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+def test_jsonl_parquet_and_text_inputs_are_all_read(tmp_path, small_tokenizer_dir):
+    j = write_jsonl(tmp_path / "a.jsonl", [{"id": "j", "text": "from jsonl"}])
+    pq.write_table(pa.table({"id": ["p"], "text": ["from parquet"]}), tmp_path / "b.parquet")
+    (tmp_path / "c.txt").write_text("from text")
+    manifest, _ = prepare(tmp_path, small_tokenizer_dir, [j, tmp_path / "b.parquet", tmp_path / "c.txt"], val_fraction=0.0)
+    assert manifest["n_docs"] == 3 and [s["n_docs"] for s in manifest["sources"]] == [1, 1, 1]
+
+
+def test_malformed_line_is_an_error_naming_file_and_line_and_leaves_no_output(tmp_path, small_tokenizer_dir):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": broken}\n')
+    with pytest.raises(InputError, match=r"bad\.jsonl:3: malformed JSON"):
+        prepare(tmp_path, small_tokenizer_dir, [p])
+    assert not (tmp_path / "out").exists()
+
+
+def test_skipped_records_are_counted_in_the_manifest(tmp_path, small_tokenizer_dir):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "fine"}\n{"text": broken}\n{"txt": "x"}\n{"text": "\xff"}\n{"text": "also fine"}\n')
+    manifest, out = prepare(tmp_path, small_tokenizer_dir, [p], skip_bad_records=True, val_fraction=0.0)
+    assert manifest["n_docs"] == 2
+    assert manifest["skipped"]["by_reason"] == {"invalid_utf8": 1, "malformed_json": 1, "missing_text": 1}
+    assert json.loads((out / "manifest.json").read_text())["skipped"]["total"] == 3
+
+
+def test_empty_input_is_an_error_that_says_so(tmp_path, small_tokenizer_dir):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("")
+    with pytest.raises(InputError, match="the input is empty"):
+        prepare(tmp_path, small_tokenizer_dir, [p])
+
+
+def test_rerun_replaces_the_previous_output(tmp_path, small_tokenizer_dir):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "first run"}])
+    prepare(tmp_path, small_tokenizer_dir, [a], val_fraction=0.0)
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "second"}, {"text": "run"}])
+    prepare(tmp_path, small_tokenizer_dir, [b], val_fraction=0.0)
+    assert read_manifest(tmp_path / "out")["n_docs"] == 2
+
+
+def test_a_truncated_shard_is_detected(tmp_path, small_tokenizer_dir, corpus_jsonl):
+    _, out = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl])
+    f = out / "train-00000.tokens.npy"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(InputError, match="train-00000.tokens.npy"):
+        open_shards(out, "train")
