@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(LMFORGE) tokenizer recipes/demo/tokenizer.yaml
-	$(LMFORGE) prepare recipes/demo/prepare.yaml
+	$(LMFORGE) run recipes/demo/lifecycle.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -8,72 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
-import textwrap
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from lmforge import __version__
 from lmforge.core.config import ConfigError, dump_config, load_config
 from lmforge.core.io import InputError
 from lmforge.core.run import setup_logging
-
-
-@dataclass
-class Verb:
-    name: str
-    summary: str  # one line for `lmforge --help`
-    description: str  # a paragraph for `lmforge <verb> --help`
-    recipe: Callable[[], type]  # imported lazily so `lmforge --help` stays fast
-    run: Callable[[], Callable[[Any], Any]]
-
-
-def _tokenizer_recipe() -> type:
-    from lmforge.stages.tokenizer import TokenizerRecipe
-
-    return TokenizerRecipe
-
-
-def _tokenizer_run() -> Callable:
-    from lmforge.stages.tokenizer import run_tokenizer
-
-    return run_tokenizer
-
-
-def _prepare_recipe() -> type:
-    from lmforge.stages.prepare import PrepareRecipe
-
-    return PrepareRecipe
-
-
-def _prepare_run() -> Callable:
-    from lmforge.stages.prepare import run_prepare
-
-    return run_prepare
-
-
-VERBS = [
-    Verb(
-        "tokenizer",
-        "train a byte-level BPE tokenizer (tokenizer.json, HF-compatible)",
-        "Train a byte-level BPE tokenizer with the `tokenizers` library on the configured documents, "
-        "reserve special and ChatML tokens, save tokenizer.json + tokenizer_config.json into run_dir "
-        "and report compression (bytes per token) on held-out documents.",
-        _tokenizer_recipe,
-        _tokenizer_run,
-    ),
-    Verb(
-        "prepare",
-        "tokenize documents into memory-mapped train/val token shards",
-        "Tokenize JSONL, Parquet and plain-text documents into token shards (a flat uint16/uint32 "
-        "token array plus a document index per shard) with a manifest, split into train and "
-        "validation by a stable hash of each document id.",
-        _prepare_recipe,
-        _prepare_run,
-    ),
-]
+from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
 
 
 def recipe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -107,49 +51,66 @@ def _type_label(tp: Any) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    verbs = "\n".join(f"  {v.name:<11} {v.summary}" for v in VERBS)
     parser = argparse.ArgumentParser(
         prog="lmforge",
-        description="lmforge: from raw documents to a trained, evaluated language model. "
+        usage="lmforge <verb> [recipe.yaml] [key=value ...]",
+        description="lmforge: from raw documents to a trained, evaluated language model.\n"
         "Each verb runs one stage from a YAML recipe; override any key with key.subkey=value.",
-        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32),
-        epilog="Run `lmforge <verb> --help` for a verb's recipe keys.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"verbs:\n{verbs}\n\nRun `lmforge <verb> --help` for what a verb does and its recipe keys.",
     )
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
-    sub = parser.add_subparsers(dest="verb", metavar="<verb>", title="verbs")
-    for verb in VERBS:
-        cls = verb.recipe()
-        keys = "\n".join(f"  {k:<34} {t:<18} default {d}" for k, t, d in recipe_keys(cls))
-        p = sub.add_parser(
-            verb.name,
-            help=verb.summary,
-            description="\n".join(textwrap.wrap(verb.description, 88)),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=f"recipe keys (set in the YAML recipe or as key=value overrides):\n{keys}",
-        )
-        p.add_argument("recipe", nargs="?", help="YAML recipe (optional: defaults plus overrides also work)")
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. tokenizer.vocab_size=4096")
-        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-        p.set_defaults(verb_obj=verb)
+    parser.add_argument("verb", nargs="?", help=argparse.SUPPRESS)
     return parser
 
 
+def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.ModuleType]:
+    module = verb.load()
+    doc = (module.__doc__ or verb.summary).strip()
+    keys = "\n".join(f"  {k:<34} {t:<18} default {d}" for k, t, d in recipe_keys(module.RECIPE))
+    p = argparse.ArgumentParser(
+        prog=f"lmforge {verb.name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"recipe keys (set in the YAML recipe or as key=value overrides):\n{keys}",
+    )
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(p)
+    else:
+        p.add_argument("recipe", nargs="?", help="YAML recipe (optional: defaults plus overrides also work)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=3e-4")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p, module
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.verb is None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in VERBS_BY_NAME:
+        parser = build_parser()
+        args, _ = parser.parse_known_args(argv)  # handles --help and --version
+        if args.verb is not None:
+            close = difflib.get_close_matches(args.verb, list(VERBS_BY_NAME), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            parser.error(f"unknown verb '{args.verb}'{hint} (verbs: {', '.join(VERBS_BY_NAME)})")
         parser.print_help()
         return 0
-    verb: Verb = args.verb_obj
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe and not recipe.endswith((".yaml", ".yml")):
-        recipe, overrides = None, [recipe, *overrides]
+    verb = VERBS_BY_NAME[argv[0]]
+    parser, module = build_verb_parser(verb)
+    args = parser.parse_args(argv[1:])
     setup_logging()
     try:
-        cfg = load_config(verb.recipe(), recipe, overrides)
+        if hasattr(module, "recipe_from_args"):
+            cfg = module.recipe_from_args(args)
+        else:
+            recipe, overrides = args.recipe, list(args.overrides)
+            if recipe is not None and "=" in recipe and not recipe.endswith((".yaml", ".yml")):
+                recipe, overrides = None, [recipe, *overrides]
+            cfg = load_config(module.RECIPE, recipe, overrides)
         if args.print_config:
             sys.stdout.write(dump_config(cfg))
             return 0
-        verb.run()(cfg)
+        module.run(cfg)
     except (ConfigError, InputError) as exc:
         print(f"lmforge {verb.name}: error: {exc}", file=sys.stderr)
         return 2

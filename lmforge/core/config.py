@@ -99,6 +99,12 @@ def from_dict(cls: type[T], data: Any, *, source: str = "config", prefix: str = 
     where = f"'{prefix.rstrip('.')}'" if prefix else "the recipe"
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {where} must be a mapping, got {_show(data)}")
+    expand = getattr(cls, "expand_preset", None)
+    if expand is not None:  # e.g. a model preset fills fields under the user's own keys
+        try:
+            data = expand(data)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {where}: {exc}") from exc
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
     unknown = [k for k in data if k not in fields]

@@ -194,6 +194,7 @@ class TokenLoader:
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("seq_len", self.cfg.seq_len), ("seed", self.cfg.seed), ("windows", [len(d) for d in self.datasets])):
             if state[key] != mine:
-                raise InputError(f"loader state does not match this data: saved {key}={state[key]}, now {mine}")
+                raise InputError(f"loader state does not match this data: saved {key}={state[key]}, now {mine}; "
+                                 "the data or its windows changed since the checkpoint: use a new run_dir or train.resume=never")
         self.samples = int(state["samples"])
         self.cursors = [[int(e), int(p)] for e, p in state["cursors"]]

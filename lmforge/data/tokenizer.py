@@ -200,3 +200,15 @@ def compression_stats(tok: Tokenizer, texts: Iterable[str], batch: int = 256) ->
         "bytes_per_token": n_bytes / n_tokens if n_tokens else float("nan"),
         "chars_per_token": n_chars / n_tokens if n_tokens else float("nan"),
     }
+
+
+def token_byte_lengths(tok: Tokenizer) -> list[int]:
+    """UTF-8 bytes each token id stands for (0 for special tokens), for bits-per-byte.
+
+    In a byte-level BPE every character of a vocabulary entry stands for exactly one byte.
+    """
+    lengths = [0] * tok.vocab_size
+    special = {t.content for t in tok.hf.get_added_tokens_decoder().values()}
+    for token, idx in tok.hf.get_vocab(with_added_tokens=True).items():
+        lengths[idx] = 0 if token in special else len(token)
+    return lengths

@@ -1,1 +1,38 @@
-"""Stages of the lifecycle, one module per verb."""
+"""Stages of the lifecycle, one module per verb, and the registry of verbs."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass
+class Verb:
+    """A verb and the stage module that implements it.
+
+    A recipe verb's module defines ``RECIPE`` (a dataclass) and ``run(recipe)``. A verb
+    with its own arguments (``lmforge export <checkpoint> <dir>``) also defines
+    ``add_arguments(parser)`` and ``recipe_from_args(args) -> RECIPE``. Modules are
+    imported only when their verb runs, so ``lmforge --help`` stays fast.
+    """
+
+    name: str
+    summary: str  # one line for `lmforge --help`
+    module: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+VERBS = [
+    Verb("tokenizer", "train a byte-level BPE tokenizer (tokenizer.json, HF-compatible)", "lmforge.stages.tokenizer"),
+    Verb("prepare", "tokenize documents into memory-mapped train/val token shards", "lmforge.stages.prepare"),
+    Verb("pretrain", "pre-train a transformer on token shards (the one training loop)", "lmforge.stages.pretrain"),
+    Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
+    Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
+    Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
+    Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),
+    Verb("bench", "measure this machine (bench peak: matmul FLOP/s per dtype, for MFU)", "lmforge.stages.bench"),
+]
+VERBS_BY_NAME = {v.name: v for v in VERBS}

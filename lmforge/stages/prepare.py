@@ -1,4 +1,11 @@
-"""``lmforge prepare``: tokenize documents into train/validation token shards."""
+"""Tokenize JSONL, Parquet and plain-text documents into token shards: per shard a flat
+memory-mapped token array (uint16 when the vocabulary fits, else uint32) and a document
+index, plus manifest.json (tokenizer hash, counts, sources, skipped records). Documents
+go to train or validation by a stable hash of their id. Output is deterministic and
+written atomically into run_dir.
+
+  lmforge prepare recipes/demo/prepare.yaml val_fraction=0.01
+"""
 
 from __future__ import annotations
 
@@ -94,3 +101,7 @@ def run_prepare(recipe: PrepareRecipe) -> dict:
     if skipped.total:
         log.info("prepare: skipped %d bad records: %s (listed in manifest.json)", skipped.total, dict(skipped.by_reason))
     return manifest
+
+
+RECIPE = PrepareRecipe
+run = run_prepare

@@ -30,7 +30,7 @@ def test_every_verb_has_its_own_help_listing_recipe_keys(verb, capsys):
         main([verb, "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "recipe keys" in out and "run_dir" in out
+    assert "recipe keys" in out
 
 
 def test_unknown_key_is_reported_with_a_suggestion_and_exit_code_2(capsys):

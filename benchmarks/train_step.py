@@ -1,0 +1,161 @@
+"""Pre-training step throughput: lmforge against transformers' LlamaForCausalLM, side by side.
+
+    python benchmarks/train_step.py                       # CPU: 6 layers, width 384, seq 256, batch 8
+    python benchmarks/train_step.py --device cuda --preset gpt2-124m --batch 16 --seq 1024 --compile
+    python benchmarks/train_step.py --device cuda --preset llama3-1b --batch 4 --seq 2048 --compile --peer none
+
+Both models have the same configuration and weights; each step is forward, backward,
+gradient clipping at 1.0 and a fused AdamW step on the same batch, under the same dtype
+policy and thread count. Runs alternate and the best median-of-steps is kept. MFU counts
+6N + 12·L·H·Dh·T FLOPs per token against the measured matmul peak (CPU; cached by
+`lmforge bench peak`) or the data-sheet peak (GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lmforge.distributed.parallelize import apply_compile
+from lmforge.model.config import ModelConfig
+from lmforge.model.hf import hf_config_dict, state_dict_to_hf
+from lmforge.model.transformer import Transformer
+from lmforge.objectives.clm import CausalLMObjective
+from lmforge.train.loop import DTYPES, autocast_context, train_step
+from lmforge.train.metrics import peak_flops
+from lmforge.train.optim import build_adamw
+
+
+def hf_model(cfg: ModelConfig, ours: Transformer, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = hf_config_dict(cfg)
+    for key in ("architectures", "model_type", "torch_dtype", "dtype"):
+        d.pop(key, None)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**d, attn_implementation="sdpa"))
+    model.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg), strict=False)
+    if cfg.tie_embeddings:
+        model.tie_weights()
+    return model
+
+
+def time_steps(step, n_steps: int, device: torch.device) -> list[float]:
+    times = []
+    for _ in range(n_steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round (after 2 warm-up steps)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile lmforge's blocks")
+    p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/train_step_<device>.json)")
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    cfg = ModelConfig.from_preset(args.preset, max_seq_len=max(args.seq, 256))
+    flops_per_token = cfg.flops_per_token(args.seq)
+    tokens = args.batch * args.seq
+    torch.manual_seed(0)
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
+    rows = []
+    for precision in args.dtypes.split(","):
+        peak = peak_flops(device, DTYPES[precision])
+        torch.manual_seed(0)
+        with torch.device(device):
+            ours = Transformer(cfg)
+        peer = hf_model(cfg, ours, device) if args.peer == "transformers" else None
+        if args.compile:
+            apply_compile(ours)
+        objective = CausalLMObjective()
+        ours_params = [q for q in ours.parameters()]
+        ours_opt = build_adamw(ours, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+
+        def ours_step():
+            train_step(ours, objective, [batch], ours_opt, None, ours_params, precision, 1.0)
+
+        if peer is not None:
+            peer_params = [q for q in peer.parameters()]
+            peer_opt = build_adamw(peer, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+
+            def peer_step():
+                with autocast_context(device, precision):
+                    loss = peer(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss  # HF shifts labels itself
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(peer_params, 1.0)
+                peer_opt.step()
+                peer_opt.zero_grad(set_to_none=True)
+
+        best = {"lmforge": float("inf"), "transformers": float("inf")}
+        for _ in range(args.rounds):
+            for name, step in (("lmforge", ours_step), ("transformers", peer_step if peer is not None else None)):
+                if step is None:
+                    continue
+                time_steps(step, 2, device)  # warm-up (and compilation)
+                best[name] = min(best[name], statistics.median(time_steps(step, args.steps, device)))
+        for name, t in best.items():
+            if t == float("inf"):
+                continue
+            rows.append({
+                "precision": precision,
+                "model": name,
+                "step_s": round(t, 4),
+                "tokens_per_s": round(tokens / t, 1),
+                "mfu": round(flops_per_token * tokens / t / peak, 4) if peak else None,
+            })
+        del ours, peer
+    ratios = {}
+    for precision in args.dtypes.split(","):
+        r = {row["model"]: row for row in rows if row["precision"] == precision}
+        if "transformers" in r:
+            ratios[precision] = round(r["lmforge"]["tokens_per_s"] / r["transformers"]["tokens_per_s"], 3)
+    peaks = {pr: peak_flops(device, DTYPES[pr], measure_if_missing=False) for pr in args.dtypes.split(",")}
+    result = {
+        "benchmark": "train_step",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "config": {"preset": args.preset, "batch": args.batch, "seq": args.seq, "compile": args.compile,
+                   "params": cfg.num_params(), "flops_per_token": flops_per_token},
+        "rows": rows,
+        "ratio_lmforge_over_transformers": ratios,
+        "targets": {"bf16_ratio": 1.25, "bf16_mfu": 0.55} if device.type == "cpu" else {"mfu_1b": 0.45},
+        "peak_flops": peaks,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+    }
+    print(f"{'precision':<10}{'model':<14}{'step s':>9}{'tokens/s':>11}{'MFU':>8}")
+    for row in rows:
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
+        print(f"{row['precision']:<10}{row['model']:<14}{row['step_s']:>9.3f}{row['tokens_per_s']:>11.0f}{mfu:>8}")
+    for precision, ratio in ratios.items():
+        print(f"{precision}: lmforge / transformers = {ratio:.3f}")
+    out = Path(args.out or f"benchmarks/results/train_step_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Applying parallelism, activation checkpointing and compilation to a built model."""

@@ -1,0 +1,1 @@
+"""The transformer, its presets, checkpoints, Hugging Face naming and generation."""

@@ -1,0 +1,127 @@
+"""Model checkpoints on disk: safetensors weights, the model config, the tokenizer, checksums.
+
+A checkpoint is a directory::
+
+    model.safetensors       weights (a tied output matrix is stored once, as embed.weight)
+    model.json              ModelConfig
+    tokenizer.json, tokenizer_config.json
+    checksums.json          sha256 of every other file, written last
+    (training checkpoints add optimizer.pt, trainer_state.json, config.yaml)
+
+Directories are written under a temporary name and renamed, so a checkpoint either
+exists whole or not at all; ``checksums.json`` catches later truncation or corruption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmforge.core.io import InputError, atomic_write_json, sha256_file
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer, rope_tables
+
+WEIGHTS = "model.safetensors"
+MODEL_CONFIG = "model.json"
+CHECKSUMS = "checksums.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def model_state_for_saving(model: Transformer) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def write_model_files(directory: Path, model: Transformer, tokenizer_dir: str | Path | None) -> None:
+    """Weights, model config and tokenizer into ``directory`` (no checksums yet)."""
+    save_file({k: v.cpu() for k, v in model_state_for_saving(model).items()}, str(directory / WEIGHTS), metadata={"format": "pt"})
+    atomic_write_json(directory / MODEL_CONFIG, dataclasses.asdict(model.cfg))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if not src.is_file():
+                raise InputError(f"{src}: not found; cannot copy the tokenizer into the checkpoint")
+            shutil.copyfile(src, directory / name)
+
+
+def write_checksums(directory: Path) -> None:
+    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKSUMS)
+    atomic_write_json(directory / CHECKSUMS, {name: sha256_file(directory / name) for name in files})
+
+
+def verify_checksums(directory: str | Path) -> None:
+    directory = Path(directory)
+    path = directory / CHECKSUMS
+    if not path.is_file():
+        raise InputError(f"{directory}: incomplete checkpoint (no {CHECKSUMS})")
+    for name, digest in json.loads(path.read_text()).items():
+        f = directory / name
+        if not f.is_file():
+            raise InputError(f"{f}: missing from checkpoint")
+        if sha256_file(f) != digest:
+            raise InputError(f"{f}: checksum mismatch; the checkpoint is truncated or corrupted")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the newest valid checkpoint of a run directory."""
+    path = Path(path)
+    if (path / WEIGHTS).is_file():
+        return path
+    ckpts = path / "checkpoints"
+    if ckpts.is_dir():
+        for candidate in sorted(ckpts.glob("step_*"), reverse=True):
+            try:
+                verify_checksums(candidate)
+                return candidate
+            except InputError:
+                continue
+    raise InputError(f"{path}: not a checkpoint (no {WEIGHTS}) and no valid checkpoint under {ckpts}")
+
+
+def load_model_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / MODEL_CONFIG
+    if not path.is_file():
+        raise InputError(f"{path}: not found; not an lmforge checkpoint")
+    data = json.loads(path.read_text())
+    data.pop("preset", None)  # the saved fields are already resolved
+    return ModelConfig(**data)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> tuple[Transformer, Path]:
+    """Build the model saved at ``path`` (a checkpoint or a run directory) and load its weights."""
+    directory = resolve_checkpoint(path)
+    if verify:
+        verify_checksums(directory)
+    cfg = load_model_config(directory)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    try:
+        state = load_file(str(directory / WEIGHTS), device=str(device))
+    except Exception as exc:  # safetensors raises its own error types for truncated files
+        raise InputError(f"{directory / WEIGHTS}: cannot read weights: {exc}") from exc
+    load_weights(model, state, where=str(directory / WEIGHTS))
+    return model, directory
+
+
+def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load a saved state dict, re-tying the output matrix and rebuilding the RoPE tables."""
+    if model.cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed_missing = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise InputError(f"{where}: weights do not match the model config (missing {missing}, unexpected {unexpected})")
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    with torch.no_grad():
+        cos, sin = rope_tables(model.cfg, model.rope_cos.device)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)

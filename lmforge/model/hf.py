@@ -1,0 +1,327 @@
+"""Hugging Face interop: parameter names, ``config.json`` and weight files of the Llama family.
+
+Our ``Transformer`` is the architecture of ``LlamaForCausalLM``, ``MistralForCausalLM``
+(without a sliding window), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM``
+(QK-norm). All of them apply RoPE to the two halves of each head (``rotate_half``), as
+we do, so weights map one to one by name with no permutation. This module converts
+names, configs and weight files; ``stages/export.py`` and ``stages/import_hf.py`` put
+them on disk. It never imports ``transformers``: conversion needs only safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from lmforge.core.io import InputError
+from lmforge.core.run import log
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
+
+# model_type in config.json -> the one class whose weights we read
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+HF_WEIGHTS = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"
+
+# ours -> HF, per layer
+_LAYER_KEYS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "attn.wq.bias": "self_attn.q_proj.bias",
+    "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias",
+    "attn.wo.bias": "self_attn.o_proj.bias",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight",
+    "mlp.w1.bias": "mlp.gate_proj.bias",
+    "mlp.w3.bias": "mlp.up_proj.bias",
+    "mlp.w2.bias": "mlp.down_proj.bias",
+}
+_LAYER_KEYS_FROM_HF = {theirs: ours for ours, theirs in _LAYER_KEYS.items()}
+_TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+_TOP_KEYS_FROM_HF = {theirs: ours for ours, theirs in _TOP_KEYS.items()}
+
+
+# --------------------------------------------------------------------------- names
+
+
+def to_hf_name(name: str) -> str:
+    """``layers.3.attn.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if name in _TOP_KEYS:
+        return _TOP_KEYS[name]
+    parts = name.split(".", 2)  # layers.<i>.<rest>
+    if len(parts) != 3 or parts[0] != "layers" or parts[2] not in _LAYER_KEYS:
+        raise KeyError(f"no Hugging Face parameter for lmforge parameter {name!r}")
+    return f"model.layers.{parts[1]}.{_LAYER_KEYS[parts[2]]}"
+
+
+def from_hf_name(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.attn.wq.weight``."""
+    if name in _TOP_KEYS_FROM_HF:
+        return _TOP_KEYS_FROM_HF[name]
+    parts = name.split(".", 3)  # model.layers.<i>.<rest>
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_KEYS_FROM_HF:
+        raise KeyError(f"no lmforge parameter for Hugging Face parameter {name!r}")
+    return f"layers.{parts[2]}.{_LAYER_KEYS_FROM_HF[parts[3]]}"
+
+
+def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights under HF names; a tied output matrix is left out, as ``save_pretrained`` does."""
+    out = {to_hf_name(k): v for k, v in state.items()}
+    if cfg.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF weights under our names; a tied output matrix becomes the embedding matrix."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
+            continue
+        out[from_hf_name(k)] = v
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
+
+
+def check_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
+    """Raise unless ``state`` (our names; tied output optional) has exactly the model's parameters and shapes."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight")
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    wrong = [f"{k} {tuple(state[k].shape)} (config says {expected[k]})" for k in expected if k in state and tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        problems = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "", f"wrong shapes {wrong[:5]}" if wrong else ""]
+        raise InputError(f"{where}: weights do not match the model config: {'; '.join(p for p in problems if p)}")
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> dict:
+    """A ``config.json`` for the HF class that computes exactly our model.
+
+    Llama (optionally with biases on all four attention projections and/or the MLP),
+    Qwen2 when only q/k/v have biases, Qwen3 when the model has QK-norm. Raises
+    ``ValueError`` for models no HF class expresses (LayerNorm, GELU MLP, other bias mixes).
+    """
+    if cfg.norm != "rmsnorm" or cfg.ffn != "swiglu":
+        raise ValueError(
+            f"the model uses {cfg.norm} and a {cfg.ffn} MLP; Hugging Face export supports RMSNorm + SwiGLU models "
+            f"({', '.join(SUPPORTED_ARCHITECTURES.values())}); HF's GPT-2 class uses learned positions, not RoPE"
+        )
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers < 5 reads rope_theta, transformers >= 5 rope_parameters
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+        **extra,
+    }
+    all_attn_biases = cfg.qkv_bias == cfg.out_bias
+    if cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias and not cfg.qk_norm:
+        return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False, "sliding_window": None}
+    if cfg.qk_norm and all_attn_biases and not cfg.mlp_bias:
+        return {
+            **common,
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "attention_bias": cfg.qkv_bias,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    if not cfg.qk_norm and all_attn_biases:
+        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+    raise ValueError(
+        f"no Hugging Face architecture has this combination: qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}, "
+        f"mlp_bias={cfg.mlp_bias}, qk_norm={cfg.qk_norm} (Llama: equal attention biases, any MLP bias; "
+        "Qwen2: q/k/v biases only; Qwen3: QK-norm, equal attention biases, no MLP bias)"
+    )
+
+
+def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
+    """The ``ModelConfig`` of a Llama, Mistral, Qwen2 or Qwen3 ``config.json``.
+
+    Anything our model would compute differently is an ``InputError`` (RoPE scaling,
+    partial rotary, activations other than SiLU, quantized weights). A sliding attention
+    window shorter than ``max_position_embeddings`` only matters for longer sequences,
+    so ``max_seq_len`` is capped at the window, which keeps every result exact.
+    """
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    supported = ", ".join(f"{cls} (model_type {t!r})" for t, cls in SUPPORTED_ARCHITECTURES.items())
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise InputError(f"{where}: model_type {model_type!r} (architectures {archs}) is not supported; lmforge imports {supported}")
+    if archs and archs != [SUPPORTED_ARCHITECTURES[model_type]]:
+        raise InputError(f"{where}: architectures {archs} is not supported; lmforge imports {supported}")
+    if config.get("quantization_config"):
+        raise InputError(f"{where}: quantized checkpoints are not supported; use the unquantized (bf16/fp16/fp32) weights")
+    if (act := config.get("hidden_act", "silu")) not in ("silu", "swish"):
+        raise InputError(f"{where}: hidden_act {act!r} is not supported; lmforge's SwiGLU MLP uses silu")
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise InputError(f"{where}: partial_rotary_factor {config['partial_rotary_factor']} is not supported; RoPE must cover the whole head")
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise InputError(f"{where}: RoPE scaling {rope_type!r} is not supported; lmforge implements plain RoPE (rope_type 'default')")
+    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+
+    n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
+    max_seq_len = config.get("max_position_embeddings", 2048)
+    window = _sliding_window(config, model_type, n_layers)
+    if window is not None and window < max_seq_len:
+        log.warning(
+            "%s: sliding window of %d tokens is shorter than max_position_embeddings %d; "
+            "lmforge has no sliding window, so max_seq_len is set to %d (exact up to that length)",
+            where, window, max_seq_len, window,
+        )
+        max_seq_len = window
+
+    attention_bias = bool(config.get("attention_bias", False))
+    qkv_bias = {"qwen2": True, "mistral": False}.get(model_type, attention_bias)
+    out_bias = False if model_type in ("qwen2", "mistral") else attention_bias
+    try:
+        return ModelConfig(
+            vocab_size=config["vocab_size"],
+            d_model=config["hidden_size"],
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+            ffn="swiglu",
+            ffn_hidden=config["intermediate_size"],
+            norm="rmsnorm",
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_seq_len=max_seq_len,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)) if model_type == "llama" else False,
+            init_std=config.get("initializer_range", 0.02),
+        )
+    except KeyError as exc:
+        raise InputError(f"{where}: missing required key {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{where}: {exc}") from exc
+
+
+def _sliding_window(config: dict, model_type: str, n_layers: int) -> int | None:
+    """The attention window some layer uses, or None when every layer sees all earlier positions."""
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    if model_type == "mistral":
+        return window
+    if not config.get("use_sliding_window", False):  # Qwen2/Qwen3 ignore the window unless this is set
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if config.get("max_window_layers", n_layers) < n_layers else None
+
+
+# --------------------------------------------------------------------------- files
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cast_weights(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors cast to ``dtype`` (a key of ``DTYPES``); ``auto`` keeps them as stored."""
+    if dtype == "auto":
+        return state
+    return {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
+
+
+
+def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards that ``model.safetensors.index.json`` lists."""
+    single, index = directory / HF_WEIGHTS, directory / HF_WEIGHTS_INDEX
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+            raise InputError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {exc}") from exc
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+    elif any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise InputError(
+            f"{directory}: only PyTorch pickle weights (*.bin) found; lmforge reads safetensors. Convert with "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) (safetensors is the default)"
+        )
+    else:
+        raise InputError(f"{directory}: no weights found (expected {HF_WEIGHTS} or {HF_WEIGHTS_INDEX} with its shards)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise InputError(f"{f}: shard listed in {HF_WEIGHTS_INDEX} is missing")
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:  # safetensors raises its own error types for truncated files
+            raise InputError(f"{f}: cannot read weights: {exc}") from exc
+    return state
+
+
+def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """``bos_token_id``/``eos_token_id``/``pad_token_id`` named by ``tokenizer_config.json``, where known.
+
+    ``generation_config.json`` and ``config.json`` carry these ids so that
+    ``model.generate`` stops at end of text without being told.
+    """
+    tok_file, cfg_file = tokenizer_dir / "tokenizer.json", tokenizer_dir / "tokenizer_config.json"
+    if not (tok_file.is_file() and cfg_file.is_file()):
+        return {}
+    try:
+        tok = json.loads(tok_file.read_text(encoding="utf-8"))
+        tok_cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    vocab = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    model_vocab = tok.get("model", {}).get("vocab")
+    if isinstance(model_vocab, dict):
+        vocab = {**model_vocab, **vocab}
+    ids = {}
+    for role in ("bos", "eos", "pad"):
+        token = tok_cfg.get(f"{role}_token")
+        if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
+            token = token.get("content")
+        if isinstance(token, str) and token in vocab:
+            ids[f"{role}_token_id"] = vocab[token]
+    return ids

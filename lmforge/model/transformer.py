@@ -1,0 +1,204 @@
+"""A decoder-only transformer in the Llama line: pre-norm blocks, RoPE, GQA, SwiGLU.
+
+Read top to bottom like the paper: ``Attention`` and ``MLP`` make a ``Block``; blocks
+make the ``Transformer``. Variants (GELU MLP, LayerNorm, QK-norm, biases) are chosen by
+``ModelConfig``. Parallelism and activation checkpointing are applied from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.model.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, head_dim / 2), in float32 (Su et al. 2021, eq. 34)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-width tables (B or 1, T, D/2) -> full-width (B or 1, 1, T, D) as (cos, cos) and (-sin, sin).
+
+    Built once per forward so that each layer's rotation is two multiplies and an add.
+    """
+    return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+d/2}) by position-dependent angles; x is (B, H, T, D), cos/sin from ``rotation_tables``.
+
+    ``x.roll`` swaps the halves, so this is ``(x1 cos - x2 sin, x2 cos + x1 sin)``; with float32
+    tables the arithmetic runs in float32 whatever the dtype of ``x``.
+    """
+    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for incremental decoding: (layers, B, kv_heads, max_len, head_dim)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values after the cached ones; return everything cached so far."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[3]:
+            raise ValueError(f"KV cache holds {self.k.shape[3]} positions; {end} requested")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv_heads, self.head_dim = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.store(self.layer, k, v)
+        # Without a mask, causal when queries and keys are the same positions; a single new
+        # token may see the whole cache (``hidden_states`` masks a multi-token step after a prefix).
+        is_causal = attn_mask is None and T > 1
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU, ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020), or GELU, ``w2(gelu(w1 x))``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.ffn == "swiglu"
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.mlp_bias) if self.gated else None
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 / Llama practice: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers), zero biases."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.ndim == 1:  # norm gains
+                nn.init.ones_(p)
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, 0.0, residual_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+        cos, sin = rope_tables(self.cfg, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final normalised hidden states (B, T, d_model).
+
+        ``positions`` (B, T) restarts RoPE per packed document or skips left padding;
+        ``attn_mask`` (B, 1, T, S) boolean, True = may attend; ``kv_cache`` for decoding.
+        """
+        B, T = tokens.shape
+        offset = kv_cache.length if kv_cache is not None else 0
+        if positions is None:
+            if offset + T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {offset + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+            cos, sin = self.rope_cos[offset : offset + T][None], self.rope_sin[offset : offset + T][None]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rotation_tables(cos, sin)
+        if attn_mask is None and offset > 0 and T > 1:  # new tokens after a cached prefix: causal, bottom-right aligned
+            attn_mask = torch.ones(T, offset + T, dtype=torch.bool, device=tokens.device).tril(diagonal=offset)
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, cos, sin, attn_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Logits (B, T, vocab_size)."""
+        return self.lm_head(self.hidden_states(tokens, **kwargs))

@@ -1,0 +1,1 @@
+"""Pure loss functions of tensors, each with its paper's equation in the docstring."""

@@ -1,0 +1,52 @@
+"""Causal language modelling: next-token cross-entropy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Summed next-token negative log-likelihood, computed in float32.
+
+        L = -sum_t log p(x_{t+1} | x_{<=t})        (Bengio et al. 2003; Radford et al. 2018)
+
+    ``logits`` (B, T, V) and ``targets`` (B, T) are already shifted; targets equal to
+    ``ignore_index`` contribute nothing. Returning the sum lets the training loop divide
+    by the token count of the whole accumulated batch, so every token weighs the same.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum")
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor  # summed loss over the micro-batch's target tokens
+    n_targets: int  # how many target tokens the sum covers
+    n_bytes: int | None = None  # UTF-8 bytes of those targets, for bits per byte
+
+
+class CausalLMObjective:
+    """Pre-training objective: windows of ``seq_len + 1`` tokens -> inputs and shifted targets.
+
+    With ``token_bytes`` (bytes of each vocabulary entry, 0 for special tokens) the output
+    also counts the targets' bytes, so evaluation can report bits per byte.
+    """
+
+    def __init__(self, token_bytes: torch.Tensor | None = None):
+        self.token_bytes = token_bytes
+
+    def num_targets(self, batch: torch.Tensor) -> int:
+        return batch.shape[0] * (batch.shape[1] - 1)
+
+    def __call__(self, model: nn.Module, batch: torch.Tensor) -> LossOutput:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(inputs)
+        n_bytes = None
+        if self.token_bytes is not None and not torch.is_grad_enabled():
+            n_bytes = int(self.token_bytes.to(targets.device)[targets].sum())
+        return LossOutput(causal_lm_loss(logits, targets), self.num_targets(batch), n_bytes)

@@ -1,0 +1,102 @@
+"""Export a checkpoint as a Hugging Face model folder: config.json, model.safetensors
+(HF parameter names; a tied output matrix stored once), generation_config.json, and the
+checkpoint's tokenizer.json + tokenizer_config.json. transformers then loads it with
+AutoModelForCausalLM.from_pretrained(dir) (as LlamaForCausalLM; Qwen2 for q/k/v-only
+biases, Qwen3 for QK-norm) and AutoTokenizer.from_pretrained(dir). <checkpoint> is a
+checkpoint directory or a run directory (its newest valid checkpoint). Models with
+LayerNorm or a GELU MLP (the gpt2-124m preset) have no HF equivalent and are refused.
+
+  lmforge export runs/pretrain runs/hf dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from safetensors.torch import load_file, save_file
+
+from lmforge.core.config import load_config
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json
+from lmforge.core.run import log
+from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config, resolve_checkpoint, verify_checksums
+from lmforge.model.hf import (
+    HF_WEIGHTS,
+    cast_weights,
+    check_weights,
+    hf_config_dict,
+    special_token_ids,
+    state_dict_to_hf,
+)
+
+
+@dataclass
+class ExportRecipe:
+    checkpoint: str = "runs/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
+    run_dir: str = "runs/hf"  # the Hugging Face model folder to write (an earlier export there is replaced)
+    format: Literal["hf"] = "hf"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = as stored in the checkpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint directory, or a run directory (uses its newest valid checkpoint)")
+    parser.add_argument("out_dir", help="output folder for the Hugging Face model (recipe key run_dir)")
+    parser.add_argument("--format", choices=["hf"], default="hf", help="output format (default: hf)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> ExportRecipe:
+    recipe = load_config(ExportRecipe, None, list(args.overrides))
+    return dataclasses.replace(recipe, checkpoint=args.checkpoint, run_dir=args.out_dir, format=args.format)
+
+
+def run_export(recipe: ExportRecipe) -> Path:
+    """Write ``recipe.run_dir`` atomically; return the checkpoint directory that was exported."""
+    ckpt = resolve_checkpoint(recipe.checkpoint)
+    verify_checksums(ckpt)
+    out = Path(recipe.run_dir)
+    _check_output_dir(out, ckpt)
+    cfg = load_model_config(ckpt)
+    try:
+        state = load_file(str(ckpt / WEIGHTS), device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for truncated files
+        raise InputError(f"{ckpt / WEIGHTS}: cannot read weights: {exc}") from exc
+    check_weights(state, cfg, where=str(ckpt / WEIGHTS))
+    state = cast_weights(state, recipe.dtype)
+    dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
+    token_ids = special_token_ids(ckpt)
+    try:
+        hf_config = hf_config_dict(cfg, dtype=dtype, **token_ids)
+    except ValueError as exc:
+        raise InputError(f"{ckpt}: cannot export to Hugging Face format: {exc}") from exc
+
+    with atomic_directory(out) as tmp:
+        hf_state = {k: v.contiguous() for k, v in state_dict_to_hf(state, cfg).items()}
+        save_file(hf_state, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", hf_config)
+        if token_ids:
+            atomic_write_json(tmp / "generation_config.json", token_ids)
+        copied = [name for name in TOKENIZER_FILES if (ckpt / name).is_file()]
+        for name in copied:
+            shutil.copyfile(ckpt / name, tmp / name)
+    if len(copied) < len(TOKENIZER_FILES):
+        log.warning("export: %s has no %s; AutoTokenizer.from_pretrained(%s) will not work", ckpt, " or ".join(sorted(set(TOKENIZER_FILES) - set(copied))), out)
+    n_params = sum(v.numel() for v in hf_state.values())
+    log.info("export: %s -> %s (%s, %.1fM parameters, %s)", ckpt, out, hf_config["architectures"][0], n_params / 1e6, dtype)
+    return ckpt
+
+
+def _check_output_dir(out: Path, ckpt: Path) -> None:
+    """Refuse to replace the checkpoint itself, or a folder that is not an earlier export."""
+    out_abs, ckpt_abs = out.resolve(), ckpt.resolve()
+    if out_abs == ckpt_abs or out_abs in ckpt_abs.parents:
+        raise InputError(f"{out}: the output folder would replace the checkpoint {ckpt}; choose another folder")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise InputError(f"{out}: exists and is not a Hugging Face model folder; choose a new folder or remove it")
+
+
+RECIPE = ExportRecipe
+run = run_export

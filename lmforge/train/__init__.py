@@ -1,0 +1,1 @@
+"""The one training loop, its optimizer and schedule, checkpoints and metrics."""

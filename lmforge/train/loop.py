@@ -1,0 +1,307 @@
+"""The one training loop. Pre-training, SFT and preference training differ only by objective and data.
+
+Each optimizer step draws ``grad_accum`` micro-batches, divides every micro-batch's summed
+loss by the target-token count of the whole step (so each token weighs the same), runs
+forward/backward under the configured precision, clips, steps AdamW at the scheduled
+learning rate, logs metrics, and now and then evaluates and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from lmforge.core.io import InputError
+from lmforge.core.run import log, progress_bar
+from lmforge.train.checkpoint import latest_valid_checkpoint, load_training_checkpoint, save_training_checkpoint
+from lmforge.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
+from lmforge.train.optim import build_adamw, lr_at
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer, schedule, batch, precision, evaluation and checkpointing of a training run."""
+
+    max_steps: int = 1000
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying
+    weight_decay: float = 0.1  # on weight matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    micro_batch_size: int = 8  # sequences per forward/backward on each rank
+    batch_tokens: int | None = None  # target tokens per optimizer step; None = one micro-batch
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # autocast dtype; fp16 adds dynamic loss scaling
+    activation_checkpointing: bool = False  # recompute each block in the backward pass
+    compile: bool = False  # torch.compile each block
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_every: int = 100  # steps between validations (0: only at the end)
+    eval_batches: int | None = 20  # validation micro-batches per evaluation (None: the whole split)
+    log_every: int = 10  # steps between console lines (metrics.jsonl gets every step)
+    checkpoint_every: int = 500  # steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto: newest valid checkpoint in run_dir | never | a checkpoint directory
+    tensorboard: bool = True
+    max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
+    stop_at_step: int | None = None  # stop (with a checkpoint) at this step; the schedule still spans max_steps
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.micro_batch_size < 1:
+            raise ValueError("max_steps and micro_batch_size must be positive")
+        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+
+
+class Objective(Protocol):
+    def num_targets(self, batch: Any) -> int: ...
+    def __call__(self, model: nn.Module, batch: Any) -> Any: ...  # LossOutput
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def accumulation_steps(cfg: TrainConfig, tokens_per_micro_batch: int, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step so that a step sees about ``batch_tokens`` tokens."""
+    if cfg.batch_tokens is None:
+        return 1
+    per_round = tokens_per_micro_batch * world_size
+    steps = max(1, round(cfg.batch_tokens / per_round))
+    if steps * per_round != cfg.batch_tokens:
+        log.info("batch_tokens %d is not a multiple of %d tokens per micro-batch round: using %d",
+                 cfg.batch_tokens, per_round, steps * per_round)
+    return steps
+
+
+def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def train_step(
+    model: nn.Module,
+    objective: Objective,
+    micro_batches: list,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    params: list[torch.Tensor],
+    precision: str,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One optimizer step over ``micro_batches``: (mean loss per target token, gradient norm, targets).
+
+    Each micro-batch's summed loss is divided by the target count of the whole step, so
+    accumulating k micro-batches gives the same update as one batch k times larger.
+    """
+    device = params[0].device
+    n_targets = sum(objective.num_targets(b) for b in micro_batches)
+    loss_total = torch.zeros((), device=device)
+    for batch in micro_batches:
+        with autocast_context(device, precision):
+            out = objective(model, to_device(batch, device))
+        loss = out.loss_sum / n_targets
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_total += loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if scaler is not None:
+        scaler.step(optimizer)  # skipped when the scaled gradients overflowed
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_total, grad_norm, n_targets
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: torch.device, precision: str,
+             max_batches: int | None) -> dict:
+    """Mean loss per target token (nats) and, when the objective counts bytes, bits per byte."""
+    was_training = model.training
+    model.eval()
+    loss_sum, n_targets, n_bytes = 0.0, 0, 0
+    for i, batch in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        if len(batch) == 0:
+            continue
+        with autocast_context(device, precision):
+            out = objective(model, to_device(batch, device))
+        loss_sum += out.loss_sum.item()
+        n_targets += out.n_targets
+        n_bytes += getattr(out, "n_bytes", 0) or 0
+    model.train(was_training)
+    if n_targets == 0:
+        return {}
+    result = {"val_loss": loss_sum / n_targets}
+    if n_bytes:
+        result["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
+    return result
+
+
+def train(
+    *,
+    model: nn.Module,
+    objective: Objective,
+    train_batches: Iterator,
+    cfg: TrainConfig,
+    run_dir: Path,
+    recipe: Any,
+    grad_accum: int = 1,
+    val_batches: Callable[[], Iterator] | None = None,
+    flops_per_token: float | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> dict:
+    """Train ``model`` in place for ``cfg.max_steps`` optimizer steps; return a summary.
+
+    ``train_batches`` must have ``state_dict()``/``load_state_dict()`` for exact resume;
+    ``val_batches()`` returns a fresh finite iterator over validation batches.
+    """
+    run_dir = Path(run_dir)
+    device = next(model.parameters()).device
+    optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    start_step, tokens_seen = 0, 0
+    ckpt = None
+    if cfg.resume == "auto":
+        ckpt = latest_valid_checkpoint(run_dir)
+    elif cfg.resume != "never":
+        ckpt = Path(cfg.resume)
+        if not ckpt.is_dir():
+            raise InputError(f"train.resume: checkpoint {ckpt} not found (use auto, never or a checkpoint directory)")
+    if ckpt is not None:
+        state = load_training_checkpoint(ckpt, model, optimizer)
+        train_batches.load_state_dict(state.trainer_state["loader"])
+        if scaler is not None and state.trainer_state.get("scaler"):
+            scaler.load_state_dict(state.trainer_state["scaler"])
+        start_step, tokens_seen = state.step, state.trainer_state.get("tokens_seen", 0)
+        log.info("resuming from %s (step %d)", ckpt, start_step)
+    metrics = MetricsLogger(run_dir, cfg.tensorboard, resume_step=start_step if ckpt is not None else None)
+    peak = peak_flops(device, DTYPES[cfg.precision]) if flops_per_token else None
+
+    def trainer_state() -> dict:
+        return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None}
+
+    def checkpoint(step: int) -> Path:
+        path = save_training_checkpoint(run_dir, step, model, optimizer, trainer_state(), recipe, tokenizer_dir,
+                                        cfg.keep_checkpoints)
+        log.info("step %d: checkpoint %s", step, path)
+        return path
+
+    summary: dict = {"start_step": start_step, "step": start_step}
+    if start_step >= cfg.max_steps:
+        log.info("run already complete at step %d (max_steps %d)", start_step, cfg.max_steps)
+        metrics.close()
+        return summary
+
+    model.train()
+    bar = progress_bar(cfg.max_steps, "training", unit="step", initial=start_step)
+    t_start = time.perf_counter()
+    tok_rates, mfus = [], []
+    last_ckpt = None
+    step = start_step
+    for step in range(start_step, cfg.max_steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, peak=cfg.lr, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
+                   min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = [next(train_batches) for _ in range(grad_accum)]
+        loss_total, grad_norm, n_targets = train_step(model, objective, micro_batches, optimizer, scaler, params,
+                                                      cfg.precision, cfg.grad_clip)
+        loss_value = loss_total.item()  # the only host sync of the step
+        if not math.isfinite(loss_value):
+            metrics.close()
+            raise FloatingPointError(
+                f"loss became {loss_value} at step {step + 1}; lower train.lr, raise train.warmup_steps, "
+                f"or resume from the last checkpoint"
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        tokens_seen += n_targets
+        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens": tokens_seen, "tokens_per_s": n_targets / dt, "step_s": dt,
+                  "memory_bytes": peak_memory_bytes(device)}
+        if flops_per_token and peak:
+            record["mfu"] = flops_per_token * n_targets / dt / peak
+        if step > start_step:  # the first step pays for warm-up (allocation, compilation)
+            tok_rates.append(record["tokens_per_s"])
+            if "mfu" in record:
+                mfus.append(record["mfu"])
+        done = step + 1
+        is_last = done == cfg.max_steps
+        out_of_time = (cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes) or (
+            cfg.stop_at_step is not None and done >= cfg.stop_at_step)
+        if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or is_last or out_of_time):
+            record.update(evaluate(model, objective, val_batches(), device, cfg.precision, cfg.eval_batches))
+        metrics.log(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if bar.disable and (done % cfg.log_every == 0 or is_last or "val_loss" in record):
+            _log_step(record, cfg.max_steps)
+        elif "val_loss" in record:
+            bar.write(_format_step(record, cfg.max_steps))
+        if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or is_last or out_of_time:
+            last_ckpt = checkpoint(done)
+        if out_of_time and not is_last:
+            log.info("stopping at step %d (max_minutes=%s, stop_at_step=%s); resume with train.resume=auto",
+                     done, cfg.max_minutes, cfg.stop_at_step)
+            break
+    bar.close()
+    metrics.close()
+    summary.update(
+        step=step + 1,
+        final_loss=loss_value,
+        wall_s=time.perf_counter() - t_start,
+        tokens_per_s=sum(tok_rates) / len(tok_rates) if tok_rates else None,
+        mfu=sum(mfus) / len(mfus) if mfus else None,
+        checkpoint=str(last_ckpt) if last_ckpt else None,
+        **{k: v for k, v in record.items() if k.startswith("val_")},
+    )
+    return summary
+
+
+def _format_step(r: dict, max_steps: int) -> str:
+    text = f"step {r['step']}/{max_steps} loss {r['loss']:.4f} lr {r['lr']:.2e} gnorm {r['grad_norm']:.2f} {r['tokens_per_s']:.0f} tok/s"
+    if "mfu" in r:
+        text += f" mfu {100 * r['mfu']:.1f}%"
+    if "val_loss" in r:
+        text += f" | val loss {r['val_loss']:.4f}"
+    if "val_bpb" in r:
+        text += f" bpb {r['val_bpb']:.4f}"
+    return text
+
+
+def _log_step(r: dict, max_steps: int) -> None:
+    log.info("%s", _format_step(r, max_steps))

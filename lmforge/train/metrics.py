@@ -1,0 +1,138 @@
+"""Metrics: JSON lines (the source of truth) plus TensorBoard; hardware peak FLOP/s for MFU."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from lmforge.core.run import log
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+        self.path = Path(run_dir) / METRICS_FILE
+        if resume_step is not None and self.path.exists():
+            # drop records past the checkpoint we resume from; they will be logged again
+            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                log.info("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value == value:
+                    self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# --------------------------------------------------------------------------- peak FLOP/s
+
+# Dense (no sparsity) tensor-core peaks in FLOP/s, from the vendors' data sheets.
+GPU_PEAKS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "B200": {"bfloat16": 2250e12, "float16": 2250e12, "float32": 80e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "L40S": {"bfloat16": 362e12, "float16": 362e12, "float32": 91.6e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
+    "A10G": {"bfloat16": 70e12, "float16": 70e12, "float32": 31.2e12},
+    "RTX 4090": {"bfloat16": 165e12, "float16": 165e12, "float32": 82.6e12},
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LMFORGE_CACHE", Path.home() / ".cache" / "lmforge"))
+
+
+def machine_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}cpus:{torch.get_num_threads()}threads:torch{torch.__version__}"
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 1.0) -> float:
+    """Best observed FLOP/s of an n x n matmul: the practical peak that MFU is measured against."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    flops = 2 * n**3
+    best = 0.0
+    torch.mm(a, b)  # warm-up
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 3 * flops / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True) -> float | None:
+    """Peak FLOP/s of ``device`` at ``dtype``: a GPU data-sheet figure, or this CPU's cached measurement."""
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAKS.items():
+            if key in gpu:
+                return peaks.get(name)
+    path = cache_dir() / "peak_flops.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    key = machine_key(device)
+    if name in cache.get(key, {}):
+        return cache[key][name]
+    if not measure_if_missing:
+        return None
+    # Not cached: a busy machine would make a quick measurement too low for good.
+    log.info("no cached %s peak for this machine: measuring for 1 s (run `lmforge bench peak` on an idle "
+             "machine to measure properly and cache it in %s)", name, path)
+    return measure_matmul_peak(device, dtype)
+
+
+def store_peak(device: torch.device, dtype: torch.dtype, value: float) -> Path:
+    path = cache_dir() / "peak_flops.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    cache.setdefault(machine_key(device), {})[str(dtype).removeprefix("torch.")] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache, indent=2))
+    return path

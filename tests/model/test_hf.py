@@ -1,0 +1,189 @@
+"""Our Transformer computes what transformers' Llama / Qwen2 / Qwen3 classes compute, and the
+config and name conversions between the two round-trip."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lmforge.core.io import InputError
+from lmforge.model.config import ModelConfig
+from lmforge.model.hf import (
+    from_hf_name,
+    hf_config_dict,
+    model_config_from_hf,
+    state_dict_from_hf,
+    state_dict_to_hf,
+    to_hf_name,
+)
+from lmforge.model.transformer import Transformer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=300, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64, rope_theta=50000.0)
+
+
+def randomized(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A model whose norm gains and biases are random too, so a mis-mapped one changes the logits."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_model(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The transformers model that ``hf_config_dict`` names, holding ``state`` (our names)."""
+    config = transformers.AutoConfig.for_model(**hf_config_dict(cfg))
+    config._attn_implementation = "eager"  # the plain math reference
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = model.load_state_dict(state_dict_to_hf(state, cfg), strict=False)
+    assert not unexpected
+    assert set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if cfg.tie_embeddings:
+        model.tie_weights()
+    return model
+
+
+def assert_same_logits(ours: Transformer, theirs: torch.nn.Module, vocab_size: int) -> None:
+    tokens = torch.randint(0, vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_logits_match_llama_for_causal_lm(n_kv_heads, tie):
+    cfg = ModelConfig(**TINY, n_kv_heads=n_kv_heads, tie_embeddings=tie)
+    ours = randomized(cfg)
+    theirs = hf_model(cfg, ours.state_dict())
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    assert_same_logits(ours, theirs, cfg.vocab_size)
+
+
+def test_logits_match_llama_with_attention_and_mlp_biases():
+    cfg = ModelConfig(**TINY, n_kv_heads=2, qkv_bias=True, out_bias=True, mlp_bias=True)
+    ours = randomized(cfg)
+    theirs = hf_model(cfg, ours.state_dict())
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    assert_same_logits(ours, theirs, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_logits_match_qwen2_for_qkv_biases(tie):
+    cfg = ModelConfig(**TINY, n_kv_heads=2, qkv_bias=True, tie_embeddings=tie)
+    ours = randomized(cfg)
+    theirs = hf_model(cfg, ours.state_dict())
+    assert type(theirs).__name__ == "Qwen2ForCausalLM"
+    assert_same_logits(ours, theirs, cfg.vocab_size)
+
+
+def test_logits_match_qwen3_for_qk_norm():
+    cfg = ModelConfig(**TINY, n_kv_heads=2, head_dim=32, qk_norm=True)
+    ours = randomized(cfg)
+    theirs = hf_model(cfg, ours.state_dict())
+    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    assert_same_logits(ours, theirs, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_state_dict_names_round_trip(tie):
+    cfg = ModelConfig(**TINY, n_kv_heads=2, qkv_bias=True, out_bias=True, mlp_bias=True, qk_norm=True, tie_embeddings=tie)
+    state = Transformer(cfg).state_dict()
+    for name in state:
+        assert from_hf_name(to_hf_name(name)) == name
+    hf_state = state_dict_to_hf(state, cfg)
+    assert ("lm_head.weight" in hf_state) == (not tie)  # a tied matrix is stored once, as HF does
+    back = state_dict_from_hf(hf_state, cfg)
+    assert back.keys() == state.keys()
+    assert all(back[k] is state[k] or torch.equal(back[k], state[k]) for k in state)
+
+
+def test_hf_names_match_transformers_parameter_names():
+    cfg = ModelConfig(**TINY, n_kv_heads=2)
+    ours = {to_hf_name(k) for k in Transformer(cfg).state_dict()}
+    config = transformers.AutoConfig.for_model(**hf_config_dict(cfg))
+    theirs = set(transformers.AutoModelForCausalLM.from_config(config).state_dict())
+    assert ours == theirs
+
+
+def test_unknown_names_raise_key_error():
+    with pytest.raises(KeyError, match="model.vision_tower"):
+        from_hf_name("model.vision_tower.weight")
+    with pytest.raises(KeyError):
+        from_hf_name("model.layers.0.self_attn.rotary.weight")
+    with pytest.raises(KeyError):
+        to_hf_name("layers.0.attn.wqkv.weight")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(n_kv_heads=2, tie_embeddings=True), dict(qkv_bias=True), dict(qk_norm=True, head_dim=32), dict(qkv_bias=True, out_bias=True, mlp_bias=True)],
+    ids=["llama", "qwen2", "qwen3", "llama-biases"],
+)
+def test_config_round_trips_through_config_json(fields):
+    cfg = ModelConfig(**TINY, **fields)
+    assert model_config_from_hf(hf_config_dict(cfg)) == cfg
+
+
+def test_config_from_transformers_defaults_matches_their_model():
+    """A config.json as transformers writes it (rope_parameters, no head_dim) reads back right."""
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, rope_theta=123.0, rms_norm_eps=1e-6, max_position_embeddings=128,
+    ).to_dict()
+    config.pop("head_dim", None)
+    cfg = model_config_from_hf(config)
+    assert (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden) == (64, 4, 1, 16, 96)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.max_seq_len) == (123.0, 1e-6, 128)
+
+
+def test_export_of_layernorm_gelu_model_is_refused():
+    with pytest.raises(ValueError, match="layernorm"):
+        hf_config_dict(ModelConfig.from_preset("gpt2-124m"))
+
+
+def test_export_of_bias_mix_without_hf_class_is_refused():
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):
+        hf_config_dict(ModelConfig(**TINY, out_bias=True))
+
+
+def _llama_json(**extra) -> dict:
+    cfg = hf_config_dict(ModelConfig(**TINY))
+    return {**cfg, **extra}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'.*LlamaForCausalLM"),
+        (dict(architectures=["LlamaForSequenceClassification"]), "architectures"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "RoPE scaling 'llama3'"),
+        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "RoPE scaling 'linear'"),
+        (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantized"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ],
+    ids=["arch", "head", "act", "rope-llama3", "rope-linear", "quantized", "partial-rope"],
+)
+def test_unsupported_configs_raise_input_error(extra, message):
+    with pytest.raises(InputError, match=message):
+        model_config_from_hf(_llama_json(**extra), where="somewhere/config.json")
+
+
+def test_sliding_window_shorter_than_context_caps_max_seq_len():
+    mistral = {**_llama_json(model_type="mistral", architectures=["MistralForCausalLM"]), "sliding_window": 16}
+    assert model_config_from_hf(mistral).max_seq_len == 16
+    assert model_config_from_hf({**mistral, "sliding_window": None}).max_seq_len == 64
+    assert model_config_from_hf({**mistral, "sliding_window": 4096}).max_seq_len == 64
+    qwen2 = {**_llama_json(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "sliding_window": 16}
+    assert model_config_from_hf({**qwen2, "use_sliding_window": False}).max_seq_len == 64
+    assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1}).max_seq_len == 16
+    assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 2}).max_seq_len == 64

@@ -1,0 +1,95 @@
+import math
+
+import pytest
+import torch
+
+from lmforge.model.config import PRESETS, ModelConfig
+from lmforge.model.transformer import Transformer
+
+VARIANTS = [
+    dict(),
+    dict(n_kv_heads=2),
+    dict(n_kv_heads=1, tie_embeddings=True),
+    dict(ffn="gelu", norm="layernorm", qkv_bias=True, out_bias=True, mlp_bias=True),
+    dict(qk_norm=True, qkv_bias=True),
+    dict(head_dim=8, n_heads=4),
+]
+
+
+def small(**kw) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 97, "d_model": 48, "n_layers": 2, "n_heads": 4, "ffn_hidden": 80, "max_seq_len": 64, **kw})
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_parameter_count_formula_matches_the_built_model(kw):
+    cfg = small(**kw)
+    model = Transformer(cfg)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, expected", [("tiny", 16.91e6), ("gpt2-124m", 123.65e6), ("smollm2-135m", 134.5e6), ("llama3-1b", 1235.8e6)])
+def test_presets_have_their_published_sizes(name, expected):
+    cfg = ModelConfig.from_preset(name)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == cfg.num_params()
+    assert counted == pytest.approx(expected, rel=0.005)
+
+
+def test_recipe_preset_fills_fields_and_explicit_keys_win():
+    from lmforge.core.config import load_config
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    recipe = load_config(PretrainRecipe, None, ["model.preset=smollm2-135m", "model.n_layers=4", "model.tie_embeddings=false"])
+    assert recipe.model.d_model == 576 and recipe.model.n_kv_heads == 3
+    assert recipe.model.n_layers == 4 and recipe.model.tie_embeddings is False
+
+
+def test_flops_per_token_is_6n_plus_the_attention_term():
+    cfg = small()
+    n = cfg.matmul_params()
+    assert cfg.flops_per_token(32) == 6 * n + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 32
+    # matmul parameters: every projection and the output head, not the embedding lookup or norms
+    linear = sum(m.weight.numel() for m in Transformer(cfg).modules() if isinstance(m, torch.nn.Linear))
+    assert n == linear
+
+
+def test_logits_are_causal():
+    torch.manual_seed(0)
+    model = Transformer(small()).eval()
+    x = torch.randint(0, 97, (2, 16))
+    y = x.clone()
+    y[:, 10:] = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        assert torch.allclose(model(x)[:, :10], model(y)[:, :10], atol=1e-6)
+
+
+def test_explicit_positions_equal_the_default():
+    model = Transformer(small()).eval()
+    x = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(model(x), model(x, positions=torch.arange(12).expand(2, 12)), atol=1e-6)
+
+
+def test_initialisation_scales_residual_projections():
+    torch.manual_seed(0)
+    cfg = small(d_model=256, n_layers=8, ffn_hidden=512, n_heads=4)
+    model = Transformer(cfg)
+    assert model.layers[0].attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.layers[0].attn.wo.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.layers[0].mlp.w2.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert (model.layers[0].attn_norm.weight == 1).all()
+
+
+def test_tied_embeddings_share_one_matrix():
+    model = Transformer(small(tie_embeddings=True))
+    assert model.lm_head.weight is model.embed.weight
+
+
+def test_invalid_shapes_are_rejected():
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        small(n_kv_heads=3)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ModelConfig.from_preset("gpt5")
+    assert set(PRESETS) >= {"tiny", "gpt2-124m", "smollm2-135m", "llama3-1b"}

@@ -1,0 +1,259 @@
+"""`lmforge export` writes a folder transformers loads with identical logits; `lmforge import`
+reads transformers' Llama / Mistral / Qwen2 folders into checkpoints with identical logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.cli.main import main
+from lmforge.core.io import InputError, atomic_directory
+from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
+from lmforge.model.checkpoint import load_model, write_checksums, write_model_files
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
+from lmforge.stages.export import ExportRecipe, run_export
+from lmforge.stages.import_hf import ImportRecipe, run_import
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, corpus_texts) -> Path:
+    path = tmp_path_factory.mktemp("tok300")
+    train_tokenizer(corpus_texts, TokenizerConfig(vocab_size=300)).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tokenizer_dir) -> int:
+    return Tokenizer.load(tokenizer_dir).vocab_size
+
+
+def tiny(vocab_size: int, **fields) -> ModelConfig:
+    return ModelConfig(**{**dict(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64), **fields})
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random values everywhere, norm gains and biases included, so a dropped or mis-mapped one shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if p.ndim == 1 and "norm" in name else 0.0
+            p.copy_(base + (0.1 if p.ndim == 1 else 0.05) * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def save_checkpoint(path: Path, cfg: ModelConfig, tokenizer_dir: Path | None) -> Transformer:
+    model = randomize_(Transformer(cfg))
+    with atomic_directory(path) as tmp:
+        write_model_files(tmp, model, tokenizer_dir)
+        write_checksums(tmp)
+    return model
+
+
+def tokens(vocab_size: int, length: int = 20) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, length), generator=torch.Generator().manual_seed(3))
+
+
+def hf_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x).logits
+
+
+def our_logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(x)
+
+
+# --------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_export_loads_in_transformers_with_identical_logits(tmp_path, tokenizer_dir, vocab_size, tie):
+    cfg = tiny(vocab_size, n_kv_heads=2, tie_embeddings=tie)
+    ours = save_checkpoint(tmp_path / "ckpt", cfg, tokenizer_dir)
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert type(theirs).__name__ == "LlamaForCausalLM"
+    assert theirs.config.num_key_value_heads == 2 and theirs.config.tie_word_embeddings == tie
+    x = tokens(vocab_size)
+    torch.testing.assert_close(hf_logits(theirs, x), our_logits(ours, x), atol=1e-5, rtol=0)
+
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) == (not tie)  # a tied matrix is stored once
+
+
+def test_export_writes_tokenizer_and_generation_config(tmp_path, tokenizer_dir, vocab_size):
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size), tokenizer_dir)
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+
+    ours = Tokenizer.load(tokenizer_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "To be, or not to be: that is the question."
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == ours.eos_id
+
+
+def test_export_resolves_newest_valid_checkpoint_of_a_run_dir(tmp_path, tokenizer_dir, vocab_size):
+    cfg = tiny(vocab_size)
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "step_000010", cfg, tokenizer_dir)
+    newest = save_checkpoint(tmp_path / "run" / "checkpoints" / "step_000020", cfg, tokenizer_dir)
+    exported = run_export(ExportRecipe(checkpoint=str(tmp_path / "run"), run_dir=str(tmp_path / "hf")))
+    assert exported.name == "step_000020"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    x = tokens(vocab_size)
+    torch.testing.assert_close(hf_logits(theirs, x), our_logits(newest, x), atol=1e-5, rtol=0)
+
+
+def test_export_of_gpt2_style_model_is_a_clear_error(tmp_path, vocab_size):
+    cfg = tiny(vocab_size, norm="layernorm", ffn="gelu", qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True)
+    save_checkpoint(tmp_path / "ckpt", cfg, None)
+    with pytest.raises(InputError, match=r"ckpt.*layernorm.*RMSNorm \+ SwiGLU"):
+        run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_replaces_only_an_earlier_export(tmp_path, vocab_size):
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size), None)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(InputError, match="not a Hugging Face model folder"):
+        run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "notes")))
+    with pytest.raises(InputError, match="would replace the checkpoint"):
+        run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path)))
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))  # an earlier export is replaced
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+
+
+# --------------------------------------------------------------------------- import
+
+
+def hf_folder(path: Path, config, tokenizer_dir: Path | None = None, **save_kwargs) -> torch.nn.Module:
+    """A random transformers model saved with save_pretrained (plus our tokenizer files)."""
+    torch.manual_seed(0)
+    model = randomize_(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+    model.save_pretrained(path, **save_kwargs)
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tokenizer_dir / name, path / name)
+    return model
+
+
+def small_hf_config(kind: str, vocab_size: int, **fields):
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=20000.0)
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    return classes[kind](**{**common, **fields})
+
+
+@pytest.mark.parametrize(
+    "kind, fields",
+    [
+        ("llama", {}),
+        ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+        ("mistral", dict(sliding_window=None)),
+        ("qwen2", dict(tie_word_embeddings=True)),
+    ],
+    ids=["llama", "llama-tied-mqa", "mistral", "qwen2-tied"],
+)
+def test_import_gives_identical_logits(tmp_path, tokenizer_dir, vocab_size, kind, fields):
+    theirs = hf_folder(tmp_path / "hf", small_hf_config(kind, vocab_size, **fields), tokenizer_dir)
+    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
+
+    ours, directory = load_model(tmp_path / "ckpt")
+    assert ours.cfg.qkv_bias == (kind == "qwen2")
+    assert ours.cfg.tie_embeddings == fields.get("tie_word_embeddings", False)
+    x = tokens(vocab_size)
+    torch.testing.assert_close(our_logits(ours, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
+    assert Tokenizer.load(directory).vocab_size == vocab_size
+
+
+def test_import_reads_sharded_safetensors(tmp_path, vocab_size):
+    theirs = hf_folder(tmp_path / "hf", small_hf_config("llama", vocab_size), max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
+    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
+    ours, _ = load_model(tmp_path / "ckpt")
+    x = tokens(vocab_size)
+    torch.testing.assert_close(our_logits(ours, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
+
+
+def test_import_of_mistral_with_short_sliding_window_is_exact_up_to_the_window(tmp_path, vocab_size):
+    theirs = hf_folder(tmp_path / "hf", small_hf_config("mistral", vocab_size, sliding_window=16))
+    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert ours.cfg.max_seq_len == 16
+    x = tokens(vocab_size, length=16)
+    torch.testing.assert_close(our_logits(ours, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
+
+
+def test_import_of_missing_folder_names_it(tmp_path):
+    with pytest.raises(InputError, match=r"nowhere: not a directory.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+        run_import(ImportRecipe(hf_dir=str(tmp_path / "nowhere"), run_dir=str(tmp_path / "ckpt")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match=r"empty/config.json: not found"):
+        run_import(ImportRecipe(hf_dir=str(tmp_path / "empty"), run_dir=str(tmp_path / "ckpt")))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_import_of_unsupported_architecture_names_what_is_supported(tmp_path):
+    config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(InputError, match=r"gpt2/config.json: model_type 'gpt2'.*not supported.*LlamaForCausalLM"):
+        run_import(ImportRecipe(hf_dir=str(tmp_path / "gpt2"), run_dir=str(tmp_path / "ckpt")))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_import_without_safetensors_weights_is_a_clear_error(tmp_path, vocab_size):
+    hf_folder(tmp_path / "hf", small_hf_config("llama", vocab_size))
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    with pytest.raises(InputError, match="no weights found"):
+        run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_export_then_import_round_trips(tmp_path, tokenizer_dir, vocab_size, capsys):
+    cfg = tiny(vocab_size, n_kv_heads=1, tie_embeddings=True)
+    original = save_checkpoint(tmp_path / "ckpt", cfg, tokenizer_dir)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+
+    back, _ = load_model(tmp_path / "back")
+    assert back.cfg == cfg
+    x = tokens(vocab_size)
+    torch.testing.assert_close(our_logits(back, x), our_logits(original, x), atol=0, rtol=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (tokenizer_dir / name).read_bytes()
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    assert main(["import", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("lmforge import: error:") and "nowhere" in err[0]
+    assert err[1].startswith("lmforge export: error:") and "nowhere" in err[1]
+
+
+def test_cli_export_casts_with_a_dtype_override(tmp_path, tokenizer_dir, vocab_size):
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size), tokenizer_dir)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "dtype=bfloat16"]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert theirs.dtype == torch.bfloat16

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+import yaml
+
+from lmforge.core.config import ConfigError, load_config
+from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
+
+
+@pytest.fixture()
+def lifecycle(tmp_path, corpus_jsonl):
+    """tokenizer -> prepare -> pretrain on a tiny corpus, as a lifecycle file with stage recipes."""
+    recipes = {
+        "tokenizer": {"run_dir": str(tmp_path / "tok"), "data": {"paths": [str(corpus_jsonl)]},
+                      "tokenizer": {"vocab_size": 400}},
+        "prepare": {"run_dir": str(tmp_path / "data"), "tokenizer": str(tmp_path / "tok"),
+                    "data": {"paths": [str(corpus_jsonl)]}, "val_fraction": 0.1},
+        "pretrain": {"run_dir": str(tmp_path / "pretrain"), "tokenizer": str(tmp_path / "tok"),
+                     "model": {"vocab_size": 400, "d_model": 32, "n_layers": 1, "n_heads": 2, "ffn_hidden": 64,
+                               "max_seq_len": 64},
+                     "data": {"datasets": [{"path": str(tmp_path / "data")}], "seq_len": 32},
+                     "train": {"max_steps": 4, "warmup_steps": 1, "micro_batch_size": 4, "precision": "fp32",
+                               "eval_every": 2, "eval_batches": 2, "tensorboard": False, "device": "cpu"}},
+    }
+    stages = []
+    for name, body in recipes.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(body))
+        stages.append({"name": name, "verb": name, "recipe": str(path)})
+    life = tmp_path / "lifecycle.yaml"
+    life.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "stages": stages}))
+    return life
+
+
+def test_stages_run_in_order_and_the_report_has_their_results(lifecycle, tmp_path):
+    results = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [(r["name"], r["status"]) for r in results] == [("tokenizer", "ran"), ("prepare", "ran"), ("pretrain", "ran")]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "bytes/token" in report and "validation loss" in report and "![loss curve](pretrain-loss.png)" in report
+    assert (tmp_path / "run" / "pretrain-loss.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "run" / "lifecycle.json").read_text())[2]["result"]["step"] == 4
+
+
+def test_a_rerun_skips_complete_stages_and_a_changed_stage_reruns_with_what_follows(lifecycle, tmp_path):
+    run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    again = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [r["status"] for r in again] == ["skipped"] * 3
+    assert "validation loss" in (tmp_path / "run" / "report.md").read_text()  # the report keeps skipped results
+    data = yaml.safe_load(lifecycle.read_text())
+    data["stages"][1]["overrides"] = ["val_fraction=0.2"]
+    lifecycle.write_text(yaml.safe_dump(data))
+    changed = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [r["status"] for r in changed] == ["skipped", "ran", "ran"]
+
+
+def test_a_bad_later_stage_fails_before_any_stage_runs(lifecycle, tmp_path):
+    data = yaml.safe_load(lifecycle.read_text())
+    data["stages"][2]["overrides"] = ["train.max_stepz=3"]
+    lifecycle.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"stage 'pretrain'.*did you mean 'train.max_steps'"):
+        run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert not (tmp_path / "tok").exists()
+
+
+def test_unknown_verb_is_named():
+    with pytest.raises(ConfigError, match="unknown verb 'pretrian'"):
+        run_lifecycle(load_config(LifecycleRecipe, None, ["stages=[{name: x, verb: pretrian}]"]))

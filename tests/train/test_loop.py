@@ -1,0 +1,142 @@
+import json
+import math
+
+import pytest
+import torch
+
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
+from lmforge.objectives.clm import CausalLMObjective, LossOutput
+from lmforge.stages.pretrain import run_pretrain
+from lmforge.train.loop import TrainConfig, evaluate, train
+from lmforge.train.metrics import read_metrics
+
+
+def losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_stopping_and_resuming_gives_the_same_losses_as_an_uninterrupted_run(make_recipe, tmp_path):
+    full = make_recipe(tmp_path / "full", **{"train.max_steps": 8})
+    run_pretrain(full)
+    half = make_recipe(tmp_path / "half", **{"train.max_steps": 8, "train.stop_at_step": 4})  # killed at step 4
+    stopped = run_pretrain(half)
+    assert stopped["step"] == 4
+    resumed = make_recipe(tmp_path / "half", **{"train.max_steps": 8, "train.resume": "auto"})
+    summary = run_pretrain(resumed)
+    assert summary["start_step"] == 4
+    assert losses(tmp_path / "half") == losses(tmp_path / "full")  # bit-identical, step by step
+    assert len(losses(tmp_path / "full")) == 8
+
+
+def test_checkpoints_are_complete_checksummed_and_pruned(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 12, "train.keep_checkpoints": 2}))
+    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert [c.name for c in ckpts] == ["step_00000008", "step_00000012"]
+    files = {p.name for p in ckpts[-1].iterdir()}
+    assert {"model.safetensors", "model.json", "optimizer.pt", "rng.pt", "trainer_state.json", "config.yaml",
+            "tokenizer.json", "tokenizer_config.json", "checksums.json"} <= files
+    state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["loader"]["samples"] == 12 * 2 * 4
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))  # no temporary directories left
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_uses_the_previous_one(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 8}))
+    newest = tmp_path / "run" / "checkpoints" / "step_00000008" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-64])  # truncated
+    summary = run_pretrain(make_recipe(**{"train.max_steps": 8}))
+    assert summary["start_step"] == 4 and summary["step"] == 8
+
+
+def test_a_finished_run_is_not_trained_again(make_recipe):
+    run_pretrain(make_recipe())
+    again = run_pretrain(make_recipe())
+    assert again["start_step"] == 8 and again["step"] == 8
+
+
+def test_gradient_accumulation_equals_one_big_batch(make_recipe, tmp_path):
+    # 2 micro-batches of 4 and 1 micro-batch of 8 see the same 8 windows: same update
+    a = make_recipe(tmp_path / "a", **{"train.max_steps": 1, "train.warmup_steps": 0, "train.micro_batch_size": 4, "train.batch_tokens": 256})
+    b = make_recipe(tmp_path / "b", **{"train.max_steps": 1, "train.warmup_steps": 0, "train.micro_batch_size": 8, "train.batch_tokens": 256})
+    run_pretrain(a)
+    run_pretrain(b)
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "a" / "checkpoints" / "step_00000001" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "checkpoints" / "step_00000001" / "model.safetensors"))
+    assert losses(tmp_path / "a")[0] == pytest.approx(losses(tmp_path / "b")[0], rel=1e-6)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6), k
+
+
+def test_metrics_record_every_step_with_the_promised_fields(make_recipe, tmp_path):
+    summary = run_pretrain(make_recipe(**{"train.tensorboard": True}))
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_bytes", "tokens"):
+        assert key in records[0]
+    assert "val_loss" in records[3] and "val_bpb" in records[3] and "val_loss" not in records[2]
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert summary["val_loss"] == records[-1]["val_loss"]
+    assert summary["val_loss"] < summary["unigram_entropy"] + 1.0  # 8 steps: loss left random-init territory
+    assert records[-1]["loss"] < math.log(512)
+
+
+def test_learning_rate_follows_warmup_then_cosine(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 10, "train.warmup_steps": 2}))
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
+    assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3)
+    assert lrs[-1] == pytest.approx(3e-4 + 0.5 * 2.7e-3 * (1 + math.cos(math.pi * 7 / 8)))
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_train_the_model(make_recipe, tmp_path, precision):
+    run_pretrain(make_recipe(**{"train.precision": precision, "train.max_steps": 4}))
+    ls = losses(tmp_path / "run")
+    assert all(math.isfinite(v) for v in ls) and ls[-1] < ls[0]
+
+
+def test_activation_checkpointing_and_compile_keep_the_losses(make_recipe, tmp_path):
+    run_pretrain(make_recipe(tmp_path / "plain", **{"train.max_steps": 3}))
+    run_pretrain(make_recipe(tmp_path / "ac", **{"train.max_steps": 3, "train.activation_checkpointing": True}))
+    assert losses(tmp_path / "ac") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    # parameter names are unchanged by the wrapper: the checkpoint loads into a plain model
+    from lmforge.model.checkpoint import load_model
+
+    load_model(tmp_path / "ac")
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
+    class Broken(CausalLMObjective):
+        def __call__(self, model, batch):
+            out = super().__call__(model, batch)
+            return LossOutput(out.loss_sum * float("nan"), out.n_targets)
+
+    model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
+
+    class Batches:
+        def __next__(self):
+            return torch.randint(0, 50, (2, 9))
+
+        def state_dict(self):
+            return {}
+
+    cfg = TrainConfig(max_steps=3, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu")
+    with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
+        train(model=model, objective=Broken(), train_batches=Batches(), cfg=cfg, run_dir=tmp_path, recipe=cfg)
+
+
+def test_evaluation_reports_mean_loss_and_bits_per_byte():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
+    token_bytes = torch.arange(50) % 4 + 1
+    batches = [torch.randint(0, 50, (3, 9)) for _ in range(2)]
+    result = evaluate(model, CausalLMObjective(token_bytes), iter(batches), torch.device("cpu"), "fp32", None)
+    with torch.no_grad():
+        nll = sum(torch.nn.functional.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten(), reduction="sum")
+                  for b in batches)
+    n_bytes = sum(int(token_bytes[b[:, 1:]].sum()) for b in batches)
+    assert result["val_loss"] == pytest.approx(nll.item() / 48, rel=1e-5)
+    assert result["val_bpb"] == pytest.approx(nll.item() / (math.log(2) * n_bytes), rel=1e-5)
