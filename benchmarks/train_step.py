@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from lmforge.distributed.parallelize import apply_compile
 from lmforge.model.config import ModelConfig
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
-from lmforge.train.loop import DTYPES, autocast_context, train_step
+from lmforge.train.loop import DTYPES, autocast_context, compile_objective, train_step
 from lmforge.train.metrics import peak_flops
 from lmforge.train.optim import build_adamw
 
@@ -46,6 +45,35 @@ def hf_model(cfg: ModelConfig, ours: Transformer, device: torch.device):
     if cfg.tie_embeddings:
         model.tie_weights()
     return model
+
+
+def make_steps(cfg: ModelConfig, batch: torch.Tensor, precision: str, device: torch.device, compile_: bool,
+               peer_name: str) -> dict:
+    """A zero-argument training step for lmforge (the loop's own ``train_step``) and for the peer."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        ours = Transformer(cfg)
+    peer = hf_model(cfg, ours, device) if peer_name == "transformers" else None
+    objective = CausalLMObjective()
+    forward_loss = compile_objective(objective) if compile_ else objective
+    ours_params = list(ours.parameters())
+    ours_opt = build_adamw(ours, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+    steps = {"lmforge": lambda: train_step(ours, objective, [batch], ours_opt, None, ours_params, precision, 1.0,
+                                           forward_loss)}
+    if peer is not None:
+        peer_params = list(peer.parameters())
+        peer_opt = build_adamw(peer, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+
+        def peer_step() -> None:
+            with autocast_context(device, precision):
+                loss = peer(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss  # HF shifts labels itself
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(peer_params, 1.0)
+            peer_opt.step()
+            peer_opt.zero_grad(set_to_none=True)
+
+        steps["transformers"] = peer_step
+    return steps
 
 
 def time_steps(step, n_steps: int, device: torch.device) -> list[float]:
@@ -70,7 +98,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (after 2 warm-up steps)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--compile", action="store_true", help="torch.compile lmforge's blocks")
+    p.add_argument("--compile", action="store_true", help="compile lmforge's forward + loss (train.compile=true)")
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--out", default=None, help="JSON output (default benchmarks/results/train_step_<device>.json)")
     args = p.parse_args()
@@ -84,41 +112,13 @@ def main() -> None:
     rows = []
     for precision in args.dtypes.split(","):
         peak = peak_flops(device, DTYPES[precision])
-        torch.manual_seed(0)
-        with torch.device(device):
-            ours = Transformer(cfg)
-        peer = hf_model(cfg, ours, device) if args.peer == "transformers" else None
-        if args.compile:
-            apply_compile(ours)
-        objective = CausalLMObjective()
-        ours_params = [q for q in ours.parameters()]
-        ours_opt = build_adamw(ours, 1e-4, (0.9, 0.95), 1e-8, 0.1)
-
-        def ours_step():
-            train_step(ours, objective, [batch], ours_opt, None, ours_params, precision, 1.0)
-
-        if peer is not None:
-            peer_params = [q for q in peer.parameters()]
-            peer_opt = build_adamw(peer, 1e-4, (0.9, 0.95), 1e-8, 0.1)
-
-            def peer_step():
-                with autocast_context(device, precision):
-                    loss = peer(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss  # HF shifts labels itself
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(peer_params, 1.0)
-                peer_opt.step()
-                peer_opt.zero_grad(set_to_none=True)
-
-        best = {"lmforge": float("inf"), "transformers": float("inf")}
+        steps = make_steps(cfg, batch, precision, device, args.compile, args.peer)
+        best = {name: float("inf") for name in steps}
         for _ in range(args.rounds):
-            for name, step in (("lmforge", ours_step), ("transformers", peer_step if peer is not None else None)):
-                if step is None:
-                    continue
+            for name, step in steps.items():
                 time_steps(step, 2, device)  # warm-up (and compilation)
                 best[name] = min(best[name], statistics.median(time_steps(step, args.steps, device)))
         for name, t in best.items():
-            if t == float("inf"):
-                continue
             rows.append({
                 "precision": precision,
                 "model": name,
@@ -126,7 +126,7 @@ def main() -> None:
                 "tokens_per_s": round(tokens / t, 1),
                 "mfu": round(flops_per_token * tokens / t / peak, 4) if peak else None,
             })
-        del ours, peer
+        del steps
     ratios = {}
     for precision in args.dtypes.split(","):
         r = {row["model"]: row for row in rows if row["precision"] == precision}

@@ -21,7 +21,7 @@ from lmforge.core.run import log, start_run
 from lmforge.data.loader import LoaderConfig, TokenLoader
 from lmforge.data.shards import open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
-from lmforge.distributed.parallelize import apply_activation_checkpointing, apply_compile
+from lmforge.distributed.parallelize import apply_activation_checkpointing
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
@@ -77,8 +77,6 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
              cfg.precision)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if cfg.compile:
-        apply_compile(model)
 
     loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train")
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len)

@@ -45,9 +45,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     micro_batch_size: int = 8  # sequences per forward/backward on each rank
     batch_tokens: int | None = None  # target tokens per optimizer step; None = one micro-batch
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # autocast dtype; fp16 adds dynamic loss scaling
+    # autocast dtype; fp16 adds dynamic loss scaling; auto = bf16 where it is faster than fp32
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     activation_checkpointing: bool = False  # recompute each block in the backward pass
-    compile: bool = False  # torch.compile each block
+    compile: bool = False  # torch.compile the model's forward and the loss as one graph
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = 100  # steps between validations (0: only at the end)
@@ -90,6 +91,20 @@ def accumulation_steps(cfg: TrainConfig, tokens_per_micro_batch: int, world_size
     return steps
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto``: bf16 on GPUs that support it, else fp16; on CPUs bf16 only where its matmul
+    peak clearly beats fp32's (CPUs without native bf16 dot products run it slower)."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    fp32 = peak_flops(device, torch.float32, quick=True)
+    bf16 = peak_flops(device, torch.bfloat16, quick=True)
+    choice = "bf16" if bf16 >= 1.3 * fp32 else "fp32"
+    log.info("precision auto -> %s (matmul peak: bf16 %.0f, fp32 %.0f GFLOP/s)", choice, bf16 / 1e9, fp32 / 1e9)
+    return choice
+
+
 def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -104,6 +119,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def compile_objective(objective: Objective) -> Callable:
+    """Forward and loss compiled as one graph: on CPU this fuses the norms, RoPE, SwiGLU and
+    the fp32 cross-entropy around the matmuls. Evaluation keeps the eager objective, so a
+    short last validation batch costs no recompilation."""
+    return torch.compile(objective.__call__, dynamic=False)
+
+
 def train_step(
     model: nn.Module,
     objective: Objective,
@@ -113,18 +135,21 @@ def train_step(
     params: list[torch.Tensor],
     precision: str,
     grad_clip: float,
+    forward_loss: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One optimizer step over ``micro_batches``: (mean loss per target token, gradient norm, targets).
 
     Each micro-batch's summed loss is divided by the target count of the whole step, so
     accumulating k micro-batches gives the same update as one batch k times larger.
+    ``forward_loss`` replaces ``objective(model, batch)``, e.g. with its compiled form.
     """
     device = params[0].device
     n_targets = sum(objective.num_targets(b) for b in micro_batches)
     loss_total = torch.zeros((), device=device)
+    forward_loss = forward_loss or objective
     for batch in micro_batches:
         with autocast_context(device, precision):
-            out = objective(model, to_device(batch, device))
+            out = forward_loss(model, to_device(batch, device))
         loss = out.loss_sum / n_targets
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_total += loss.detach()
@@ -186,8 +211,10 @@ def train(
     """
     run_dir = Path(run_dir)
     device = next(model.parameters()).device
+    precision = resolve_precision(cfg.precision, device)
+    forward_loss = compile_objective(objective) if cfg.compile else objective
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
-    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     params = [p for p in model.parameters() if p.requires_grad]
 
     start_step, tokens_seen = 0, 0
@@ -206,7 +233,7 @@ def train(
         start_step, tokens_seen = state.step, state.trainer_state.get("tokens_seen", 0)
         log.info("resuming from %s (step %d)", ckpt, start_step)
     metrics = MetricsLogger(run_dir, cfg.tensorboard, resume_step=start_step if ckpt is not None else None)
-    peak = peak_flops(device, DTYPES[cfg.precision]) if flops_per_token else None
+    peak = peak_flops(device, DTYPES[precision]) if flops_per_token else None
 
     def trainer_state() -> dict:
         return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(),
@@ -218,7 +245,7 @@ def train(
         log.info("step %d: checkpoint %s", step, path)
         return path
 
-    summary: dict = {"start_step": start_step, "step": start_step}
+    summary: dict = {"start_step": start_step, "step": start_step, "precision": precision}
     if start_step >= cfg.max_steps:
         log.info("run already complete at step %d (max_steps %d)", start_step, cfg.max_steps)
         metrics.close()
@@ -238,7 +265,7 @@ def train(
             group["lr"] = lr
         micro_batches = [next(train_batches) for _ in range(grad_accum)]
         loss_total, grad_norm, n_targets = train_step(model, objective, micro_batches, optimizer, scaler, params,
-                                                      cfg.precision, cfg.grad_clip)
+                                                      precision, cfg.grad_clip, forward_loss)
         loss_value = loss_total.item()  # the only host sync of the step
         if not math.isfinite(loss_value):
             metrics.close()
@@ -264,7 +291,7 @@ def train(
         out_of_time = (cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes) or (
             cfg.stop_at_step is not None and done >= cfg.stop_at_step)
         if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or is_last or out_of_time):
-            record.update(evaluate(model, objective, val_batches(), device, cfg.precision, cfg.eval_batches))
+            record.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches))
         metrics.log(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")

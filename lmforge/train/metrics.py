@@ -108,7 +108,7 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048,
     return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True) -> float | None:
+def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True, quick: bool = False) -> float | None:
     """Peak FLOP/s of ``device`` at ``dtype``: a GPU data-sheet figure, or this CPU's cached measurement."""
     name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
@@ -124,9 +124,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: boo
     if not measure_if_missing:
         return None
     # Not cached: a busy machine would make a quick measurement too low for good.
-    log.info("no cached %s peak for this machine: measuring for 1 s (run `lmforge bench peak` on an idle "
-             "machine to measure properly and cache it in %s)", name, path)
-    return measure_matmul_peak(device, dtype)
+    if not quick:
+        log.info("no cached %s peak for this machine: measuring for 1 s (run `lmforge bench peak` on an idle "
+                 "machine to measure properly and cache it in %s)", name, path)
+    return measure_matmul_peak(device, dtype, n=1024 if quick else 2048, seconds=0.3 if quick else 1.0)
 
 
 def store_peak(device: torch.device, dtype: torch.dtype, value: float) -> Path:

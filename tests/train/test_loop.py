@@ -102,6 +102,8 @@ def test_activation_checkpointing_and_compile_keep_the_losses(make_recipe, tmp_p
     run_pretrain(make_recipe(tmp_path / "plain", **{"train.max_steps": 3}))
     run_pretrain(make_recipe(tmp_path / "ac", **{"train.max_steps": 3, "train.activation_checkpointing": True}))
     assert losses(tmp_path / "ac") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    run_pretrain(make_recipe(tmp_path / "compiled", **{"train.max_steps": 3, "train.compile": True}))
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-4)
     # parameter names are unchanged by the wrapper: the checkpoint loads into a plain model
     from lmforge.model.checkpoint import load_model
 

@@ -1,0 +1,149 @@
+"""Greedy decoding throughput: lmforge's KV-cache engine against transformers' `generate`.
+
+    python benchmarks/generate.py [--batch-sizes 1 8] [--dtypes float32 bfloat16] [--repeats 5]
+
+Both sides hold the same weights (lmforge's random init of the `tiny` preset, mapped with
+`lmforge.model.hf`), decode the same prompts (random token ids, --prompt-len long) greedily
+for exactly --new-tokens tokens (no early stop: lmforge with no stop tokens, transformers
+with min_new_tokens = max_new_tokens), in the same dtype and with the same torch threads.
+The peer is `LlamaForCausalLM.generate(do_sample=False)` with its defaults (SDPA attention,
+dynamic cache). Figures are generated tokens per second over the whole call (prefill
+included); runs alternate and the best of N is kept. Target ratio: >= 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from lmforge.model.config import ModelConfig
+from lmforge.model.generate import GenerationConfig, generate
+from lmforge.model.hf import hf_config_dict, state_dict_to_hf
+from lmforge.model.transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_pair(preset: str) -> tuple[Transformer, torch.nn.Module]:
+    torch.manual_seed(0)
+    ours = Transformer(ModelConfig.from_preset(preset)).eval()
+    config = {k: v for k, v in hf_config_dict(ours.cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    missing, unexpected = theirs.load_state_dict(state_dict_to_hf(ours.state_dict(), ours.cfg), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights did not map: missing {missing}, unexpected {unexpected}")
+    if ours.cfg.tie_embeddings:
+        theirs.tie_weights()
+    return ours, theirs
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def git_commit() -> str | None:
+    """HEAD, with ``-dirty`` when tracked or new files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{head}-dirty" if status.strip() else head
+
+
+def measure(batch: int, dtype: str, args: argparse.Namespace) -> dict:
+    ours, theirs = build_pair(args.preset)
+    ours.to(DTYPES[dtype])
+    theirs.to(DTYPES[dtype])
+    prompts = torch.randint(3, ours.cfg.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
+    config = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0, stop_token_ids=[])
+    n = args.new_tokens
+
+    def run_lmforge() -> list[list[int]]:
+        results = generate(ours, prompts.tolist(), config)
+        assert all(len(r.tokens) == n for r in results)
+        return [r.tokens for r in results]
+
+    @torch.inference_mode()
+    def run_transformers() -> list[list[int]]:
+        out = theirs.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=n,
+                              min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        assert out.shape == (batch, args.prompt_len + n)
+        return out[:, args.prompt_len :].tolist()
+
+    same_rows = sum(a == b for a, b in zip(run_lmforge(), run_transformers()))  # also the warm-up
+    times: dict[str, list[float]] = {"lmforge": [], "transformers": []}
+    for _ in range(args.repeats):
+        for name, fn in (("lmforge", run_lmforge), ("transformers", run_transformers)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ours_tps = batch * n / min(times["lmforge"])
+    peer_tps = batch * n / min(times["transformers"])
+    return {
+        "batch": batch,
+        "dtype": dtype,
+        "lmforge_tokens_per_s": round(ours_tps, 1),
+        "transformers_tokens_per_s": round(peer_tps, 1),
+        "ratio": round(ours_tps / peer_tps, 3),
+        "identical_greedy_rows": f"{same_rows}/{batch}",
+        "times_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", default="benchmarks/results/generate.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    rows = [measure(b, d, args) for d in args.dtypes for b in args.batch_sizes]
+    result = {
+        "benchmark": "generate",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": git_commit(),
+        "model": {"preset": args.preset, "params": ModelConfig.from_preset(args.preset).num_params(), "init": "random (seed 0)"},
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "figure": "generated tokens per second, whole generate call (prefill + decode), best of repeats",
+        "target_ratio": 2.0,
+        "results": rows,
+        "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+                    "torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    print(f"{'batch':>5} {'dtype':>9} {'lmforge tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}  greedy rows equal")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['dtype']:>9} {r['lmforge_tokens_per_s']:>14.1f} {r['transformers_tokens_per_s']:>19.1f} "
+              f"{r['ratio']:>6.2f}  {r['identical_greedy_rows']}")
+    print(f"target ratio >= {result['target_ratio']}; {result['machine']['cpu']}, {result['machine']['torch_threads']} threads")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Text generation with a KV cache: prefill the prompts once, then decode one token per step.
+
+Prompts of different lengths share a batch by left padding: each row's RoPE positions
+start at 0 at its first real token and an attention mask hides the padding, so every row
+computes what it would alone. A batch with no padding takes the plain path (no mask, no
+position tables), and the cache is allocated once for prompt + ``max_new_tokens``.
+
+    results = generate(model, [[bos, *tok.encode("Once upon")]], GenerationConfig(temperature=0), tok)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.model.transformer import KVCache, Transformer
+
+FinishReason = Literal["stop", "length"]
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k sampling (Fan et al. 2018): logits outside the k largest of each row become -inf."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al. 2020): keep the smallest set of tokens whose probability sums to >= p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it, so it stays
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V): greedy argmax at temperature 0, else softmax(logits / T) sampling after top-k and top-p."""
+    if temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    logits = top_p_filter(top_k_filter(logits.float() / temperature, top_k), top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- prefill and decode
+
+
+@dataclass
+class DecodeState:
+    """What decoding a left-padded batch needs between steps."""
+
+    cache: KVCache
+    next_positions: torch.Tensor | None  # (B, 1) RoPE position of each row's next token; None when unpadded
+    key_mask: torch.Tensor | None  # (B, 1, 1, cache length) True at real tokens; None when unpadded
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one (B, T) tensor padded on the left, and each prompt's length (B,)."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+    return tokens.to(device), torch.tensor([len(p) for p in prompts], device=device)
+
+
+def prefill(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[torch.Tensor, DecodeState]:
+    """Run the prompts through the model into a fresh cache; return the last position's logits (B, V) and the state."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (add a BOS token to an empty prompt)")
+    param = model.embed.weight
+    tokens, lengths = left_pad(prompts, 0, param.device)
+    B, T = tokens.shape
+    total = T + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(
+            f"the longest prompt ({T} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_seq_len {model.cfg.max_seq_len}; shorten the prompt or lower max_new_tokens"
+        )
+    cache = KVCache.empty(model.cfg, B, total, param.dtype, param.device)
+    if all(len(p) == T for p in prompts):
+        hidden = model.hidden_states(tokens, kv_cache=cache)
+        state = DecodeState(cache, next_positions=None, key_mask=None)
+    else:
+        pads = (T - lengths)[:, None]  # (B, 1)
+        slots = torch.arange(total, device=param.device)[None]  # (1, total)
+        real = slots >= pads  # (B, total): padding slots are False, every slot after the prompt True
+        positions = (slots[:, :T] - pads).clamp(min=0)
+        # A padding query sees only itself: a row with no visible key would give NaN attention.
+        causal = torch.ones(T, T, dtype=torch.bool, device=param.device).tril()
+        mask = causal & (real[:, None, :T] | torch.eye(T, dtype=torch.bool, device=param.device))
+        hidden = model.hidden_states(tokens, positions=positions, attn_mask=mask[:, None], kv_cache=cache)
+        state = DecodeState(cache, next_positions=lengths[:, None].clone(), key_mask=real[:, None, None, :])
+    return model.lm_head(hidden[:, -1]), state
+
+
+def decode_step(model: Transformer, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    """Feed one new token per row (B,); return the next logits (B, V)."""
+    if state.key_mask is None:
+        hidden = model.hidden_states(tokens[:, None], kv_cache=state.cache)
+    else:
+        end = state.cache.length + 1
+        hidden = model.hidden_states(
+            tokens[:, None], positions=state.next_positions, attn_mask=state.key_mask[..., :end], kv_cache=state.cache
+        )
+        state.next_positions += 1
+    return model.lm_head(hidden[:, -1])
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class GenerationConfig:
+    """How to pick tokens and when to stop."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop: list[str] = field(default_factory=list)  # the text is cut before the first one found
+    stop_token_ids: list[int] | None = None  # None = the tokenizer's EOS; [] = never stop early
+    seed: int | None = None  # None = torch's global generator
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0.0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(
+                f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"
+            )
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the earliest of ``stops`` starts in ``text``, or -1."""
+    return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+
+
+@dataclass
+class Generation:
+    """One prompt's continuation.
+
+    ``tokens`` excludes a stop token and includes the token that completed a stop string;
+    ``text`` (when a tokenizer was given) is cut before the stop string.
+    """
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    finish_reason: FinishReason
+    text: str | None = None
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    tokenizer: Tokenizer | None = None,
+) -> list[Generation]:
+    """Continue each prompt (token ids) until a stop token, a stop string or ``max_new_tokens``."""
+    if config.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer to decode the text")
+    stop_ids = config.stop_token_ids
+    if stop_ids is None:
+        stop_ids = [tokenizer.eos_id] if tokenizer is not None else []
+    stop_ids = set(stop_ids)
+    generator = None
+    if config.seed is not None:
+        generator = torch.Generator(model.embed.weight.device).manual_seed(config.seed)
+
+    tail_tokens = 4 * max((len(s) for s in config.stop), default=0) + 4
+    logits, state = prefill(model, prompts, config.max_new_tokens)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    texts: list[str | None] = [None] * len(prompts)
+    finished: list[FinishReason | None] = [None] * len(prompts)
+    for step in range(config.max_new_tokens):
+        next_tokens = sample_next_token(logits, config.temperature, config.top_k, config.top_p, generator)
+        for row, token in enumerate(next_tokens.tolist()):
+            if finished[row] is not None:
+                continue
+            if token in stop_ids:
+                finished[row] = "stop"
+                continue
+            outputs[row].append(token)
+            # Look for a stop string in the last few tokens only (a token is at least one byte,
+            # a character at most four), then cut the whole text at the first one.
+            if config.stop and find_stop(tokenizer.decode(outputs[row][-tail_tokens:]), config.stop) >= 0:
+                text = tokenizer.decode(outputs[row])
+                cut = find_stop(text, config.stop)
+                if cut >= 0:
+                    texts[row], finished[row] = text[:cut], "stop"
+        if all(f is not None for f in finished) or step == config.max_new_tokens - 1:
+            break
+        logits = decode_step(model, next_tokens, state)
+
+    results = []
+    for prompt, tokens, reason, text in zip(prompts, outputs, finished, texts):
+        if tokenizer is not None and text is None:
+            text = tokenizer.decode(tokens)
+        results.append(Generation(list(prompt), tokens, reason or "length", text))
+    return results
