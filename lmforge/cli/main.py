@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     verb = VERBS_BY_NAME[argv[0]]
     parser, module = build_verb_parser(verb)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_intermixed_args(argv[1:])
     setup_logging()
     try:
         if hasattr(module, "recipe_from_args"):

@@ -152,7 +152,7 @@ def _stage_section(r: dict, run_dir: Path) -> list[str]:
         if res.get("tokens_per_s"):
             mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
             out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")
-        plot = plot_losses(Path(r["run_dir"]), run_dir / f"{r['name']}-loss.png")
+        plot = plot_losses(Path(r["run_dir"]), run_dir / f"{r['name']}-loss.png", res.get("unigram_entropy"))
         if plot:
             out += ["", f"![loss curve]({plot.name})"]
         return out
@@ -165,7 +165,7 @@ def _stage_section(r: dict, run_dir: Path) -> list[str]:
     return ["```json", json.dumps(res, indent=2)[:4000], "```"]
 
 
-def plot_losses(stage_dir: Path, out: Path) -> Path | None:
+def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> Path | None:
     """Training and validation loss against step, from the stage's metrics.jsonl."""
     from lmforge.train.metrics import read_metrics
 
@@ -182,6 +182,8 @@ def plot_losses(stage_dir: Path, out: Path) -> Path | None:
     val = [r for r in records if "val_loss" in r]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    if unigram_entropy:
+        ax.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1, label="unigram entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

@@ -72,9 +72,8 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     model = build_model(recipe.model, device)
     n_params = recipe.model.num_params()
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
-    log.info("model: %.2fM parameters (%.2fM in matmuls), %.1f MFLOP per token at seq_len %d, on %s in %s",
-             n_params / 1e6, recipe.model.matmul_params() / 1e6, flops_per_token / 1e6, recipe.data.seq_len, device,
-             cfg.precision)
+    log.info("model: %.2fM parameters (%.2fM in matmuls), %.1f MFLOP per token at seq_len %d, on %s",
+             n_params / 1e6, recipe.model.matmul_params() / 1e6, flops_per_token / 1e6, recipe.data.seq_len, device)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
 
