@@ -87,3 +87,14 @@ def expand_paths(patterns: list[str], *, what: str = "input") -> list[Path]:
                 seen.add(p)
                 out.append(p)
     return out
+
+
+def read_json(path: str | Path, what: str = "file") -> Any:
+    """Parse a JSON file; a missing or malformed one is an ``InputError`` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: not found ({what})")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON: {exc}") from exc

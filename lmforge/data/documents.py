@@ -93,6 +93,19 @@ def _bad(cfg: DocumentsConfig, skipped: SkipLog, reason: str, where: str, detail
     skipped.add(reason, where, detail)
 
 
+def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, skipped: SkipLog) -> bool:
+    """True for a non-empty string; otherwise report (or count) why the record is unusable."""
+    if text is None:
+        _bad(cfg, skipped, "missing_text", where, missing)
+    elif not isinstance(text, str):
+        _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
+    elif not text:
+        skipped.add("empty_text", where, "empty text")
+    else:
+        return True
+    return False
+
+
 def _open_binary(path: Path) -> IO[bytes]:
     try:
         return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
@@ -119,18 +132,11 @@ def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[
             if not isinstance(record, dict):
                 _bad(cfg, skipped, "not_an_object", where, f"expected a JSON object, got {type(record).__name__}")
                 continue
-            text = record.get(cfg.text_field)
-            if text is None:
-                _bad(cfg, skipped, "missing_text", where, f"no {cfg.text_field!r} field (keys: {sorted(record)[:8]})")
-                continue
-            if not isinstance(text, str):
-                _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
-                continue
-            if not text:
-                skipped.add("empty_text", where, "empty text")
-                continue
-            doc_id = record.get(cfg.id_field)
-            yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{lineno}", text=text, source=str(path))
+            missing = f"no {cfg.text_field!r} field (keys: {sorted(record)[:8]})"
+            if _usable_text(record.get(cfg.text_field), missing, where, cfg, skipped):
+                doc_id = record.get(cfg.id_field)
+                yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{lineno}",
+                               text=record[cfg.text_field], source=str(path))
 
 
 def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
@@ -151,16 +157,8 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
         for text, doc_id in zip(texts, ids):
             row += 1
             where = f"{path}:row {row}"
-            if text is None:
-                _bad(cfg, skipped, "missing_text", where, f"{cfg.text_field!r} is null")
-                continue
-            if not isinstance(text, str):
-                _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
-                continue
-            if not text:
-                skipped.add("empty_text", where, "empty text")
-                continue
-            yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, source=str(path))
+            if _usable_text(text, f"{cfg.text_field!r} is null", where, cfg, skipped):
+                yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, source=str(path))
 
 
 def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:

@@ -14,7 +14,6 @@ and the dtype travels with the data. Each document is stored as
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.core.io import InputError, sha256_file
+from lmforge.core.io import InputError, read_json, sha256_file
 from lmforge.data.documents import Document, split_of
 from lmforge.data.tokenizer import Tokenizer
 
@@ -163,12 +162,7 @@ class Shard:
 
 def read_manifest(directory: str | Path) -> dict:
     path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise InputError(f"{path}: not found; is {directory} a directory written by `lmforge prepare`?")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON: {exc}") from exc
+    manifest = read_json(path, f"is {directory} a directory written by `lmforge prepare`?")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise InputError(f"{path}: not an lmforge token-shard manifest of version {FORMAT_VERSION}")
     return manifest

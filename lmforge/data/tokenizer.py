@@ -9,7 +9,6 @@ padding (never the same id as end-of-turn), then the ChatML turn markers.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json
+from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json, read_json
 
 # Llama-3's pre-tokenization pattern (itself GPT-4's cl100k pattern).
 SPLIT_PATTERN = (
@@ -77,10 +76,7 @@ class Tokenizer:
             hf = HFTokenizer.from_file(str(tok_file))
         except Exception as exc:
             raise InputError(f"{tok_file}: not a valid tokenizer.json: {exc}") from exc
-        try:
-            config = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(f"{cfg_file}: not valid JSON: {exc}") from exc
+        config = read_json(cfg_file, "tokenizer config")
         return cls(hf, config)
 
     def save(self, directory: str | Path) -> None:

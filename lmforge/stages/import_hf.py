@@ -22,7 +22,7 @@ from typing import Literal
 from safetensors.torch import save_file
 
 from lmforge.core.config import load_config
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json, read_json
 from lmforge.core.run import log
 from lmforge.model.checkpoint import MODEL_CONFIG, TOKENIZER_FILES, WEIGHTS, write_checksums
 from lmforge.model.hf import (
@@ -61,12 +61,7 @@ def run_import(recipe: ImportRecipe) -> Path:
     if not src.is_dir():
         raise InputError(f"{src}: not a directory; expected a local Hugging Face model folder ({supported}) with config.json")
     config_path = src / "config.json"
-    if not config_path.is_file():
-        raise InputError(f"{config_path}: not found; expected a Hugging Face model folder ({supported})")
-    try:
-        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{config_path}: not valid JSON: {exc}") from exc
+    hf_config = read_json(config_path, f"expected a Hugging Face model folder: {supported}")
     cfg = model_config_from_hf(hf_config, where=str(config_path))
     _check_output_dir(out, src)
 

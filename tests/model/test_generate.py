@@ -95,7 +95,7 @@ def test_greedy_is_the_argmax_of_a_full_recompute_at_every_step(model):
 
 
 def test_greedy_continuation_equals_transformers_generate(model):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     d = {k: v for k, v in hf_config_dict(model.cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**d)).eval()
     missing, unexpected = hf.load_state_dict(state_dict_to_hf(model.state_dict(), model.cfg), strict=False)
