@@ -106,7 +106,7 @@ def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, s
     return False
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def open_binary(path: Path) -> IO[bytes]:
     try:
         return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
     except OSError as exc:
@@ -114,7 +114,7 @@ def _open_binary(path: Path) -> IO[bytes]:
 
 
 def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
@@ -163,7 +163,7 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
 
 def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     """A plain-text file is one document; its id is the file name."""
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         data = f.read()
     try:
         text = data.decode("utf-8")

@@ -1,0 +1,267 @@
+"""Chat data for supervised fine-tuning: ChatML rendering, loss masks, validation, readers.
+
+An SFT example is either a conversation ``{"messages": [{"role", "content"}, ...]}`` or a
+prompt-completion pair ``{"prompt", "completion"}`` whose two fields are both plain
+strings or both conversational lists (TRL's dataset formats). Every example becomes
+``(input_ids, labels)`` with one BOS at the start and ``labels == -100`` wherever no loss
+is taken: with ``assistant_only`` a conversation trains the assistant's content, its
+``<|im_end|>`` and the ``\\n`` after it (as TRL's training templates do); a prompt-completion
+pair trains the completion only, plus EOS when the completion is a plain string.
+
+Token ids are those of the whole rendered text (special tokens split it, so ids do not
+depend on how it was cut), and a token is trained when its characters overlap a trained
+span. ``CHATML_TEMPLATE`` reproduces the same ids and, through its ``{% generation %}``
+markers, the same assistant mask in ``transformers``' ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from lmforge.core.io import InputError, atomic_write_json, expand_paths, read_json
+from lmforge.data.documents import PARQUET_SUFFIXES, SkipLog, open_binary
+from lmforge.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+
+# One BOS, then ChatML turns; the assistant's content, <|im_end|> and "\n" are the generation.
+CHATML_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>\\n' }}{%- endgeneration %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+OnBad = Literal["error", "skip"]
+OnTooLong = Literal["error", "truncate", "skip"]
+Segment = tuple[str, bool]  # (text, trained)
+
+
+class ExampleError(ValueError):
+    """An unusable example; ``reason`` is the SkipLog key, the message says what is wrong."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class SFTExample:
+    input_ids: list[int]
+    labels: list[int]
+    source: str  # file:line (or "<memory>")
+
+
+# -- rendering
+
+
+def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = False,
+                  assistant_only: bool = True) -> list[Segment]:
+    """ChatML text of ``messages`` as ``(text, trained)`` segments; joined, they are the full text.
+
+    Each turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the assistant's content,
+    ``<|im_end|>`` and ``\\n`` are trained (every segment is, without ``assistant_only``).
+    The BOS token is not part of the text: ``tokenize_segments`` adds it.
+    """
+    segments: list[Segment] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            segments.append((GENERATION_PROMPT, not assistant_only))
+            segments.append((m["content"] + IM_END + "\n", True))
+        else:
+            segments.append((f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n", not assistant_only))
+    if add_generation_prompt:
+        segments.append((GENERATION_PROMPT, False))
+    return segments
+
+
+def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool = False) -> tuple[list[int], list[int]]:
+    """``[BOS] + encode(text) (+ [EOS])`` and labels: a token is trained if it overlaps a trained span."""
+    text = "".join(s for s, _ in segments)
+    trained = bytearray(len(text))
+    pos = 0
+    for s, t in segments:
+        if t:
+            trained[pos : pos + len(s)] = b"\x01" * len(s)
+        pos += len(s)
+    enc = tok.hf.encode(text, add_special_tokens=False)
+    ids = [tok.bos_id, *enc.ids]
+    labels = [IGNORE_INDEX]
+    for idx, (start, end) in zip(enc.ids, enc.offsets):
+        labels.append(idx if any(trained[start:end]) else IGNORE_INDEX)
+    if add_eos:
+        ids.append(tok.eos_id)
+        labels.append(tok.eos_id)
+    return ids, labels
+
+
+# -- validation
+
+
+def validate_messages(messages: Any, field: str = "messages", need_assistant: bool = True) -> None:
+    """Raise ``ExampleError`` unless ``messages`` is a list of ``{role, content}`` with known roles."""
+    if not isinstance(messages, list) or not messages:
+        raise ExampleError("bad_messages", f"{field!r} must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ExampleError("bad_messages", f"{field}[{i}] must be an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ExampleError("unknown_role", f"{field}[{i}] has unknown role {m['role']!r}; expected one of {ROLES}")
+        if not isinstance(m["content"], str):
+            raise ExampleError("content_not_string",
+                               f"{field}[{i}].content is {type(m['content']).__name__}, not a string")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ExampleError("no_assistant_turn", f"{field!r} has no assistant turn, so there is nothing to train on")
+
+
+def example_segments(record: dict, assistant_only: bool = True) -> tuple[list[Segment], bool]:
+    """Validate one record and return its segments and whether EOS is appended."""
+    if "messages" in record:
+        validate_messages(record["messages"])
+        return render_chatml(record["messages"], assistant_only=assistant_only), False
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return [(prompt, False), (completion, True)], True
+        if isinstance(prompt, list) and isinstance(completion, list):
+            validate_messages(prompt, "prompt", need_assistant=False)
+            validate_messages(completion, "completion")
+            if any(m["role"] != "assistant" for m in completion):
+                raise ExampleError("bad_messages", "'completion' may hold only assistant turns")
+            # the completion's untrained header "<|im_start|>assistant\n" is the prompt's generation prompt
+            return [*render_chatml(prompt, assistant_only=True), *render_chatml(completion)], False
+        raise ExampleError("bad_prompt_completion",
+                           "'prompt' and 'completion' must both be strings or both be lists of messages, got "
+                           f"{type(prompt).__name__} and {type(completion).__name__}")
+    raise ExampleError("unknown_format", f"expected 'messages' or 'prompt' and 'completion', got keys {sorted(record)[:8]}")
+
+
+# -- tokenizing with policies
+
+
+def tokenize_conversation(tok: Tokenizer, messages: Sequence[dict], max_length: int,
+                          assistant_only: bool = True) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of a conversation; raises ``ExampleError`` if invalid or longer than ``max_length``."""
+    validate_messages(list(messages), need_assistant=assistant_only)
+    ids, labels = tokenize_segments(tok, render_chatml(messages, assistant_only=assistant_only))
+    if len(ids) > max_length:
+        raise ExampleError("too_long", f"{len(ids)} tokens, more than max_length={max_length}")
+    return ids, labels
+
+
+def tokenize_example(tok: Tokenizer, record: dict, max_length: int, *, where: str = "<memory>",
+                     on_bad: OnBad = "error", on_too_long: OnTooLong = "error",
+                     skipped: SkipLog | None = None, assistant_only: bool = True) -> SFTExample | None:
+    """Tokenize one record under the policies; ``None`` when it was skipped (and counted in ``skipped``).
+
+    A bad example or one over ``max_length`` is an ``InputError`` naming ``where`` unless the
+    policy skips it; ``truncate`` keeps the first ``max_length`` tokens (TRL's ``keep_start``).
+    """
+    skipped = skipped if skipped is not None else SkipLog()
+    try:
+        if not isinstance(record, dict):
+            raise ExampleError("not_an_object", f"expected a JSON object, got {type(record).__name__}")
+        segments, add_eos = example_segments(record, assistant_only)
+    except ExampleError as exc:
+        if on_bad == "error":
+            raise InputError(f"{where}: {exc} (set on_bad: skip to skip and count such examples)") from exc
+        skipped.add(exc.reason, where, str(exc))
+        return None
+    ids, labels = tokenize_segments(tok, segments, add_eos)
+    if len(ids) > max_length:
+        detail = f"{len(ids)} tokens, more than max_length={max_length}"
+        if on_too_long == "error":
+            raise InputError(f"{where}: {detail} (raise max_length, or set on_too_long: truncate or skip)")
+        if on_too_long == "skip":
+            skipped.add("too_long", where, detail)
+            return None
+        ids, labels = ids[:max_length], labels[:max_length]
+        if all(v == IGNORE_INDEX for v in labels[1:]):
+            skipped.add("no_targets_after_truncation", where, detail)
+            return None
+        skipped.add("truncated", where, detail)
+    return SFTExample(ids, labels, where)
+
+
+# -- reading files
+
+
+def read_sft_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(file:line, record)`` for every row of JSONL/Parquet files; malformed JSON yields an ``ExampleError``."""
+    for path in expand_paths(paths, what="SFT data"):
+        if path.name.lower().endswith(PARQUET_SUFFIXES):
+            yield from _read_parquet(path)
+        else:
+            yield from _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with open_binary(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, ExampleError("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, ExampleError("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", {k: v for k, v in record.items() if v is not None}
+
+
+def read_sft_examples(paths: list[str], tok: Tokenizer, max_length: int, *, on_bad: OnBad = "error",
+                      on_too_long: OnTooLong = "error", skipped: SkipLog | None = None,
+                      assistant_only: bool = True) -> Iterator[SFTExample]:
+    """Tokenized SFT examples of JSONL/Parquet files with ``messages`` or ``prompt``/``completion`` rows."""
+    skipped = skipped if skipped is not None else SkipLog()
+    for where, record in read_sft_records(paths):
+        if isinstance(record, ExampleError):
+            if on_bad == "error":
+                raise InputError(f"{where}: {record} (set on_bad: skip to skip and count such examples)")
+            skipped.add(record.reason, where, str(record))
+            continue
+        example = tokenize_example(tok, record, max_length, where=where, on_bad=on_bad,
+                                   on_too_long=on_too_long, skipped=skipped, assistant_only=assistant_only)
+        if example is not None:
+            yield example
+
+
+# -- the HF template
+
+
+def add_chat_template(tokenizer_dir: str | Path, template: str = CHATML_TEMPLATE) -> None:
+    """Store ``template`` as ``chat_template`` in the directory's tokenizer_config.json."""
+    path = Path(tokenizer_dir) / TOKENIZER_CONFIG_FILE
+    config = read_json(path, "tokenizer config")
+    config["chat_template"] = template
+    atomic_write_json(path, config)
