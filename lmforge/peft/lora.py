@@ -1,0 +1,253 @@
+"""LoRA, rsLoRA and DoRA adapters on ``nn.Linear``, numerically the same as PEFT's.
+
+LoRA (Hu et al. 2021) freezes W and learns a low-rank update: ``y = W x + b + s·B A x``
+with A (r, in), B (out, r), ``s = α/r``. rsLoRA (Kalajdzievski 2023) uses ``s = α/√r`` so
+the update's scale does not shrink as r grows. DoRA (Liu et al. 2024) also learns each
+output row's length: ``W' = m · (W + s·BA) / ‖W + s·BA‖`` (row norms).
+
+``apply_lora(model, cfg)`` wraps the matching linears of a built model in place and
+freezes everything else; ``merge_lora`` folds the adapters back into plain linears for
+export; ``lora_state_dict`` is what a training run needs to save. The formulas, init,
+dropout placement and merge follow ``peft/tuners/lora/layer.py`` (``Linear``) and
+``peft/tuners/lora/dora.py``/``variants.py`` (``DoraLinearLayer``/``DoraLinearVariant``);
+``tests/peft/test_lora.py`` checks them against PEFT in float64.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_TARGETS = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3"]
+ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
+
+
+@dataclass
+class LoraConfig:
+    """Which linears get an adapter and how it is shaped.
+
+    ``target_modules`` entries match module names relative to the model (``layers.0.attn.wq``)
+    as a suffix at a dot boundary (``attn.wq``, ``wq``) or as an fnmatch glob over the whole
+    name (``layers.[01].mlp.*``); a single string is a full-match regex, as in PEFT.
+    Defaults follow torchtune's LoRA configs (r 8, α 16, dropout 0) on every projection.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    use_rslora: bool = False  # s = α/√r instead of α/r
+    use_dora: bool = False
+    init: Literal["kaiming", "gaussian"] = "kaiming"  # A's init; B always starts at zero
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in ("kaiming", "gaussian"):
+            raise ValueError(f"LoRA init {self.init!r} is unknown; choose 'kaiming' or 'gaussian'")
+
+    @property
+    def scaling(self) -> float:
+        """s = α/r, or α/√r with rsLoRA (PEFT ``LoraLayer.update_layer``)."""
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+class LoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update (and, with DoRA, a magnitude).
+
+    LoRA:  ``y = W x + b + s · B A drop(x)``
+    DoRA:  ``y = (m/n) ⊙ (W x′ + s · B A x′) + b``, ``n = ‖W + s·BA‖`` per output row, held
+    constant in the backward pass (DoRA §4.3). ``x′ = drop(x)``; as in PEFT, when dropout is
+    active the base term is recomputed on ``x′``, otherwise the base output is reused.
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        r: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        use_dora: bool = False,
+        init: Literal["kaiming", "gaussian"] = "kaiming",
+    ):
+        super().__init__()
+        self.base = base
+        self.base.requires_grad_(False)
+        self.r, self.alpha, self.use_dora = r, alpha, use_dora
+        self.scaling = alpha / (math.sqrt(r) if use_rslora else r)
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, **factory)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, **factory)
+        self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora_parameters(init)
+        self.lora_magnitude_vector: nn.Parameter | None = None
+        if use_dora:  # m = ‖W + s·BA‖ = ‖W‖ at B = 0, so DoRA starts as the base model
+            self.lora_magnitude_vector = nn.Parameter(self.weight_norm())
+        self.merged = False
+        self._merged_norm: torch.Tensor | None = None  # DoRA's n at merge time, needed to unmerge
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, init: Literal["kaiming", "gaussian"] = "kaiming") -> None:
+        """PEFT ``reset_lora_parameters``: A ~ kaiming_uniform(a=√5) (nn.Linear's init) or N(0, std=1/r); B = 0, so training starts at the base model."""
+        if init == "kaiming":
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        elif init == "gaussian":
+            nn.init.normal_(self.lora_A.weight, std=1 / self.r)
+        else:
+            raise ValueError(f"LoRA init {init!r} is unknown; choose 'kaiming' or 'gaussian'")
+        nn.init.zeros_(self.lora_B.weight)
+
+    def delta_weight(self) -> torch.Tensor:
+        """s · B @ A, the (out, in) update LoRA adds to W."""
+        return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def weight_norm(self) -> torch.Tensor:
+        """n = ‖W + s·BA‖₂ per output row, with no gradient to W, A or B (DoRA §4.3)."""
+        with torch.no_grad():
+            lora_weight = self.lora_B.weight @ self.lora_A.weight
+            return torch.linalg.norm(self.base.weight + self.scaling * lora_weight, dim=1).to(self.base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        if self.merged:
+            return result
+        if self.lora_magnitude_vector is None:
+            return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return result + self._dora_extra(x, result)
+
+    def _dora_extra(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """``(m/n − 1)·W x′ + (m/n)·s·B A x′``: what DoRA adds to ``W x + b`` (bias left unscaled)."""
+        weight = self.base.weight
+        if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+            base_out = result if self.base.bias is None else result - self.base.bias
+        else:
+            x = self.lora_dropout(x)
+            base_out = F.linear(x, weight)
+        scale = (self.lora_magnitude_vector / self.weight_norm()).view(1, -1)
+        lora_out = self.lora_B(self.lora_A(x))
+        return (scale - 1) * base_out + scale * lora_out * self.scaling
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + s·BA, or (m/n)(W + s·BA) with DoRA: the plain weight that computes the same function."""
+        if self.merged:
+            return self.base.weight.detach().clone()
+        weight = self.base.weight + self.delta_weight()
+        if self.lora_magnitude_vector is not None:
+            weight = (self.lora_magnitude_vector / self.weight_norm()).view(-1, 1) * weight
+        return weight.to(self.base.weight.dtype)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the adapter into the base weight in place (exact only in eval: dropout acts on x)."""
+        if self.merged:
+            return
+        if self.lora_magnitude_vector is not None:
+            self._merged_norm = self.weight_norm()
+        self.base.weight.copy_(self.merged_weight())
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo ``merge``: W = W′ − s·BA, or W′·(n/m) − s·BA with DoRA (n as cached at merge)."""
+        if not self.merged:
+            return
+        weight = self.base.weight.clone()
+        if self.lora_magnitude_vector is not None:
+            weight = weight / (self.lora_magnitude_vector / self._merged_norm).view(-1, 1)
+            self._merged_norm = None
+        self.base.weight.copy_(weight - self.delta_weight())
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, dora={self.use_dora}, merged={self.merged}"
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+def matches_target(name: str, target_modules: list[str] | str) -> bool:
+    """Whether module ``name`` is selected (see ``LoraConfig.target_modules``)."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) or fnmatch.fnmatchcase(name, t) for t in target_modules)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Wrap every ``nn.Linear`` whose name matches in a ``LoraLinear``; freeze all else.
+
+    Returns the wrapped module names. Raises ``ValueError`` naming the candidates when
+    nothing matches, and when a target's weight is shared (a tied ``lm_head``), since
+    merging into it would also change the embedding.
+    """
+    inside_lora = {n for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    candidates = [
+        n for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not any(n.startswith(p + ".") for p in inside_lora)
+    ]
+    names = [n for n in candidates if matches_target(n, cfg.target_modules)]
+    if not names:
+        shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in candidates})
+        raise ValueError(
+            f"LoRA target_modules {cfg.target_modules!r} matched no nn.Linear in {type(model).__name__}; "
+            f"linear layers are: {', '.join(shown) or 'none'}"
+        )
+    uses = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    for name in names:
+        linear = model.get_submodule(name)
+        if uses[id(linear.weight)] > 1:
+            raise ValueError(f"LoRA target {name!r} shares its weight with another module (tied embeddings); leave it out of target_modules")
+        wrapped = LoraLinear(linear, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, cfg.use_dora, cfg.init)
+        model.set_submodule(name, wrapped)
+    for pname, p in model.named_parameters():
+        p.requires_grad_(pname.endswith(ADAPTER_PARAMS))
+    return names
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
+    """The ``LoraLinear`` wrappers of ``model`` by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> list[str]:
+    """Replace each ``LoraLinear`` by a plain ``nn.Linear`` with the merged weight, for export.
+
+    The new linears keep the base layers' ``requires_grad`` (frozen). Returns the merged names.
+    """
+    names = []
+    for name, module in lora_modules(model).items():
+        base = module.base
+        plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=base.weight.device, dtype=base.weight.dtype)
+        plain.weight.copy_(module.merged_weight())
+        if base.bias is not None:
+            plain.bias.copy_(base.bias)
+        plain.requires_grad_(base.weight.requires_grad)
+        model.set_submodule(name, plain)
+        names.append(name)
+    return names
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors (``<module>.lora_A.weight``, ``.lora_B.weight``, ``.lora_magnitude_vector``)."""
+    return {k: v.detach() for k, v in model.state_dict().items() if k.endswith(ADAPTER_PARAMS)}
