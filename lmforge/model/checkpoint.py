@@ -74,6 +74,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / WEIGHTS).is_file():
         return path
+    if (path / "final" / WEIGHTS).is_file():  # a fine-tuning run's finished (merged) model
+        return path / "final"
     ckpts = path / "checkpoints"
     if ckpts.is_dir():
         for candidate in sorted(ckpts.glob("step_*"), reverse=True):

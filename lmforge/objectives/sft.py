@@ -20,6 +20,9 @@ class SFTObjective:
     see each other. The sum is returned; the loop divides by the targets of the whole step.
     """
 
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].numel()
+
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 

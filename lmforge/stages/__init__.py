@@ -29,6 +29,7 @@ VERBS = [
     Verb("tokenizer", "train a byte-level BPE tokenizer (tokenizer.json, HF-compatible)", "lmforge.stages.tokenizer"),
     Verb("prepare", "tokenize documents into memory-mapped train/val token shards", "lmforge.stages.prepare"),
     Verb("pretrain", "pre-train a transformer on token shards (the one training loop)", "lmforge.stages.pretrain"),
+    Verb("sft", "supervised fine-tuning on chat data (full, LoRA or DoRA), assistant-only loss, packing", "lmforge.stages.sft"),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),

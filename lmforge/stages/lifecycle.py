@@ -156,6 +156,19 @@ def _stage_section(r: dict, run_dir: Path) -> list[str]:
         if plot:
             out += ["", f"![loss curve]({plot.name})"]
         return out
+    if verb == "sft" and isinstance(res, dict):
+        out = [f"- {res.get('train_examples')} training examples, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
+               f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+        if res.get("val_loss") is not None:
+            out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token (assistant tokens)")
+        before, after = res.get("exact_match_before"), res.get("exact_match_after")
+        if before and after:
+            out.append(f"- exact match on {after['examples']} validation tasks: **{100 * before['exact_match']:.1f}% before, "
+                       f"{100 * after['exact_match']:.1f}% after**")
+        plot = plot_losses(Path(r["run_dir"]), run_dir / f"{r['name']}-loss.png")
+        if plot:
+            out += ["", f"![loss curve]({plot.name})"]
+        return out
     if verb == "generate" and isinstance(res, list):
         out = []
         for g in res:

@@ -69,6 +69,8 @@ class TrainConfig:
 
 
 class Objective(Protocol):
+    """``num_targets``: tokens the loss covers; optional ``num_tokens``: tokens processed (for throughput)."""
+
     def num_targets(self, batch: Any) -> int: ...
     def __call__(self, model: nn.Module, batch: Any) -> Any: ...  # LossOutput
 
@@ -264,6 +266,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [next(train_batches) for _ in range(grad_accum)]
+        n_tokens = sum(getattr(objective, "num_tokens", objective.num_targets)(b) for b in micro_batches)
         loss_total, grad_norm, n_targets = train_step(model, objective, micro_batches, optimizer, scaler, params,
                                                       precision, cfg.grad_clip, forward_loss)
         loss_value = loss_total.item()  # the only host sync of the step
@@ -276,12 +279,12 @@ def train(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
-        tokens_seen += n_targets
+        tokens_seen += n_tokens
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                  "tokens": tokens_seen, "tokens_per_s": n_targets / dt, "step_s": dt,
+                  "tokens": tokens_seen, "targets": n_targets, "tokens_per_s": n_tokens / dt, "step_s": dt,
                   "memory_bytes": peak_memory_bytes(device)}
         if flops_per_token and peak:
-            record["mfu"] = flops_per_token * n_targets / dt / peak
+            record["mfu"] = flops_per_token * n_tokens / dt / peak
         if step > start_step:  # the first step pays for warm-up (allocation, compilation)
             tok_rates.append(record["tokens_per_s"])
             if "mfu" in record:

@@ -1,0 +1,62 @@
+"""A stateful loader over pre-built rows (packed or padded SFT examples, preference pairs...)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lmforge.core.io import InputError
+
+
+class RowLoader:
+    """Micro-batches of rows of a dict of (N, T) tensors, shuffled per epoch from a seed.
+
+    Like ``TokenLoader``: rank ``r`` of ``w`` takes rows ``[r*B, (r+1)*B)`` of each global
+    batch, ``loop=True`` cycles epochs, and ``state_dict()`` (epoch, position) resumes exactly.
+    """
+
+    def __init__(self, rows: dict[str, torch.Tensor], batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 loop: bool = True, rank: int = 0, world_size: int = 1):
+        self.rows, self.batch_size, self.seed, self.shuffle, self.loop = rows, batch_size, seed, shuffle, loop
+        self.rank, self.world_size = rank, world_size
+        self.n = len(next(iter(rows.values())))
+        if self.n == 0:
+            raise InputError("no rows to load: the dataset is empty")
+        self.epoch, self.pos = 0, 0
+
+    def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+    def __iter__(self) -> RowLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        global_batch = self.batch_size * self.world_size
+        picks: list[int] = []
+        while len(picks) < global_batch:
+            if self.pos >= self.n:
+                if not self.loop:
+                    break
+                self.epoch, self.pos = self.epoch + 1, 0
+            order = self._order()
+            take = min(global_batch - len(picks), self.n - self.pos)
+            picks += order[self.pos : self.pos + take].tolist()
+            self.pos += take
+        if not picks:
+            raise StopIteration
+        mine = torch.as_tensor(picks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size], dtype=torch.long)
+        return {k: v[mine] for k, v in self.rows.items()}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "rows": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["rows"] != self.n or state["seed"] != self.seed:
+            raise InputError(f"loader state is for {state['rows']} rows with seed {state['seed']}, "
+                             f"this data has {self.n} rows with seed {self.seed}: use a new run_dir")
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])

@@ -1,0 +1,170 @@
+"""Supervised fine-tuning of a checkpoint on chat data, through the same training loop as
+pre-training with a masked objective. Reads TRL's formats from JSONL or Parquet:
+conversational `messages` (system/user/assistant turns) or `prompt`/`completion`, renders
+ChatML, trains on assistant tokens only (end-of-turn included) and packs several
+examples per row without cross-attention. Full fine-tuning, or LoRA/DoRA with `lora:`.
+Reports validation loss and, for examples whose last turn is the assistant's answer,
+greedy exact-match accuracy before and after training.
+
+  lmforge sft recipes/demo/sft.yaml
+  lmforge sft recipes/demo/sft.yaml lora.r=16 lora.alpha=32 train.lr=1e-3
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from lmforge.core.io import InputError, atomic_write_json, expand_paths
+from lmforge.core.run import log, start_run
+from lmforge.data.chat import add_chat_template, read_sft_examples, read_sft_records, render_chatml
+from lmforge.data.documents import SkipLog
+from lmforge.data.packing import pack_examples, pad_examples
+from lmforge.data.rows import RowLoader
+from lmforge.data.sft_demo import exact_match
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
+from lmforge.model.generate import GenerationConfig, generate
+from lmforge.objectives.sft import SFTObjective
+from lmforge.peft.adapters import save_adapter
+from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
+from lmforge.train.loop import TrainConfig, resolve_device, train
+
+
+@dataclass
+class SFTDataConfig:
+    train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
+    val: list[str] = field(default_factory=list)
+    max_length: int = 512  # tokens per example (and per packed row)
+    packing: bool = True  # several examples per row, block-diagonal attention
+    assistant_only: bool = True  # loss on assistant turns only (else on every token)
+    on_bad: Literal["error", "skip"] = "error"  # an invalid example: stop, or skip and count
+    on_too_long: Literal["error", "truncate", "skip"] = "error"
+    seed: int = 0
+
+
+@dataclass
+class SFTEvalConfig:
+    exact_match: bool = True  # greedy answers to validation prompts, compared to the reference
+    max_examples: int = 200
+    max_new_tokens: int = 32
+
+
+@dataclass
+class SFTRecipe:
+    run_dir: str = "runs/sft"
+    checkpoint: str = "runs/pretrain"  # base model: a checkpoint, a run directory, or an imported HF model
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    lora: LoraConfig | None = None  # set to fine-tune adapters only (use_dora for DoRA)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
+    eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)
+
+
+def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> dict[str, torch.Tensor]:
+    pairs = [(e.input_ids, e.labels) for e in examples]
+    return pack_examples(pairs, max_length, pad_id) if packing else pad_examples(pairs, pad_id, pad_to=max_length)
+
+
+def exact_match_accuracy(model: torch.nn.Module, tok: Tokenizer, paths: list[str], cfg: SFTEvalConfig) -> dict | None:
+    """Greedy answers to the validation conversations' last user turn, scored by exact match."""
+    prompts, answers = [], []
+    for _, record in read_sft_records(paths):
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not messages or messages[-1].get("role") != "assistant":
+            continue
+        text = "".join(seg for seg, _ in render_chatml(messages[:-1], add_generation_prompt=True))
+        prompts.append([tok.bos_id, *tok.encode(text)])
+        answers.append(messages[-1]["content"])
+        if len(prompts) >= cfg.max_examples:
+            break
+    if not prompts:
+        return None
+    was_training = model.training
+    model.eval()
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=[tok.token_to_id("<|im_end|>"), tok.eos_id])
+    correct = 0
+    for i in range(0, len(prompts), 32):
+        results = generate(model, prompts[i : i + 32], gen, tok)
+        correct += sum(exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32]))
+    model.train(was_training)
+    return {"exact_match": correct / len(prompts), "examples": len(prompts)}
+
+
+def run_sft(recipe: SFTRecipe) -> dict:
+    if not recipe.data.train:
+        raise InputError("data.train is empty: list the JSONL/Parquet files to fine-tune on")
+    expand_paths(recipe.data.train, what="SFT training")
+    run_dir = start_run(recipe, recipe.run_dir)
+    device = resolve_device(recipe.train.device)
+    torch.manual_seed(recipe.train.seed)
+    model, base_dir = load_model(recipe.checkpoint, device=device)
+    # The run's tokenizer: the base model's, with the ChatML template that HF's apply_chat_template uses.
+    tok_dir = run_dir / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(base_dir / name, tok_dir / name)
+    add_chat_template(tok_dir)
+    tok = Tokenizer.load(tok_dir)
+    if recipe.data.max_length > model.cfg.max_seq_len:
+        raise InputError(f"data.max_length {recipe.data.max_length} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+
+    d = recipe.data
+    skipped = SkipLog()
+    train_examples = list(read_sft_examples(d.train, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
+                                            skipped=skipped, assistant_only=d.assistant_only))
+    if not train_examples:
+        raise InputError(f"no usable training examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
+    val_examples = list(read_sft_examples(d.val, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
+                                          skipped=skipped, assistant_only=d.assistant_only)) if d.val else []
+    train_rows = build_rows(train_examples, d.max_length, d.packing, tok.pad_id)
+    log.info("sft: %d training examples in %d rows of %d tokens (%s); %d validation examples; %d skipped or truncated",
+             len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded",
+             len(val_examples), skipped.total)
+
+    before = exact_match_accuracy(model, tok, d.val, recipe.eval) if d.val and recipe.eval.exact_match else None
+    if before:
+        log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])
+    if recipe.lora is not None:
+        wrapped = apply_lora(model, recipe.lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("sft: LoRA r=%d on %d linears: %.3fM trainable parameters", recipe.lora.r, len(wrapped), trainable / 1e6)
+
+    cfg = recipe.train
+    loader = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed)
+    val_rows = build_rows(val_examples, d.max_length, d.packing, tok.pad_id) if val_examples else None
+    summary = train(
+        model=model,
+        objective=SFTObjective(),
+        train_batches=loader,
+        cfg=cfg,
+        run_dir=run_dir,
+        recipe=recipe,
+        val_batches=(lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None,
+        flops_per_token=model.cfg.flops_per_token(d.max_length),
+        tokenizer_dir=tok_dir,
+    )
+    # The fine-tuned model as a plain checkpoint (LoRA merged) that generate/export/eval read,
+    # plus, for LoRA, the adapter in PEFT's format.
+    final = run_dir / "final"
+    if recipe.lora is not None:
+        save_adapter(model, recipe.lora, run_dir / "adapter", base_model_name_or_path=str(base_dir))
+        merge_lora(model)
+    final.mkdir(parents=True, exist_ok=True)
+    write_model_files(final, model, tok_dir)
+    write_checksums(final)
+    after = exact_match_accuracy(model, tok, d.val, recipe.eval) if d.val and recipe.eval.exact_match else None
+    summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
+                   exact_match_before=before, exact_match_after=after, final_checkpoint=str(final),
+                   lora=recipe.lora is not None)
+    atomic_write_json(run_dir / "summary.json", summary)
+    if after:
+        log.info("sft: exact match after training %.1f%% (before %.1f%%); model in %s",
+                 100 * after["exact_match"], 100 * (before or {}).get("exact_match", 0.0), final)
+    return summary
+
+
+RECIPE = SFTRecipe
+run = run_sft

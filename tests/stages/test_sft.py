@@ -1,0 +1,91 @@
+import json
+
+import pytest
+import torch
+
+from lmforge.core.config import load_config
+from lmforge.core.io import InputError
+from lmforge.data.rows import RowLoader
+from lmforge.data.sft_demo import write_demo
+from lmforge.model.checkpoint import load_model, write_checksums, write_model_files
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
+from lmforge.stages.sft import SFTRecipe, run_sft
+from lmforge.train.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(tmp_path_factory, small_tokenizer_dir):
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                    max_seq_len=128))
+    write_model_files(path, model, small_tokenizer_dir)
+    write_checksums(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft_data")
+    write_demo(path, 120, seed=0, val_fraction=0.1)
+    return path
+
+
+def recipe(tmp_path, base, data, *overrides):
+    return load_config(SFTRecipe, None, [
+        f"run_dir={tmp_path / 'run'}", f"checkpoint={base}",
+        f"data.train=[{data / 'train.jsonl'}]", f"data.val=[{data / 'val.jsonl'}]", "data.max_length=128",
+        "train.max_steps=6", "train.warmup_steps=1", "train.lr=3e-3", "train.micro_batch_size=4", "train.precision=fp32",
+        "train.eval_every=3", "train.eval_batches=2", "train.tensorboard=false", "train.device=cpu",
+        "eval.max_examples=8", "eval.max_new_tokens=8", *overrides])
+
+
+def test_full_fine_tuning_trains_assistant_tokens_and_writes_a_loadable_model(tmp_path, base_checkpoint, sft_data):
+    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert losses[-1] < losses[0]
+    n_val = len((sft_data / "val.jsonl").read_text().splitlines())
+    assert summary["exact_match_before"]["examples"] == min(8, n_val) and "exact_match" in summary["exact_match_after"]
+    model, where = load_model(tmp_path / "run")  # resolves to run/final
+    assert where.name == "final" and model.cfg.d_model == 32
+    config = json.loads((where / "tokenizer_config.json").read_text())
+    assert "chat_template" in config  # HF's apply_chat_template gives our ids (tests/data/test_chat.py)
+
+
+def test_lora_fine_tuning_saves_a_peft_adapter_and_a_merged_model(tmp_path, base_checkpoint, sft_data):
+    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, "lora={r: 4, alpha: 8}"))
+    assert summary["lora"] is True
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    base, _ = load_model(base_checkpoint)
+    tuned, _ = load_model(tmp_path / "run")
+    changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert changed and all(".attn." in n or ".mlp." in n for n in changed)  # only adapted linears moved
+
+
+def test_bad_examples_name_file_and_line_or_are_counted(tmp_path, base_checkpoint, sft_data):
+    bad = tmp_path / "bad.jsonl"
+    good = (sft_data / "train.jsonl").read_text().splitlines()[:20]
+    bad.write_text("\n".join(good[:3] + ['{"messages": [{"role": "user", "content": "no answer"}]}'] + good[3:]) + "\n")
+    with pytest.raises(InputError, match=r"bad\.jsonl:4"):
+        run_sft(recipe(tmp_path, base_checkpoint, sft_data, f"data.train=[{bad}]"))
+    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, f"data.train=[{bad}]", "data.on_bad=skip"))
+    assert summary["skipped"]["total"] == 1 and summary["train_examples"] == 20
+
+
+def test_row_loader_resumes_exactly():
+    rows = {"input_ids": torch.arange(50).view(25, 2)}
+    full = RowLoader(rows, 3, seed=1)
+    expected = [next(full)["input_ids"] for _ in range(20)]
+    first = RowLoader(rows, 3, seed=1)
+    got = [next(first)["input_ids"] for _ in range(7)]
+    resumed = RowLoader(rows, 3, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    got += [next(resumed)["input_ids"] for _ in range(13)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    ranks = [RowLoader(rows, 2, seed=1, rank=r, world_size=2) for r in range(2)]
+    whole = RowLoader(rows, 4, seed=1)
+    for _ in range(5):
+        both = torch.cat([next(r)["input_ids"] for r in ranks])
+        assert torch.equal(both, next(whole)["input_ids"])
