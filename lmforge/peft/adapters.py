@@ -8,6 +8,8 @@ such as ``q_proj``) and ``adapter_model.safetensors`` with PEFT's key names::
     base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector  (out,)  DoRA only
 
 The base model is the ``lmforge export`` of the same checkpoint (``lmforge.model.hf`` names).
+QLoRA adapters are the same tensors: the NF4 base is not saved, and ``load_adapter`` fills a
+model on which ``apply_lora(model, LoraConfig(quantize_base=True, ...))`` was already called.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.model.hf import from_hf_name, to_hf_name
 from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules
+from lmforge.peft.nf4 import NF4Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -83,7 +86,10 @@ def save_adapter(model: torch.nn.Module, cfg: LoraConfig, directory: str | Path,
         tensors[f"{prefix}.lora_B.weight"] = module.lora_B.weight
         if module.lora_magnitude_vector is not None:
             tensors[f"{prefix}.lora_magnitude_vector"] = module.lora_magnitude_vector
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".lora_" not in n and not n.endswith(".base")]
+    linears = [
+        n for n, m in model.named_modules()
+        if isinstance(m, (torch.nn.Linear, NF4Linear)) and ".lora_" not in n and not n.endswith(".base")
+    ]
     targets = peft_target_modules(list(modules), linears + list(modules))
     directory = Path(directory)
     with atomic_directory(directory) as tmp:

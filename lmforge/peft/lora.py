@@ -11,6 +11,13 @@ export; ``lora_state_dict`` is what a training run needs to save. The formulas, 
 dropout placement and merge follow ``peft/tuners/lora/layer.py`` (``Linear``) and
 ``peft/tuners/lora/dora.py``/``variants.py`` (``DoraLinearLayer``/``DoraLinearVariant``);
 ``tests/peft/test_lora.py`` checks them against PEFT in float64.
+
+QLoRA (Dettmers et al. 2023) is the same adapter over a frozen NF4 base (``NF4Linear``):
+``LoraConfig(quantize_base=True)`` quantises each targeted linear before wrapping it, and
+the matmuls run in the activations' dtype (bf16 under autocast). An NF4 base is never
+merged in place (that would round the update into 4 bits, peft#2321); ``merge_lora``
+dequantises and returns a full-precision ``nn.Linear``, PEFT's dequantise-then-merge.
+``tests/peft/test_qlora.py`` checks it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmforge.peft.nf4 import NF4Linear
 
 DEFAULT_TARGETS = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3"]
 ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
@@ -46,6 +55,11 @@ class LoraConfig:
     use_rslora: bool = False  # s = α/√r instead of α/r
     use_dora: bool = False
     init: Literal["kaiming", "gaussian"] = "kaiming"  # A's init; B always starts at zero
+    # QLoRA: store each targeted linear's weight in NF4 (double-quantised scales) under the adapter.
+    # The QLoRA paper's blocks are 64 and 256, so a weight needs a multiple of 64·256 elements.
+    quantize_base: bool = False
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -62,17 +76,18 @@ class LoraConfig:
 
 
 class LoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` plus a trainable low-rank update (and, with DoRA, a magnitude).
+    """A frozen ``nn.Linear`` or ``NF4Linear`` (QLoRA) plus a trainable low-rank update (and, with DoRA, a magnitude).
 
     LoRA:  ``y = W x + b + s · B A drop(x)``
     DoRA:  ``y = (m/n) ⊙ (W x′ + s · B A x′) + b``, ``n = ‖W + s·BA‖`` per output row, held
     constant in the backward pass (DoRA §4.3). ``x′ = drop(x)``; as in PEFT, when dropout is
     active the base term is recomputed on ``x′``, otherwise the base output is reused.
+    W is read through ``base_weight()``: the dequantised weight for an NF4 base.
     """
 
     def __init__(
         self,
-        base: nn.Linear,
+        base: nn.Linear | NF4Linear,
         r: int = 8,
         alpha: float = 16.0,
         dropout: float = 0.0,
@@ -85,7 +100,12 @@ class LoraLinear(nn.Module):
         self.base.requires_grad_(False)
         self.r, self.alpha, self.use_dora = r, alpha, use_dora
         self.scaling = alpha / (math.sqrt(r) if use_rslora else r)
-        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        # Adapters live on the base's device in the dtype W is read in: an nn.Linear's weight dtype,
+        # an NF4Linear's dequantisation dtype. So a bf16-stored base gets bf16 adapters (as torchtune
+        # does); for fp32 master weights keep the base in fp32 and run the forward under autocast.
+        reference = next(t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point())
+        weight_dtype = base.weight.dtype if isinstance(base, nn.Linear) else base.scaler_mean.dtype
+        factory = {"device": reference.device, "dtype": weight_dtype}
         self.lora_A = nn.Linear(base.in_features, r, bias=False, **factory)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, **factory)
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -115,6 +135,15 @@ class LoraLinear(nn.Module):
             raise ValueError(f"LoRA init {init!r} is unknown; choose 'kaiming' or 'gaussian'")
         nn.init.zeros_(self.lora_B.weight)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the frozen base is stored in NF4 (QLoRA)."""
+        return isinstance(self.base, NF4Linear)
+
+    def base_weight(self) -> torch.Tensor:
+        """The frozen (out, in) weight W: ``nn.Linear.weight``, or an NF4 base dequantised (a fresh tensor)."""
+        return self.base.dequantized_weight() if self.quantized else self.base.weight
+
     def delta_weight(self) -> torch.Tensor:
         """s · B @ A, the (out, in) update LoRA adds to W."""
         return self.scaling * (self.lora_B.weight @ self.lora_A.weight)
@@ -122,8 +151,9 @@ class LoraLinear(nn.Module):
     def weight_norm(self) -> torch.Tensor:
         """n = ‖W + s·BA‖₂ per output row, with no gradient to W, A or B (DoRA §4.3)."""
         with torch.no_grad():
+            weight = self.base_weight()
             lora_weight = self.lora_B.weight @ self.lora_A.weight
-            return torch.linalg.norm(self.base.weight + self.scaling * lora_weight, dim=1).to(self.base.weight.dtype)
+            return torch.linalg.norm(weight + self.scaling * lora_weight, dim=1).to(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
@@ -135,12 +165,11 @@ class LoraLinear(nn.Module):
 
     def _dora_extra(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """``(m/n − 1)·W x′ + (m/n)·s·B A x′``: what DoRA adds to ``W x + b`` (bias left unscaled)."""
-        weight = self.base.weight
         if isinstance(self.lora_dropout, nn.Identity) or not self.training:
             base_out = result if self.base.bias is None else result - self.base.bias
         else:
             x = self.lora_dropout(x)
-            base_out = F.linear(x, weight)
+            base_out = F.linear(x, self.base_weight())
         scale = (self.lora_magnitude_vector / self.weight_norm()).view(1, -1)
         lora_out = self.lora_B(self.lora_A(x))
         return (scale - 1) * base_out + scale * lora_out * self.scaling
@@ -148,18 +177,25 @@ class LoraLinear(nn.Module):
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """W + s·BA, or (m/n)(W + s·BA) with DoRA: the plain weight that computes the same function."""
+        base_weight = self.base_weight()
         if self.merged:
-            return self.base.weight.detach().clone()
-        weight = self.base.weight + self.delta_weight()
+            return base_weight.detach().clone()
+        weight = base_weight + self.delta_weight()
         if self.lora_magnitude_vector is not None:
             weight = (self.lora_magnitude_vector / self.weight_norm()).view(-1, 1) * weight
-        return weight.to(self.base.weight.dtype)
+        return weight.to(base_weight.dtype)
 
     @torch.no_grad()
     def merge(self) -> None:
         """Fold the adapter into the base weight in place (exact only in eval: dropout acts on x)."""
         if self.merged:
             return
+        if self.quantized:
+            raise RuntimeError(
+                "merge(): this LoRA layer's base is NF4; merging into a 4-bit base would re-quantise the "
+                "update and lose most of it (peft#2321). Use merge_lora(model), which returns a "
+                "full-precision nn.Linear with dequant(W) + s·BA"
+            )
         if self.lora_magnitude_vector is not None:
             self._merged_norm = self.weight_norm()
         self.base.weight.copy_(self.merged_weight())
@@ -178,7 +214,10 @@ class LoraLinear(nn.Module):
         self.merged = False
 
     def extra_repr(self) -> str:
-        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, dora={self.use_dora}, merged={self.merged}"
+        return (
+            f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, dora={self.use_dora}, "
+            f"nf4={self.quantized}, merged={self.merged}"
+        )
 
 
 # --------------------------------------------------------------------------- whole models
@@ -192,16 +231,19 @@ def matches_target(name: str, target_modules: list[str] | str) -> bool:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Wrap every ``nn.Linear`` whose name matches in a ``LoraLinear``; freeze all else.
+    """Wrap every ``nn.Linear`` (or ``NF4Linear``) whose name matches in a ``LoraLinear``; freeze all else.
 
+    With ``cfg.quantize_base`` (QLoRA) each matched ``nn.Linear`` is first replaced by an
+    ``NF4Linear``; untargeted layers (embeddings, an untargeted ``lm_head``) stay as they are.
     Returns the wrapped module names. Raises ``ValueError`` naming the candidates when
-    nothing matches, and when a target's weight is shared (a tied ``lm_head``), since
-    merging into it would also change the embedding.
+    nothing matches, when a target's weight is shared (a tied ``lm_head``), since merging
+    into it would also change the embedding, and when a target's shape does not fit the NF4
+    blocks; the model is left unchanged in these cases.
     """
     inside_lora = {n for n, m in model.named_modules() if isinstance(m, LoraLinear)}
     candidates = [
         n for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not any(n.startswith(p + ".") for p in inside_lora)
+        if isinstance(m, (nn.Linear, NF4Linear)) and not any(n.startswith(p + ".") for p in inside_lora)
     ]
     names = [n for n in candidates if matches_target(n, cfg.target_modules)]
     if not names:
@@ -213,11 +255,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     uses = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    for name in names:
+    bases: dict[str, nn.Linear | NF4Linear] = {}
+    for name in names:  # check (and quantise) every target before changing the model
         linear = model.get_submodule(name)
-        if uses[id(linear.weight)] > 1:
+        if isinstance(linear, nn.Linear) and uses[id(linear.weight)] > 1:
             raise ValueError(f"LoRA target {name!r} shares its weight with another module (tied embeddings); leave it out of target_modules")
-        wrapped = LoraLinear(linear, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, cfg.use_dora, cfg.init)
+        if cfg.quantize_base and isinstance(linear, nn.Linear):
+            try:
+                linear = NF4Linear.from_linear(linear, cfg.nf4_block_size, cfg.nf4_scaler_block_size)
+            except ValueError as e:
+                raise ValueError(
+                    f"QLoRA cannot quantise target {name!r} to NF4: {e}. Change nf4_block_size/"
+                    f"nf4_scaler_block_size or leave {name!r} out of target_modules"
+                ) from e
+        bases[name] = linear
+    for name, base in bases.items():
+        wrapped = LoraLinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, cfg.use_dora, cfg.init)
         model.set_submodule(name, wrapped)
     for pname, p in model.named_parameters():
         p.requires_grad_(pname.endswith(ADAPTER_PARAMS))
@@ -233,16 +286,20 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
 def merge_lora(model: nn.Module) -> list[str]:
     """Replace each ``LoraLinear`` by a plain ``nn.Linear`` with the merged weight, for export.
 
-    The new linears keep the base layers' ``requires_grad`` (frozen). Returns the merged names.
+    An NF4 (QLoRA) base is dequantised first: the new weight is dequant(W) + s·BA (DoRA:
+    (m/n)(dequant(W) + s·BA)) in the dequantisation dtype, so the merged model computes what the
+    QLoRA model computed, not what the original full-precision W would have. The new linears
+    are frozen like their bases. Returns the merged names.
     """
     names = []
     for name, module in lora_modules(model).items():
         base = module.base
-        plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=base.weight.device, dtype=base.weight.dtype)
-        plain.weight.copy_(module.merged_weight())
+        weight = module.merged_weight()
+        plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=weight.device, dtype=weight.dtype)
+        plain.weight.copy_(weight)
         if base.bias is not None:
             plain.bias.copy_(base.bias)
-        plain.requires_grad_(base.weight.requires_grad)
+        plain.requires_grad_(not module.quantized and base.weight.requires_grad)
         model.set_submodule(name, plain)
         names.append(name)
     return names

@@ -40,17 +40,21 @@ class ExportRecipe:
     run_dir: str = "runs/hf"  # the Hugging Face model folder to write (an earlier export there is replaced)
     format: Literal["hf"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = as stored in the checkpoint
+    merge_lora: str | None = None  # a PEFT-format adapter folder to merge into the checkpoint's weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint directory, or a run directory (uses its newest valid checkpoint)")
     parser.add_argument("out_dir", help="output folder for the Hugging Face model (recipe key run_dir)")
     parser.add_argument("--format", choices=["hf"], default="hf", help="output format (default: hf)")
+    parser.add_argument("--merge-lora", metavar="ADAPTER", default=None,
+                        help="merge this LoRA/DoRA adapter (PEFT format, e.g. an sft run's adapter/) into the weights")
 
 
 def recipe_from_args(args: argparse.Namespace) -> ExportRecipe:
     recipe = load_config(ExportRecipe, None, list(args.overrides))
-    return dataclasses.replace(recipe, checkpoint=args.checkpoint, run_dir=args.out_dir, format=args.format)
+    recipe = dataclasses.replace(recipe, checkpoint=args.checkpoint, run_dir=args.out_dir, format=args.format)
+    return dataclasses.replace(recipe, merge_lora=args.merge_lora) if args.merge_lora else recipe
 
 
 def run_export(recipe: ExportRecipe) -> Path:
@@ -60,10 +64,13 @@ def run_export(recipe: ExportRecipe) -> Path:
     out = Path(recipe.run_dir)
     _check_output_dir(out, ckpt)
     cfg = load_model_config(ckpt)
-    try:
-        state = load_file(str(ckpt / WEIGHTS), device="cpu")
-    except Exception as exc:  # safetensors raises its own error types for truncated files
-        raise InputError(f"{ckpt / WEIGHTS}: cannot read weights: {exc}") from exc
+    if recipe.merge_lora:
+        state = merged_state(ckpt, recipe.merge_lora)
+    else:
+        try:
+            state = load_file(str(ckpt / WEIGHTS), device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for truncated files
+            raise InputError(f"{ckpt / WEIGHTS}: cannot read weights: {exc}") from exc
     check_weights(state, cfg, where=str(ckpt / WEIGHTS))
     state = cast_weights(state, recipe.dtype)
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
@@ -87,6 +94,21 @@ def run_export(recipe: ExportRecipe) -> Path:
     n_params = sum(v.numel() for v in hf_state.values())
     log.info("export: %s -> %s (%s, %.1fM parameters, %s)", ckpt, out, hf_config["architectures"][0], n_params / 1e6, dtype)
     return ckpt
+
+
+def merged_state(ckpt: Path, adapter_dir: str) -> dict:
+    """The checkpoint's weights with a PEFT-format adapter merged in: W + s·BA (DoRA: (m/n)(W + s·BA))."""
+    from lmforge.model.checkpoint import load_model, model_state_for_saving
+    from lmforge.peft.adapters import load_adapter
+    from lmforge.peft.lora import merge_lora
+
+    if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise InputError(f"{adapter_dir}: no adapter_config.json; give a PEFT-format adapter folder (an sft run's adapter/)")
+    model, _ = load_model(ckpt)
+    wrapped = load_adapter(model, adapter_dir)
+    merge_lora(model)
+    log.info("export: merged %d adapted linears from %s", len(wrapped), adapter_dir)
+    return {k: v.detach() for k, v in model_state_for_saving(model).items()}
 
 
 def _check_output_dir(out: Path, ckpt: Path) -> None:

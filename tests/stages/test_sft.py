@@ -89,3 +89,18 @@ def test_row_loader_resumes_exactly():
     for _ in range(5):
         both = torch.cat([next(r)["input_ids"] for r in ranks])
         assert torch.equal(both, next(whole)["input_ids"])
+
+
+def test_export_merge_lora_writes_the_fine_tuned_weights(tmp_path, base_checkpoint, sft_data):
+    import transformers
+
+    from lmforge.stages.export import ExportRecipe, run_export
+
+    run_sft(recipe(tmp_path, base_checkpoint, sft_data, "lora={r: 4, alpha: 8}", "train.max_steps=3"))
+    run_export(ExportRecipe(checkpoint=str(base_checkpoint), run_dir=str(tmp_path / "hf"),
+                            merge_lora=str(tmp_path / "run" / "adapter")))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tuned, _ = load_model(tmp_path / "run")  # the run's own merged model
+    x = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(hf(x).logits, tuned(x), atol=1e-5)
