@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError, atomic_write_json, expand_paths
 from lmforge.core.run import log, start_run
 from lmforge.data.chat import add_chat_template, read_sft_examples, read_sft_records, render_chatml
@@ -128,7 +129,10 @@ def run_sft(recipe: SFTRecipe) -> dict:
     if before:
         log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])
     if recipe.lora is not None:
-        wrapped = apply_lora(model, recipe.lora)
+        try:
+            wrapped = apply_lora(model, recipe.lora)
+        except ValueError as exc:  # no matching target, a tied target, a shape NF4 cannot block
+            raise ConfigError(f"lora: {exc}") from exc
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info("sft: LoRA r=%d on %d linears: %.3fM trainable parameters", recipe.lora.r, len(wrapped), trainable / 1e6)
 

@@ -104,3 +104,12 @@ def test_export_merge_lora_writes_the_fine_tuned_weights(tmp_path, base_checkpoi
     x = torch.randint(0, 512, (2, 12))
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, tuned(x), atol=1e-5)
+
+
+def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path, base_checkpoint, sft_data):
+    lora = "lora={r: 4, alpha: 8, quantize_base: true, nf4_block_size: 64, nf4_scaler_block_size: 8}"
+    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, lora, "train.max_steps=10", "train.lr=2e-2"))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert summary["lora"] is True and losses[-1] < losses[0]
+    tuned, _ = load_model(tmp_path / "run")  # merged: dequant(W) + s·BA, a plain full-precision model
+    assert all(type(m).__name__ != "NF4Linear" for m in tuned.modules())
