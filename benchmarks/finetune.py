@@ -1,7 +1,7 @@
 """Fine-tuning cost of full, LoRA and QLoRA training of the same model, side by side.
 
-    python benchmarks/finetune.py                         # smollm2-135m shape, batch 4 x 256, bf16 autocast
-    python benchmarks/finetune.py --preset tiny --precision fp32
+    python benchmarks/finetune.py                         # tiny preset (17M), batch 4 x 256, bf16 autocast
+    python benchmarks/finetune.py --precision fp32 --batch 8
 
 Each mode runs in its own child process (so peak memory is that mode's alone) with the
 same model, batch and precision: forward, backward, clip, AdamW on the trainable
@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
