@@ -159,6 +159,8 @@ def _stage_section(r: dict, run_dir: Path) -> list[str]:
     if verb == "sft" and isinstance(res, dict):
         out = [f"- {res.get('train_examples')} training examples, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
                f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+        skipped = (res.get("skipped") or {}).get("by_reason") or {}
+        out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped if skipped else ''}".rstrip())
         if res.get("val_loss") is not None:
             out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token (assistant tokens)")
         before, after = res.get("exact_match_before"), res.get("exact_match_after")
