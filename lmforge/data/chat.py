@@ -16,14 +16,13 @@ markers, the same assistant mask in ``transformers``' ``apply_chat_template``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.io import InputError, atomic_write_json, expand_paths, read_json
-from lmforge.data.documents import PARQUET_SUFFIXES, SkipLog, open_binary
+from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, SkipLog, jsonl_records
 from lmforge.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer
 
 IGNORE_INDEX = -100
@@ -209,20 +208,8 @@ def read_sft_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with open_binary(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield where, ExampleError("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield where, ExampleError("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+    for where, record in jsonl_records(path):
+        yield where, ExampleError(record.reason, record.detail) if isinstance(record, BadRecord) else record
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from lmforge.core.io import InputError, expand_paths
 
@@ -113,30 +113,46 @@ def open_binary(path: Path) -> IO[bytes]:
         raise InputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
 
 
-def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+@dataclass
+class BadRecord:
+    """A JSONL line that is not valid UTF-8 JSON: the reason (for counting) and a message."""
+
+    reason: str
+    detail: str
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``."""
     with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                _bad(cfg, skipped, "invalid_utf8", where, f"invalid UTF-8 at byte {exc.start} of the line")
+                yield where, BadRecord("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
                 continue
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as exc:
-                _bad(cfg, skipped, "malformed_json", where, f"malformed JSON: {exc.msg} at column {exc.colno}")
-                continue
-            if not isinstance(record, dict):
-                _bad(cfg, skipped, "not_an_object", where, f"expected a JSON object, got {type(record).__name__}")
-                continue
-            missing = f"no {cfg.text_field!r} field (keys: {sorted(record)[:8]})"
-            if _usable_text(record.get(cfg.text_field), missing, where, cfg, skipped):
-                doc_id = record.get(cfg.id_field)
-                yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{lineno}",
-                               text=record[cfg.text_field], source=str(path))
+                yield where, BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+
+
+def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    for where, record in jsonl_records(path):
+        if isinstance(record, BadRecord):
+            _bad(cfg, skipped, record.reason, where, record.detail)
+            continue
+        if not isinstance(record, dict):
+            _bad(cfg, skipped, "not_an_object", where, f"expected a JSON object, got {type(record).__name__}")
+            continue
+        missing = f"no {cfg.text_field!r} field (keys: {sorted(record)[:8]})"
+        if _usable_text(record.get(cfg.text_field), missing, where, cfg, skipped):
+            doc_id = record.get(cfg.id_field)
+            line = where.rsplit(":", 1)[1]
+            yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{line}",
+                           text=record[cfg.text_field], source=str(path))
 
 
 def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
