@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# torchtune: a test-only reference for the DPO losses; its loss module needs only torch
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt torchtune
 	touch $(STAMP)
 
 demo: $(STAMP)
