@@ -2,7 +2,8 @@
 pre-training with a masked objective. Reads TRL's formats from JSONL or Parquet:
 conversational `messages` (system/user/assistant turns) or `prompt`/`completion`, renders
 ChatML, trains on assistant tokens only (end-of-turn included) and packs several
-examples per row without cross-attention. Full fine-tuning, or LoRA/DoRA with `lora:`.
+examples per row without cross-attention. Full fine-tuning, or LoRA/DoRA with `lora:` (QLoRA
+with `lora.quantize_base=true`: the adapted linears are stored in NF4).
 Reports validation loss and, for examples whose last turn is the assistant's answer,
 greedy exact-match accuracy before and after training.
 
