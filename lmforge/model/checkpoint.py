@@ -69,22 +69,32 @@ def verify_checksums(directory: str | Path) -> None:
             raise InputError(f"{f}: checksum mismatch; the checkpoint is truncated or corrupted")
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest valid checkpoint of a run directory."""
+def latest_valid_checkpoint(run_dir: str | Path) -> Path | None:
+    """Newest ``run_dir/checkpoints/step_*`` whose checksums verify; a corrupt one is skipped with a warning."""
+    from lmforge.core.run import log
+
+    for candidate in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
+        try:
+            verify_checksums(candidate)
+            return candidate
+        except InputError as exc:
+            log.warning("skipping checkpoint %s: %s", candidate, exc)
+    return None
+
+
+def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
+    """A checkpoint directory, a fine-tuning run's ``final/``, or the newest valid checkpoint of a
+    run directory; with ``verify``, the one returned has had its checksums checked."""
     path = Path(path)
-    if (path / WEIGHTS).is_file():
-        return path
-    if (path / "final" / WEIGHTS).is_file():  # a fine-tuning run's finished (merged) model
-        return path / "final"
-    ckpts = path / "checkpoints"
-    if ckpts.is_dir():
-        for candidate in sorted(ckpts.glob("step_*"), reverse=True):
-            try:
-                verify_checksums(candidate)
-                return candidate
-            except InputError:
-                continue
-    raise InputError(f"{path}: not a checkpoint (no {WEIGHTS}) and no valid checkpoint under {ckpts}")
+    for direct in (path, path / "final"):  # final/: a fine-tuning run's finished (merged) model
+        if (direct / WEIGHTS).is_file():
+            if verify:
+                verify_checksums(direct)
+            return direct
+    latest = latest_valid_checkpoint(path)
+    if latest is None:
+        raise InputError(f"{path}: not a checkpoint (no {WEIGHTS}) and no valid checkpoint under {path / 'checkpoints'}")
+    return latest
 
 
 def load_model_config(directory: str | Path) -> ModelConfig:
@@ -98,9 +108,7 @@ def load_model_config(directory: str | Path) -> ModelConfig:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> tuple[Transformer, Path]:
     """Build the model saved at ``path`` (a checkpoint or a run directory) and load its weights."""
-    directory = resolve_checkpoint(path)
-    if verify:
-        verify_checksums(directory)
+    directory = resolve_checkpoint(path, verify)
     cfg = load_model_config(directory)
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
-from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config, resolve_checkpoint, verify_checksums
+from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config, resolve_checkpoint
 from lmforge.model.hf import (
     HF_WEIGHTS,
     cast_weights,
@@ -60,7 +60,6 @@ def recipe_from_args(args: argparse.Namespace) -> ExportRecipe:
 def run_export(recipe: ExportRecipe) -> Path:
     """Write ``recipe.run_dir`` atomically; return the checkpoint directory that was exported."""
     ckpt = resolve_checkpoint(recipe.checkpoint)
-    verify_checksums(ckpt)
     out = Path(recipe.run_dir)
     _check_output_dir(out, ckpt)
     cfg = load_model_config(ckpt)

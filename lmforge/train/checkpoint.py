@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from lmforge.core.config import save_config
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json
+from lmforge.core.io import atomic_directory, atomic_write_json
 from lmforge.model.checkpoint import load_weights, verify_checksums, write_checksums, write_model_files
 from lmforge.model.transformer import Transformer
 
@@ -73,21 +72,6 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_valid_checkpoint(run_dir: Path) -> Path | None:
-    """Newest checkpoint whose checksums verify; a corrupt one is skipped with a warning."""
-    from lmforge.core.run import log
-
-    for candidate in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
-        if candidate.name.startswith("."):
-            continue
-        try:
-            verify_checksums(candidate)
-            return candidate
-        except InputError as exc:
-            log.warning("skipping checkpoint %s: %s", candidate, exc)
-    return None
-
-
 @dataclass
 class ResumeState:
     step: int
@@ -109,5 +93,4 @@ def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.op
     state = json.loads((ckpt / TRAINER_STATE).read_text())
     version, internal, gauss = state.pop("python_random")
     random.setstate((version, tuple(internal), gauss))
-    np.random.seed(state["step"])  # numpy's global RNG is not used by lmforge; keep it deterministic anyway
     return ResumeState(step=state.pop("step"), trainer_state=state)

@@ -21,7 +21,8 @@ from torch import nn
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log, progress_bar
-from lmforge.train.checkpoint import latest_valid_checkpoint, load_training_checkpoint, save_training_checkpoint
+from lmforge.model.checkpoint import latest_valid_checkpoint
+from lmforge.train.checkpoint import load_training_checkpoint, save_training_checkpoint
 from lmforge.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from lmforge.train.optim import build_adamw, lr_at
 
