@@ -11,10 +11,10 @@ import dataclasses
 import difflib
 import sys
 import types
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import get_type_hints
 
 from lmforge import __version__
-from lmforge.core.config import ConfigError, dump_config, load_config
+from lmforge.core.config import ConfigError, dump_config, load_config, type_name
 from lmforge.core.io import InputError
 from lmforge.core.run import setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
@@ -31,23 +31,8 @@ def recipe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         if dataclasses.is_dataclass(tp):
             rows += recipe_keys(tp, f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", _type_label(tp), repr(value)))
+            rows.append((f"{prefix}{f.name}", type_name(tp), repr(value)))
     return rows
-
-
-def _type_label(tp: Any) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin in (Union, types.UnionType):
-        return " | ".join("null" if a is type(None) else _type_label(a) for a in args)
-    if origin is Literal:
-        return " | ".join(str(a) for a in args)
-    if origin in (list, tuple):
-        return f"list[{_type_label(args[0])}]" if args else "list"
-    if origin is dict:
-        return "mapping"
-    if dataclasses.is_dataclass(tp):
-        return tp.__name__
-    return getattr(tp, "__name__", str(tp))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -132,7 +132,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     args = get_args(tp)
 
     def bad() -> ConfigError:
-        return ConfigError(f"{source}: '{key}' must be {_type_name(tp)}, got {_show(value)}")
+        return ConfigError(f"{source}: '{key}' must be {type_name(tp)}, got {_show(value)}")
 
     if tp is Any:
         return value
@@ -200,17 +200,17 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: '{key}' has an unsupported annotation {tp!r}")
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = get_origin(tp)
     args = get_args(tp)
     if origin in (Union, types.UnionType):
-        names = [_type_name(a) for a in args if a is not type(None)]
+        names = [type_name(a) for a in args if a is not type(None)]
         text = " or ".join(names)
         return f"{text} or null" if type(None) in args else text
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin is list:
-        return f"a list of {_type_name(args[0])}" if args else "a list"
+        return f"a list of {type_name(args[0])}" if args else "a list"
     if origin is tuple:
         return "a list"
     if origin is dict:

@@ -18,7 +18,7 @@ import torch
 from lmforge.core.config import load_config
 from lmforge.core.run import log
 from lmforge.train.loop import resolve_device
-from lmforge.train.metrics import GPU_PEAKS, measure_matmul_peak, store_peak
+from lmforge.train.metrics import datasheet_peak, measure_matmul_peak, store_peak
 
 
 @dataclass
@@ -48,7 +48,7 @@ def run(recipe: BenchRecipe) -> dict:
         value = measure_matmul_peak(device, dtype, n=recipe.size, seconds=recipe.seconds)
         path = store_peak(device, dtype, value)
         results[name] = value
-        sheet = next((p.get(name) for k, p in GPU_PEAKS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+        sheet = datasheet_peak(device, name)
         extra = f" (data sheet {sheet / 1e12:.0f} TFLOP/s)" if sheet else ""
         print(f"{device.type} {name:<9} {value / 1e9:10.1f} GFLOP/s{extra}")
     log.info("cached in %s", path)

@@ -78,6 +78,14 @@ GPU_PEAKS = {
 }
 
 
+def datasheet_peak(device: torch.device, dtype_name: str) -> float | None:
+    """The data-sheet peak of a known GPU at ``dtype_name`` (e.g. ``bfloat16``), else None."""
+    if device.type != "cuda":
+        return None
+    gpu = torch.cuda.get_device_name(device)
+    return next((peaks.get(dtype_name) for key, peaks in GPU_PEAKS.items() if key in gpu), None)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LMFORGE_CACHE", Path.home() / ".cache" / "lmforge"))
 
@@ -111,11 +119,8 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048,
 def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True, quick: bool = False) -> float | None:
     """Peak FLOP/s of ``device`` at ``dtype``: a GPU data-sheet figure, or this CPU's cached measurement."""
     name = str(dtype).removeprefix("torch.")
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-        for key, peaks in GPU_PEAKS.items():
-            if key in gpu:
-                return peaks.get(name)
+    if device.type == "cuda" and (sheet := datasheet_peak(device, name)) is not None:
+        return sheet
     path = cache_dir() / "peak_flops.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     key = machine_key(device)

@@ -68,28 +68,21 @@ def test_logits_match_llama_for_causal_lm(n_kv_heads, tie):
     assert_same_logits(ours, theirs, cfg.vocab_size)
 
 
-def test_logits_match_llama_with_attention_and_mlp_biases():
-    cfg = ModelConfig(**TINY, n_kv_heads=2, qkv_bias=True, out_bias=True, mlp_bias=True)
+@pytest.mark.parametrize(
+    "fields, architecture",
+    [
+        (dict(n_kv_heads=2, qkv_bias=True, out_bias=True, mlp_bias=True), "LlamaForCausalLM"),
+        (dict(n_kv_heads=2, qkv_bias=True, tie_embeddings=False), "Qwen2ForCausalLM"),
+        (dict(n_kv_heads=2, qkv_bias=True, tie_embeddings=True), "Qwen2ForCausalLM"),
+        (dict(n_kv_heads=2, head_dim=32, qk_norm=True), "Qwen3ForCausalLM"),
+    ],
+    ids=["llama-biases", "qwen2-untied", "qwen2-tied", "qwen3-qk-norm"],
+)
+def test_logits_match_the_hf_architecture_for_the_variant(fields, architecture):
+    cfg = ModelConfig(**TINY, **fields)
     ours = randomized(cfg)
     theirs = hf_model(cfg, ours.state_dict())
-    assert type(theirs).__name__ == "LlamaForCausalLM"
-    assert_same_logits(ours, theirs, cfg.vocab_size)
-
-
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_logits_match_qwen2_for_qkv_biases(tie):
-    cfg = ModelConfig(**TINY, n_kv_heads=2, qkv_bias=True, tie_embeddings=tie)
-    ours = randomized(cfg)
-    theirs = hf_model(cfg, ours.state_dict())
-    assert type(theirs).__name__ == "Qwen2ForCausalLM"
-    assert_same_logits(ours, theirs, cfg.vocab_size)
-
-
-def test_logits_match_qwen3_for_qk_norm():
-    cfg = ModelConfig(**TINY, n_kv_heads=2, head_dim=32, qk_norm=True)
-    ours = randomized(cfg)
-    theirs = hf_model(cfg, ours.state_dict())
-    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    assert type(theirs).__name__ == architecture
     assert_same_logits(ours, theirs, cfg.vocab_size)
 
 

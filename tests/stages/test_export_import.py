@@ -13,7 +13,7 @@ import torch
 
 from lmforge.cli.main import main
 from lmforge.core.io import InputError, atomic_directory
-from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.checkpoint import load_model, write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
@@ -25,10 +25,8 @@ import transformers  # noqa: E402  (a dev dependency: the reference these tests 
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory, corpus_texts) -> Path:
-    path = tmp_path_factory.mktemp("tok300")
-    train_tokenizer(corpus_texts, TokenizerConfig(vocab_size=300)).save(path)
-    return path
+def tokenizer_dir(small_tokenizer_dir) -> Path:
+    return small_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
