@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -99,6 +100,14 @@ def run_generate(recipe: GenerateRecipe) -> list[dict]:
         atomic_write_text(run_dir / "generations.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         log.info("generate: wrote %s", run_dir / "generations.jsonl")
     return records
+
+
+def report(res: list, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report: each prompt and its completion."""
+    out = []
+    for g in res:
+        out += [f"- prompt: `{g.get('prompt', '')!s}`", "", "  ```", *("  " + t for t in str(g.get("text", "")).splitlines()), "  ```"]
+    return out
 
 
 RECIPE = GenerateRecipe

@@ -122,91 +122,17 @@ def write_report(run_dir: Path, results: list[dict]) -> None:
     lines.append("")
     for r in results:
         lines += [f"## {r['name']} ({r['verb']})", ""]
-        lines += _stage_section(r, run_dir)
+        lines += stage_report(r, run_dir)
         lines.append("")
     atomic_write_text(run_dir / "report.md", "\n".join(lines))
 
 
-def _stage_section(r: dict, run_dir: Path) -> list[str]:
-    res = r.get("result") or {}
-    verb = r["verb"]
-    if verb == "tokenizer" and isinstance(res, dict):
-        h = res.get("heldout") or {}
-        out = [f"- vocabulary: {res.get('vocab_size')} tokens, trained on {res['train']['documents']} documents "
-               f"({res['train']['chars'] / 1e6:.2f} M characters) in {res['train']['seconds']:.1f} s"]
-        if h:
-            out.append(f"- held-out compression: **{h['bytes_per_token']:.3f} bytes/token** "
-                       f"({h['documents']} documents, {h['tokens']} tokens)")
-        return out
-    if verb == "prepare" and isinstance(res, dict):
-        s = res.get("splits", {})
-        return [f"- {res.get('n_docs')} documents, {res.get('n_tokens')} tokens ({res.get('dtype')}): "
-                f"train {s.get('train', {}).get('n_tokens')} / val {s.get('val', {}).get('n_tokens')} tokens",
-                f"- skipped records: {res.get('skipped', {}).get('total', 0)}"]
-    if verb == "pretrain" and isinstance(res, dict):
-        out = [f"- {res.get('params', 0) / 1e6:.2f} M parameters, {res.get('step')} steps of "
-               f"{res.get('tokens_per_step')} tokens in {res.get('wall_s', 0):.0f} s"]
-        if res.get("val_loss") is not None:
-            out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token ({res.get('val_bpb', float('nan')):.3f} "
-                       f"bits/byte); unigram entropy of the data {res.get('unigram_entropy', float('nan')):.4f}")
-        if res.get("tokens_per_s"):
-            mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
-            out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")
-        plot = plot_losses(Path(r["run_dir"]), run_dir / f"{r['name']}-loss.png", res.get("unigram_entropy"))
-        if plot:
-            out += ["", f"![loss curve]({plot.name})"]
-        return out
-    if verb == "sft" and isinstance(res, dict):
-        out = [f"- {res.get('train_examples')} training examples, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
-               f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
-        skipped = (res.get("skipped") or {}).get("by_reason") or {}
-        out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped if skipped else ''}".rstrip())
-        if res.get("val_loss") is not None:
-            out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token (assistant tokens)")
-        before, after = res.get("exact_match_before"), res.get("exact_match_after")
-        if before and after:
-            out.append(f"- exact match on {after['examples']} validation tasks: **{100 * before['exact_match']:.1f}% before, "
-                       f"{100 * after['exact_match']:.1f}% after**")
-        plot = plot_losses(Path(r["run_dir"]), run_dir / f"{r['name']}-loss.png")
-        if plot:
-            out += ["", f"![loss curve]({plot.name})"]
-        return out
-    if verb == "generate" and isinstance(res, list):
-        out = []
-        for g in res:
-            if isinstance(g, dict):
-                out += [f"- prompt: `{g.get('prompt', '')!s}`", "", "  ```", *("  " + t for t in str(g.get("text", "")).splitlines()), "  ```"]
-        return out
-    return ["```json", json.dumps(res, indent=2)[:4000], "```"]
-
-
-def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> Path | None:
-    """Training and validation loss against step, from the stage's metrics.jsonl."""
-    from lmforge.train.metrics import read_metrics
-
-    records = read_metrics(stage_dir)
-    if not records:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", linewidth=1)
-    val = [r for r in records if "val_loss" in r]
-    if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
-    if unigram_entropy:
-        ax.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1, label="unigram entropy")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+def stage_report(r: dict, run_dir: Path) -> list[str]:
+    """The stage module's ``report(result, stage_dir, plot_path)`` lines, or the result as JSON."""
+    report = getattr(VERBS_BY_NAME[r["verb"]].load(), "report", None)
+    if report is not None and r.get("result") is not None:
+        return report(r["result"], Path(r["run_dir"]), run_dir / f"{r['name']}-loss.png")
+    return ["```json", json.dumps(r.get("result"), indent=2)[:4000], "```"]
 
 
 RECIPE = LifecycleRecipe

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lmforge.core.config import save_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths
@@ -101,6 +102,14 @@ def run_prepare(recipe: PrepareRecipe) -> dict:
     if skipped.total:
         log.info("prepare: skipped %d bad records: %s (listed in manifest.json)", skipped.total, dict(skipped.by_reason))
     return manifest
+
+
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report."""
+    s = res.get("splits", {})
+    return [f"- {res.get('n_docs')} documents, {res.get('n_tokens')} tokens ({res.get('dtype')}): "
+            f"train {s.get('train', {}).get('n_tokens')} / val {s.get('val', {}).get('n_tokens')} tokens",
+            f"- skipped records: {res.get('skipped', {}).get('total', 0)}"]
 
 
 RECIPE = PrepareRecipe

@@ -26,6 +26,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, train
+from lmforge.train.metrics import plot_losses
 
 
 @dataclass
@@ -105,6 +106,21 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",
                  summary["val_loss"], summary.get("val_bpb", float("nan")), entropy, math.exp(summary["val_loss"]))
     return summary
+
+
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report, with the loss curve against the unigram entropy."""
+    out = [f"- {res.get('params', 0) / 1e6:.2f} M parameters, {res.get('step')} steps of "
+           f"{res.get('tokens_per_step')} tokens in {res.get('wall_s', 0):.0f} s"]
+    if res.get("val_loss") is not None:
+        out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token ({res.get('val_bpb', float('nan')):.3f} "
+                   f"bits/byte); unigram entropy of the data {res.get('unigram_entropy', float('nan')):.4f}")
+    if res.get("tokens_per_s"):
+        mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
+        out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")
+    if plot_losses(stage_dir, plot_path, res.get("unigram_entropy")):
+        out += ["", f"![loss curve]({plot_path.name})"]
+    return out
 
 
 RECIPE = PretrainRecipe

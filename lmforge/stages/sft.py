@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -34,6 +35,7 @@ from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
 from lmforge.train.loop import TrainConfig, resolve_device, train
+from lmforge.train.metrics import plot_losses
 
 
 @dataclass
@@ -169,6 +171,23 @@ def run_sft(recipe: SFTRecipe) -> dict:
         log.info("sft: exact match after training %.1f%% (before %.1f%%); model in %s",
                  100 * after["exact_match"], 100 * (before or {}).get("exact_match", 0.0), final)
     return summary
+
+
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report: data, validation loss, exact match before and after."""
+    out = [f"- {res.get('train_examples')} training examples, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
+           f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+    skipped = (res.get("skipped") or {}).get("by_reason") or {}
+    out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped if skipped else ''}".rstrip())
+    if res.get("val_loss") is not None:
+        out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token (assistant tokens)")
+    before, after = res.get("exact_match_before"), res.get("exact_match_after")
+    if before and after:
+        out.append(f"- exact match on {after['examples']} validation tasks: **{100 * before['exact_match']:.1f}% before, "
+                   f"{100 * after['exact_match']:.1f}% after**")
+    if plot_losses(stage_dir, plot_path):
+        out += ["", f"![loss curve]({plot_path.name})"]
+    return out
 
 
 RECIPE = SFTRecipe

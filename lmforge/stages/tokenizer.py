@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, progress_bar, start_run
@@ -83,6 +84,17 @@ def run_tokenizer(recipe: TokenizerRecipe) -> dict:
     if skipped.total:
         log.info("tokenizer: skipped %d bad records: %s", skipped.total, dict(skipped.by_reason))
     return stats
+
+
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report."""
+    h = res.get("heldout") or {}
+    out = [f"- vocabulary: {res.get('vocab_size')} tokens, trained on {res['train']['documents']} documents "
+           f"({res['train']['chars'] / 1e6:.2f} M characters) in {res['train']['seconds']:.1f} s"]
+    if h:
+        out.append(f"- held-out compression: **{h['bytes_per_token']:.3f} bytes/token** "
+                   f"({h['documents']} documents, {h['tokens']} tokens)")
+    return out
 
 
 RECIPE = TokenizerRecipe

@@ -57,6 +57,33 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> Path | None:
+    """Training and validation loss against step, from the stage's metrics.jsonl."""
+    records = read_metrics(stage_dir)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", linewidth=1)
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    if unigram_entropy:
+        ax.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1, label="unigram entropy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
