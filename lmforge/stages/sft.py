@@ -72,9 +72,10 @@ def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> d
     return pack_examples(pairs, max_length, pad_id) if packing else pad_examples(pairs, pad_id, pad_to=max_length)
 
 
-def exact_match_accuracy(model: torch.nn.Module, tok: Tokenizer, paths: list[str], cfg: SFTEvalConfig) -> dict | None:
-    """Greedy answers to the validation conversations' last user turn, scored by exact match."""
-    prompts, answers = [], []
+def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:
+    """Prompts (ChatML up to the generation prompt) and reference answers of conversations ending with the assistant."""
+    prompts: list[list[int]] = []
+    answers: list[str] = []
     for _, record in read_sft_records(paths):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not messages or messages[-1].get("role") != "assistant":
@@ -82,8 +83,14 @@ def exact_match_accuracy(model: torch.nn.Module, tok: Tokenizer, paths: list[str
         text = "".join(seg for seg, _ in render_chatml(messages[:-1], add_generation_prompt=True))
         prompts.append([tok.bos_id, *tok.encode(text)])
         answers.append(messages[-1]["content"])
-        if len(prompts) >= cfg.max_examples:
+        if len(prompts) >= max_examples:
             break
+    return prompts, answers
+
+
+def exact_match_accuracy(model: torch.nn.Module, tok: Tokenizer, prompts: list[list[int]], answers: list[str],
+                         cfg: SFTEvalConfig) -> dict | None:
+    """Greedy answers to the prompts, scored by exact match against the references."""
     if not prompts:
         return None
     was_training = model.training
@@ -128,7 +135,8 @@ def run_sft(recipe: SFTRecipe) -> dict:
              len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded",
              len(val_examples), skipped.total)
 
-    before = exact_match_accuracy(model, tok, d.val, recipe.eval) if d.val and recipe.eval.exact_match else None
+    tasks = exact_match_tasks(tok, d.val, recipe.eval.max_examples) if d.val and recipe.eval.exact_match else ([], [])
+    before = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     if before:
         log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])
     if recipe.lora is not None:
@@ -162,7 +170,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
     final.mkdir(parents=True, exist_ok=True)
     write_model_files(final, model, tok_dir)
     write_checksums(final)
-    after = exact_match_accuracy(model, tok, d.val, recipe.eval) if d.val and recipe.eval.exact_match else None
+    after = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
                    exact_match_before=before, exact_match_after=after, final_checkpoint=str(final),
                    lora=recipe.lora is not None)
