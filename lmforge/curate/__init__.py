@@ -1,0 +1,1 @@
+"""Data curation: raw web pages and documents to a clean, deduplicated corpus (`lmforge curate`)."""
