@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +25,12 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: in
 
 @dataclass
 class LossOutput:
-    loss_sum: torch.Tensor  # summed loss over the micro-batch's target tokens
-    n_targets: int  # how many target tokens the sum covers
+    loss_sum: torch.Tensor  # summed loss over the micro-batch's targets (tokens, or sequences/pairs)
+    n_targets: int  # how many targets the sum covers
     n_bytes: int | None = None  # UTF-8 bytes of those targets, for bits per byte
+    # Extra quantities summed over the same targets (e.g. DPO's chosen rewards); the loop logs
+    # each as its mean per target, like the loss. Detached: they never reach the gradient.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class CausalLMObjective:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -129,6 +129,13 @@ def compile_objective(objective: Objective) -> Callable:
     return torch.compile(objective.__call__, dynamic=False)
 
 
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # mean loss per target over the step
+    grad_norm: torch.Tensor  # before clipping
+    n_targets: int
+    metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target
+
+
 def train_step(
     model: nn.Module,
     objective: Objective,
@@ -139,8 +146,8 @@ def train_step(
     precision: str,
     grad_clip: float,
     forward_loss: Callable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One optimizer step over ``micro_batches``: (mean loss per target token, gradient norm, targets).
+) -> StepResult:
+    """One optimizer step over ``micro_batches``.
 
     Each micro-batch's summed loss is divided by the target count of the whole step, so
     accumulating k micro-batches gives the same update as one batch k times larger.
@@ -149,6 +156,7 @@ def train_step(
     device = params[0].device
     n_targets = sum(objective.num_targets(b) for b in micro_batches)
     loss_total = torch.zeros((), device=device)
+    metric_sums: dict[str, torch.Tensor] = {}
     forward_loss = forward_loss or objective
     for batch in micro_batches:
         with autocast_context(device, precision):
@@ -156,6 +164,8 @@ def train_step(
         loss = out.loss_sum / n_targets
         (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_total += loss.detach()
+        for name, value in getattr(out, "metrics", {}).items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().float()
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -165,16 +175,18 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_total, grad_norm, n_targets
+    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: torch.device, precision: str,
              max_batches: int | None) -> dict:
-    """Mean loss per target token (nats) and, when the objective counts bytes, bits per byte."""
+    """Mean loss per target (nats), the objective's metrics as ``val_<name>``, and bits per byte
+    when the objective counts bytes."""
     was_training = model.training
     model.eval()
     loss_sum, n_targets, n_bytes = 0.0, 0, 0
+    metric_sums: dict[str, float] = {}
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
@@ -185,10 +197,13 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
         loss_sum += out.loss_sum.item()
         n_targets += out.n_targets
         n_bytes += getattr(out, "n_bytes", 0) or 0
+        for name, value in getattr(out, "metrics", {}).items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
     model.train(was_training)
     if n_targets == 0:
         return {}
     result = {"val_loss": loss_sum / n_targets}
+    result.update({f"val_{name}": value / n_targets for name, value in metric_sums.items()})
     if n_bytes:
         result["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
     return result
@@ -268,9 +283,9 @@ def train(
             group["lr"] = lr
         micro_batches = [next(train_batches) for _ in range(grad_accum)]
         n_tokens = sum(getattr(objective, "num_tokens", objective.num_targets)(b) for b in micro_batches)
-        loss_total, grad_norm, n_targets = train_step(model, objective, micro_batches, optimizer, scaler, params,
-                                                      precision, cfg.grad_clip, forward_loss)
-        loss_value = loss_total.item()  # the only host sync of the step
+        result = train_step(model, objective, micro_batches, optimizer, scaler, params, precision, cfg.grad_clip,
+                            forward_loss)
+        loss_value, grad_norm, n_targets = result.loss.item(), result.grad_norm, result.n_targets  # the host sync
         if not math.isfinite(loss_value):
             metrics.close()
             raise FloatingPointError(
@@ -284,6 +299,7 @@ def train(
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens": tokens_seen, "targets": n_targets, "tokens_per_s": n_tokens / dt, "step_s": dt,
                   "memory_bytes": peak_memory_bytes(device)}
+        record.update({name: float(value) for name, value in result.metrics.items()})
         if flops_per_token and peak:
             record["mfu"] = flops_per_token * n_tokens / dt / peak
         if step > start_step:  # the first step pays for warm-up (allocation, compilation)
@@ -323,10 +339,15 @@ def train(
     return summary
 
 
+# objective metrics worth a place on the console line (all of them go to metrics.jsonl)
+CONSOLE_METRICS = ("margin", "accuracy", "kl")
+
+
 def _format_step(r: dict, max_steps: int) -> str:
     text = f"step {r['step']}/{max_steps} loss {r['loss']:.4f} lr {r['lr']:.2e} gnorm {r['grad_norm']:.2f} {r['tokens_per_s']:.0f} tok/s"
     if "mfu" in r:
         text += f" mfu {100 * r['mfu']:.1f}%"
+    text += "".join(f" {k} {v:.3f}" for k, v in r.items() if k in CONSOLE_METRICS)
     if "val_loss" in r:
         text += f" | val loss {r['val_loss']:.4f}"
     if "val_bpb" in r:

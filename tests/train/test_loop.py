@@ -142,3 +142,36 @@ def test_evaluation_reports_mean_loss_and_bits_per_byte():
     n_bytes = sum(int(token_bytes[b[:, 1:]].sum()) for b in batches)
     assert result["val_loss"] == pytest.approx(nll.item() / 48, rel=1e-5)
     assert result["val_bpb"] == pytest.approx(nll.item() / (math.log(2) * n_bytes), rel=1e-5)
+
+
+def test_objective_metrics_are_logged_as_means_per_target_over_accumulated_micro_batches(tmp_path):
+    class WithMetrics(CausalLMObjective):
+        def __call__(self, model, batch):
+            out = super().__call__(model, batch)
+            # per target: the first token of each window, so the mean is easy to check
+            out.metrics = {"first_token": batch[:, :1].float().sum() * (batch.shape[1] - 1)}
+            return out
+
+    model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
+    seen = []
+
+    class Batches:
+        def __next__(self):
+            b = torch.randint(0, 50, (2, 9))
+            seen.append(b)
+            return b
+
+        def state_dict(self):
+            return {}
+
+    cfg = TrainConfig(max_steps=2, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu",
+                      micro_batch_size=2, batch_tokens=32)
+    train(model=model, objective=WithMetrics(), train_batches=Batches(), cfg=cfg, run_dir=tmp_path, recipe=cfg,
+          grad_accum=2)
+    records = read_metrics(tmp_path)
+    for step, record in enumerate(records):
+        first = torch.cat([b[:, 0] for b in seen[2 * step: 2 * step + 2]]).float().mean()
+        assert record["first_token"] == pytest.approx(float(first))
+    batches = [torch.randint(0, 50, (3, 9))]
+    result = evaluate(model, WithMetrics(), iter(batches), torch.device("cpu"), "fp32", None)
+    assert result["val_first_token"] == pytest.approx(float(batches[0][:, 0].float().mean()))
