@@ -22,9 +22,11 @@ dequantises and returns a full-precision ``nn.Linear``, PEFT's dequantise-then-m
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -114,6 +116,7 @@ class LoraLinear(nn.Module):
         if use_dora:  # m = ‖W + s·BA‖ = ‖W‖ at B = 0, so DoRA starts as the base model
             self.lora_magnitude_vector = nn.Parameter(self.weight_norm())
         self.merged = False
+        self.disabled = False  # set by disable_adapters(): the layer computes the frozen base alone
         self._merged_norm: torch.Tensor | None = None  # DoRA's n at merge time, needed to unmerge
 
     @property
@@ -157,7 +160,7 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
-        if self.merged:
+        if self.merged or self.disabled:
             return result
         if self.lora_magnitude_vector is None:
             return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
@@ -280,6 +283,25 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     """The ``LoraLinear`` wrappers of ``model`` by module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+@contextlib.contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its frozen base inside the block (PEFT's ``disable_adapter()``).
+
+    The reference model of DPO/KTO with LoRA: the same weights without the adapters, so
+    no second copy of the model is held in memory. Merged adapters cannot be disabled.
+    """
+    layers = lora_modules(model).values()
+    if any(layer.merged for layer in layers):
+        raise RuntimeError("disable_adapters: some adapters are merged into the base weights; unmerge them first")
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.disabled = False
 
 
 @torch.no_grad()

@@ -13,27 +13,28 @@ greedy exact-match accuracy before and after training.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError, atomic_write_json, expand_paths
 from lmforge.core.run import log, start_run
-from lmforge.data.chat import add_chat_template, read_sft_examples, read_sft_records, render_chatml
+from lmforge.data.chat import read_sft_examples
 from lmforge.data.documents import SkipLog
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
-from lmforge.data.sft_demo import exact_match
-from lmforge.data.tokenizer import Tokenizer
-from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
-from lmforge.model.generate import GenerationConfig, generate
 from lmforge.objectives.sft import SFTObjective
-from lmforge.peft.adapters import save_adapter
-from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
+from lmforge.peft.lora import LoraConfig
+from lmforge.train.finetune import (
+    ExactMatchConfig,
+    exact_match_accuracy,
+    exact_match_tasks,
+    load_base,
+    save_finetuned,
+    wrap_lora,
+)
 from lmforge.train.loop import TrainConfig, resolve_device, train
 from lmforge.train.metrics import plot_losses
 
@@ -51,57 +52,18 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTEvalConfig:
-    exact_match: bool = True  # greedy answers to validation prompts, compared to the reference
-    max_examples: int = 200
-    max_new_tokens: int = 32
-
-
-@dataclass
 class SFTRecipe:
     run_dir: str = "runs/sft"
     checkpoint: str = "runs/pretrain"  # base model: a checkpoint, a run directory, or an imported HF model
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     lora: LoraConfig | None = None  # set to fine-tune adapters only (use_dora for DoRA)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
-    eval: SFTEvalConfig = field(default_factory=SFTEvalConfig)
+    eval: ExactMatchConfig = field(default_factory=ExactMatchConfig)
 
 
 def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> dict[str, torch.Tensor]:
     pairs = [(e.input_ids, e.labels) for e in examples]
     return pack_examples(pairs, max_length, pad_id) if packing else pad_examples(pairs, pad_id, pad_to=max_length)
-
-
-def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:
-    """Prompts (ChatML up to the generation prompt) and reference answers of conversations ending with the assistant."""
-    prompts: list[list[int]] = []
-    answers: list[str] = []
-    for _, record in read_sft_records(paths):
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not messages or messages[-1].get("role") != "assistant":
-            continue
-        text = "".join(seg for seg, _ in render_chatml(messages[:-1], add_generation_prompt=True))
-        prompts.append([tok.bos_id, *tok.encode(text)])
-        answers.append(messages[-1]["content"])
-        if len(prompts) >= max_examples:
-            break
-    return prompts, answers
-
-
-def exact_match_accuracy(model: torch.nn.Module, tok: Tokenizer, prompts: list[list[int]], answers: list[str],
-                         cfg: SFTEvalConfig) -> dict | None:
-    """Greedy answers to the prompts, scored by exact match against the references."""
-    if not prompts:
-        return None
-    was_training = model.training
-    model.eval()
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=[tok.token_to_id("<|im_end|>"), tok.eos_id])
-    correct = 0
-    for i in range(0, len(prompts), 32):
-        results = generate(model, prompts[i : i + 32], gen, tok)
-        correct += sum(exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32]))
-    model.train(was_training)
-    return {"exact_match": correct / len(prompts), "examples": len(prompts)}
 
 
 def run_sft(recipe: SFTRecipe) -> dict:
@@ -111,16 +73,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
     run_dir = start_run(recipe, recipe.run_dir)
     device = resolve_device(recipe.train.device)
     torch.manual_seed(recipe.train.seed)
-    model, base_dir = load_model(recipe.checkpoint, device=device)
-    # The run's tokenizer: the base model's, with the ChatML template that HF's apply_chat_template uses.
-    tok_dir = run_dir / "tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(base_dir / name, tok_dir / name)
-    add_chat_template(tok_dir)
-    tok = Tokenizer.load(tok_dir)
-    if recipe.data.max_length > model.cfg.max_seq_len:
-        raise InputError(f"data.max_length {recipe.data.max_length} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
 
     d = recipe.data
     skipped = SkipLog()
@@ -140,12 +93,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
     if before:
         log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])
     if recipe.lora is not None:
-        try:
-            wrapped = apply_lora(model, recipe.lora)
-        except ValueError as exc:  # no matching target, a tied target, a shape NF4 cannot block
-            raise ConfigError(f"lora: {exc}") from exc
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info("sft: LoRA r=%d on %d linears: %.3fM trainable parameters", recipe.lora.r, len(wrapped), trainable / 1e6)
+        wrap_lora(model, recipe.lora, "sft")
 
     cfg = recipe.train
     loader = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed)
@@ -161,15 +109,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
         flops_per_token=model.cfg.flops_per_token(d.max_length),
         tokenizer_dir=tok_dir,
     )
-    # The fine-tuned model as a plain checkpoint (LoRA merged) that generate/export/eval read,
-    # plus, for LoRA, the adapter in PEFT's format.
-    final = run_dir / "final"
-    if recipe.lora is not None:
-        save_adapter(model, recipe.lora, run_dir / "adapter", base_model_name_or_path=str(base_dir))
-        merge_lora(model)
-    final.mkdir(parents=True, exist_ok=True)
-    write_model_files(final, model, tok_dir)
-    write_checksums(final)
+    final = save_finetuned(model, run_dir, tok_dir, base_dir, recipe.lora)
     after = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
                    exact_match_before=before, exact_match_after=after, final_checkpoint=str(final),

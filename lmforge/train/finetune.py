@@ -1,0 +1,110 @@
+"""What every fine-tuning stage (SFT, reward model, DPO, KTO) does around the one training loop:
+load the base model with a chat tokenizer, wrap LoRA adapters, score greedy answers by
+exact match, and save the result as a plain checkpoint plus a PEFT adapter.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmforge.core.config import ConfigError
+from lmforge.core.io import InputError
+from lmforge.core.run import log
+from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
+from lmforge.data.sft_demo import exact_match
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
+from lmforge.model.generate import GenerationConfig, generate
+from lmforge.model.transformer import Transformer
+from lmforge.peft.adapters import save_adapter
+from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
+
+
+@dataclass
+class ExactMatchConfig:
+    exact_match: bool = True  # greedy answers to validation prompts, compared to the reference
+    max_examples: int = 200
+    max_new_tokens: int = 32
+
+
+def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int) -> tuple[Transformer, Tokenizer, Path, Path]:
+    """The base model, and the run's tokenizer (the base's, with the ChatML template that HF's
+    ``apply_chat_template`` uses): (model, tokenizer, tokenizer_dir, base_dir)."""
+    model, base_dir = load_model(checkpoint, device=device)
+    tok_dir = run_dir / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(base_dir / name, tok_dir / name)
+    add_chat_template(tok_dir)
+    if max_length > model.cfg.max_seq_len:
+        raise InputError(f"data.max_length {max_length} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    return model, Tokenizer.load(tok_dir), tok_dir, base_dir
+
+
+def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
+    """Apply LoRA/DoRA/QLoRA adapters in place; configuration problems become ``ConfigError``."""
+    try:
+        wrapped = apply_lora(model, cfg)
+    except ValueError as exc:  # no matching target, a tied target, a shape NF4 cannot block
+        raise ConfigError(f"lora: {exc}") from exc
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("%s: LoRA r=%d on %d linears: %.3fM trainable parameters", stage, cfg.r, len(wrapped), trainable / 1e6)
+
+
+def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: Path, lora: LoraConfig | None) -> Path:
+    """The fine-tuned model as a plain checkpoint in ``run_dir/final`` (LoRA merged) that
+    generate/export read, plus, for LoRA, the adapter in PEFT's format in ``run_dir/adapter``."""
+    if lora is not None:
+        save_adapter(model, lora, run_dir / "adapter", base_model_name_or_path=str(base_dir))
+        merge_lora(model)
+    final = run_dir / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    write_model_files(final, model, tok_dir)
+    write_checksums(final)
+    return final
+
+
+def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:
+    """Prompts (ChatML up to the generation prompt) and reference answers of conversations ending
+    with the assistant, or of conversational ``prompt``/``chosen`` pairs (the chosen answer)."""
+    prompts: list[list[int]] = []
+    answers: list[str] = []
+    for _, record in read_sft_records(paths):
+        if not isinstance(record, dict):
+            continue
+        if isinstance(record.get("messages"), list) and record["messages"]:
+            context, answer = record["messages"][:-1], record["messages"][-1]
+        elif isinstance(record.get("prompt"), list) and isinstance(record.get("chosen"), list) and record["chosen"]:
+            context, answer = record["prompt"], record["chosen"][-1]
+        else:
+            continue
+        if not isinstance(answer, dict) or answer.get("role") != "assistant":
+            continue
+        text = "".join(seg for seg, _ in render_chatml(context, add_generation_prompt=True))
+        prompts.append([tok.bos_id, *tok.encode(text)])
+        answers.append(answer["content"])
+        if len(prompts) >= max_examples:
+            break
+    return prompts, answers
+
+
+def exact_match_accuracy(model: nn.Module, tok: Tokenizer, prompts: list[list[int]], answers: list[str],
+                         cfg: ExactMatchConfig) -> dict | None:
+    """Greedy answers to the prompts, scored by exact match against the references."""
+    if not prompts:
+        return None
+    was_training = model.training
+    model.eval()
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0,
+                           stop_token_ids=[tok.token_to_id("<|im_end|>"), tok.eos_id])
+    correct = 0
+    for i in range(0, len(prompts), 32):
+        results = generate(model, prompts[i : i + 32], gen, tok)
+        correct += sum(exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32]))
+    model.train(was_training)
+    return {"exact_match": correct / len(prompts), "examples": len(prompts)}
