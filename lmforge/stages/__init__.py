@@ -26,6 +26,7 @@ class Verb:
 
 
 VERBS = [
+    Verb("curate", "web pages and documents to a clean, deduplicated corpus + rejects + stats", "lmforge.stages.curate"),
     Verb("tokenizer", "train a byte-level BPE tokenizer (tokenizer.json, HF-compatible)", "lmforge.stages.tokenizer"),
     Verb("prepare", "tokenize documents into memory-mapped train/val token shards", "lmforge.stages.prepare"),
     Verb("pretrain", "pre-train a transformer on token shards (the one training loop)", "lmforge.stages.pretrain"),

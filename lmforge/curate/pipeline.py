@@ -1,0 +1,503 @@
+"""The curation pipeline: read shards, run the steps, write kept documents, rejects and stats.
+
+The steps are cut into segments at each corpus step. Segment 0 reads each input shard and
+runs the document steps before the first corpus step; each later segment starts with a
+corpus step (``index_shard`` on every shard, ``resolve`` once, ``apply_shard`` on every
+shard) and continues with the document steps after it. Finally each shard's kept
+documents go to ``output/`` and all its rejects, with stage and reason, to ``rejects/``.
+
+Every shard task writes its files atomically and then a completion marker, so an
+interrupted run, started again, redoes only unfinished tasks. Markers carry a fingerprint
+of the inputs and of the steps up to their segment: change a step and that segment and
+the ones after it run again, the earlier ones are reused.
+
+    run_dir/
+      config.yaml, stats.json, report.md, report.png
+      output/shard-00000.parquet    id, text, metadata (JSON)   -- what `lmforge prepare` reads
+      rejects/shard-00000.jsonl     id, text, metadata, stage, reason
+      work/                         per-segment documents, corpus-step indexes, markers
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+from lmforge.core.config import dump_config, save_config
+from lmforge.core.io import atomic_write_bytes, atomic_write_json
+from lmforge.core.run import log, progress_bar
+from lmforge.curate.base import Document
+from lmforge.curate.executor import make_executor
+from lmforge.curate.readers import InputsConfig, Piece, plan_shards, read_piece
+from lmforge.curate.steps import StepSpec, is_corpus_step, parse_steps
+
+DEFAULT_STEPS: list[dict[str, Any]] = [
+    {"type": "extract"},
+    {"type": "language"},
+    {"type": "gopher_repetition"},
+    {"type": "gopher_quality"},
+    {"type": "c4_quality", "filter_no_terminal_punct": False},
+    {"type": "fineweb_quality"},
+    {"type": "exact_dedup"},
+]
+
+
+@dataclass
+class CurateConfig:
+    run_dir: str = "runs/curate"
+    inputs: InputsConfig = field(default_factory=InputsConfig)
+    # each step: {type: <step type>, name: <optional label>, <that type's keys>}; see docs/curate.md
+    steps: list[dict[str, Any]] = field(default_factory=lambda: [dict(s) for s in DEFAULT_STEPS])
+    output_format: Literal["parquet", "jsonl"] = "parquet"
+    executor: Literal["local", "ray"] = "local"
+    workers: int = 2  # local processes (1: in this process), or CPUs of a local Ray
+    ray_address: str | None = None  # executor ray: "auto" joins a running cluster; null starts one
+    known_duplicates: str | None = None  # TSV url_a, url_b[, kind, jaccard]: dedup precision/recall in the report
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        # check every step's keys now and store them resolved, with defaults, in config.yaml
+        self.steps = [spec.to_dict() for spec in parse_steps(self.steps)]
+
+    def step_specs(self) -> list[StepSpec]:
+        return parse_steps(self.steps)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Segment:
+    corpus: StepSpec | None  # the corpus step this segment starts with (None for segment 0)
+    steps: list[StepSpec]  # document steps after it
+
+
+@dataclass
+class Job:
+    """Everything a worker needs for one run; small and picklable."""
+
+    run_dir: str
+    inputs: InputsConfig
+    shards: list[list[Piece]]
+    segments: list[Segment]
+    fingerprints: list[str]  # per segment, cumulative
+    output_format: str
+
+
+def split_segments(specs: list[StepSpec]) -> list[Segment]:
+    segments = [Segment(None, [])]
+    for spec in specs:
+        if is_corpus_step(_step_class(spec)):
+            segments.append(Segment(spec, []))
+        else:
+            segments[-1].steps.append(spec)
+    return segments
+
+
+def _step_class(spec: StepSpec) -> type:
+    from lmforge.curate.steps import _load
+
+    return _load(spec.type)[1]
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _fingerprints(cfg: CurateConfig, shards: list[list[Piece]], segments: list[Segment]) -> list[str]:
+    files = sorted({p.path for s in shards for p in s})
+    stamps = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    fp = _digest(dump_config(cfg.inputs), [[vars(p) for p in s] for s in shards], stamps)
+    out = []
+    for seg in segments:
+        fp = _digest(fp, seg.corpus.to_dict() if seg.corpus else None, [s.to_dict() for s in seg.steps])
+        out.append(fp)
+    return out
+
+
+def _fresh(directory: Path, fingerprint: str) -> None:
+    """Empty ``directory`` unless it holds work of this fingerprint."""
+    stamp = directory / "FINGERPRINT"
+    if stamp.exists() and stamp.read_text() == fingerprint:
+        return
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    stamp.write_text(fingerprint)
+
+
+def seg_dir(job: Job, seg: int) -> Path:
+    return Path(job.run_dir) / "work" / f"seg-{seg}"
+
+
+# --------------------------------------------------------------------------- document files
+
+
+class JsonlWriter:
+    """Write JSON lines to a temporary file that replaces ``path`` on ``commit``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.f = os.fdopen(fd, "w", encoding="utf-8")
+        self.count = 0
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.count += 1
+
+    def commit(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+def doc_record(doc: Document) -> dict:
+    return {"id": doc.id, "text": doc.text, "metadata": doc.metadata}
+
+
+def reject_record(doc: Document, stage: str, reason: str) -> dict:
+    return {"id": doc.id, "text": doc.text, "metadata": doc.metadata, "stage": stage, "reason": reason}
+
+
+def read_records(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+def read_docs(path: Path) -> list[Document]:
+    return [Document(r["id"], r["text"], r["metadata"]) for r in read_records(path)]
+
+
+# --------------------------------------------------------------------------- worker tasks
+
+_BUILT: dict[tuple[str, int], tuple[Any, list[tuple[str, Any]]]] = {}
+
+
+def _steps_of(job: Job, seg: int) -> tuple[Any, list[tuple[str, Any]]]:
+    """The segment's built steps, once per worker process (a language model loads once)."""
+    key = (job.fingerprints[seg], seg)
+    if key not in _BUILT:
+        segment = job.segments[seg]
+        corpus = segment.corpus.build() if segment.corpus else None
+        _BUILT[key] = (corpus, [(spec.label, spec.build()) for spec in segment.steps])
+    return _BUILT[key]
+
+
+def apply_steps(doc: Document, steps: list[tuple[str, Any]]) -> tuple[str, str] | None:
+    """(stage, reason) of the first step that rejects ``doc``; a step that raises rejects it too."""
+    for label, step in steps:
+        try:
+            reason = step(doc)
+        except Exception as exc:  # noqa: BLE001 -- one bad document must not stop the run
+            reason = f"step-error: {type(exc).__name__}: {exc}"
+        if reason is not None:
+            return label, reason
+    return None
+
+
+def run_segment_shard(job: Job, seg: int, shard: int) -> dict:
+    directory = seg_dir(job, seg)
+    marker = directory / f"shard-{shard:06d}.done.json"
+    if marker.exists():
+        return {"skipped": True, **json.loads(marker.read_text())}
+    corpus, steps = _steps_of(job, seg)
+    kept = JsonlWriter(directory / f"shard-{shard:06d}.kept.jsonl")
+    rejects = JsonlWriter(directory / f"shard-{shard:06d}.rejects.jsonl")
+    seen = 0
+    try:
+        for doc, stage, reason in _segment_input(job, seg, shard, corpus):
+            seen += 1
+            if reason is None:
+                verdict = apply_steps(doc, steps)
+                if verdict is not None:
+                    stage, reason = verdict
+            if reason is None:
+                kept.write(doc_record(doc))
+            else:
+                rejects.write(reject_record(doc, stage, reason))
+        kept.commit()
+        rejects.commit()
+    except BaseException:
+        kept.abort()
+        rejects.abort()
+        raise
+    result = {"in": seen, "kept": kept.count, "rejected": rejects.count}
+    atomic_write_json(marker, result)
+    return {"skipped": False, **result}
+
+
+def _segment_input(job: Job, seg: int, shard: int, corpus: Any) -> Iterator[tuple[Document, str, str | None]]:
+    """(doc, stage, reason) for each document entering the segment; reason None means not yet rejected."""
+    if seg == 0:
+        for piece in job.shards[shard]:
+            for doc, reason in read_piece(piece, job.inputs):
+                yield doc, "read", reason
+        return
+    docs = read_docs(seg_dir(job, seg - 1) / f"shard-{shard:06d}.kept.jsonl")
+    decisions = corpus.apply_shard(shard, docs, seg_dir(job, seg) / "step")
+    if len(decisions) != len(docs):
+        raise RuntimeError(f"{job.segments[seg].corpus.label}.apply_shard returned {len(decisions)} decisions "
+                           f"for {len(docs)} documents of shard {shard}")
+    for doc, reason in zip(docs, decisions):
+        yield doc, job.segments[seg].corpus.label, reason
+
+
+def run_index_shard(job: Job, seg: int, shard: int) -> bool:
+    directory = seg_dir(job, seg)
+    marker = directory / f"index-{shard:06d}.done"
+    if marker.exists():
+        return True
+    corpus, _ = _steps_of(job, seg)
+    docs = read_docs(seg_dir(job, seg - 1) / f"shard-{shard:06d}.kept.jsonl")
+    corpus.index_shard(shard, docs, directory / "step")
+    atomic_write_bytes(marker, b"")
+    return False
+
+
+def finalize_shard(job: Job, shard: int) -> dict:
+    """Write the shard's kept documents and all its rejects; return its statistics."""
+    root = Path(job.run_dir)
+    marker = root / "work" / "final" / f"shard-{shard:06d}.stats.json"
+    if marker.exists():
+        return {"skipped": True, **json.loads(marker.read_text())}
+    last = len(job.segments) - 1
+    stats = ShardStats()
+    docs = read_docs(seg_dir(job, last) / f"shard-{shard:06d}.kept.jsonl")
+    for doc in docs:
+        stats.add(doc.metadata, None, None)
+    write_output(root / "output" / f"shard-{shard:06d}.{job.output_format}", docs, job.output_format)
+    rejects = JsonlWriter(root / "rejects" / f"shard-{shard:06d}.jsonl")
+    try:
+        for seg in range(last + 1):
+            for record in read_records(seg_dir(job, seg) / f"shard-{shard:06d}.rejects.jsonl"):
+                stats.add(record["metadata"], record["stage"], record["reason"])
+                rejects.write(record)
+        rejects.commit()
+    except BaseException:
+        rejects.abort()
+        raise
+    result = stats.to_dict()
+    atomic_write_json(marker, result)
+    return {"skipped": False, **result}
+
+
+def write_output(path: Path, docs: list[Document], fmt: str) -> None:
+    if fmt == "jsonl":
+        data = "".join(json.dumps(doc_record(d), ensure_ascii=False) + "\n" for d in docs).encode("utf-8")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table({"id": pa.array([d.id for d in docs], pa.string()),
+                          "text": pa.array([d.text for d in docs], pa.string()),
+                          "metadata": pa.array([json.dumps(d.metadata, ensure_ascii=False) for d in docs], pa.string())})
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        data = buf.getvalue()
+    atomic_write_bytes(path, data)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def reason_key(reason: str) -> str:
+    """The rule of a reason: its first word ("gopher_short_doc: 12 < 50" -> "gopher_short_doc")."""
+    head = reason.strip().split(None, 1)[0] if reason.strip() else "unknown"
+    return head.rstrip(":")
+
+
+MAX_SCORE_SAMPLES = 20_000  # per shard and score, every k-th value beyond that
+
+
+@dataclass
+class ShardStats:
+    kept: int = 0
+    rejected: Counter = field(default_factory=Counter)  # "stage\treason" -> n
+    languages: dict[str, Counter] = field(default_factory=lambda: {"kept": Counter(), "rejected": Counter()})
+    scores: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    dup_cluster_sizes: list[int] = field(default_factory=list)
+
+    def add(self, meta: dict, stage: str | None, reason: str | None) -> None:
+        side = "kept" if stage is None else "rejected"
+        if stage is None:
+            self.kept += 1
+            if isinstance(meta.get("dup_cluster_size"), int):
+                self.dup_cluster_sizes.append(meta["dup_cluster_size"])
+        else:
+            self.rejected[f"{stage}\t{reason_key(reason or '')}"] += 1
+        if "language" in meta:
+            self.languages[side][str(meta["language"])] += 1
+        for key, value in meta.items():
+            if key.endswith("_score") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                values = self.scores.setdefault(key, {"kept": [], "rejected": []})[side]
+                if len(values) < MAX_SCORE_SAMPLES:
+                    values.append(float(value))
+
+    def to_dict(self) -> dict:
+        return {"kept": self.kept, "rejected": dict(self.rejected),
+                "languages": {k: dict(v) for k, v in self.languages.items()},
+                "scores": self.scores, "dup_cluster_sizes": self.dup_cluster_sizes}
+
+
+def merge_stats(parts: list[dict], specs: list[StepSpec]) -> dict:
+    by_stage: dict[str, Counter] = {}
+    languages: dict[str, Counter] = {"kept": Counter(), "rejected": Counter()}
+    scores: dict[str, dict[str, list[float]]] = {}
+    clusters: list[int] = []
+    kept = 0
+    for p in parts:
+        kept += p["kept"]
+        for key, n in p["rejected"].items():
+            stage, reason = key.split("\t", 1)
+            by_stage.setdefault(stage, Counter())[reason] += n
+        for side in ("kept", "rejected"):
+            languages[side].update(p["languages"][side])
+        for key, sides in p["scores"].items():
+            for side, values in sides.items():
+                scores.setdefault(key, {"kept": [], "rejected": []})[side].extend(values)
+        clusters += p["dup_cluster_sizes"]
+    order = ["read"] + [s.label for s in specs]
+    stages = {}
+    remaining = kept + sum(sum(c.values()) for c in by_stage.values())
+    for stage in order + sorted(set(by_stage) - set(order)):
+        counts = by_stage.get(stage, Counter())
+        n = sum(counts.values())
+        stages[stage] = {"in": remaining, "rejected": n, "reasons": dict(counts.most_common())}
+        remaining -= n
+    rejected = sum(s["rejected"] for s in stages.values())
+    all_langs = languages["kept"] + languages["rejected"]
+    return {
+        "documents": kept + rejected,
+        "kept": kept,
+        "rejected": rejected,
+        "stages": stages,
+        "languages": {"all": dict(all_langs.most_common()), "kept": dict(languages["kept"].most_common())},
+        "dup_cluster_sizes": dict(sorted(Counter(clusters).items())),
+        "scores": scores,
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_tasks(pool: Any, fn: Any, items: list, desc: str) -> list:
+    bar = progress_bar(len(items), desc, unit="shard")
+    out = []
+    for result in pool.imap(fn, items):
+        out.append(result)
+        bar.update(1)
+    bar.close()
+    return out
+
+
+def _star(fn: Any, args: tuple) -> Any:
+    return fn(*args)
+
+
+def run_curate(cfg: CurateConfig) -> dict:
+    """Run the pipeline described by ``cfg``; return the statistics also written to stats.json."""
+    t0 = time.perf_counter()
+    specs = cfg.step_specs()
+    run_dir = Path(cfg.run_dir)
+    shards = plan_shards(cfg.inputs)
+    segments = split_segments(specs)
+    fingerprints = _fingerprints(cfg, shards, segments)
+    job = Job(str(run_dir), cfg.inputs, shards, segments, fingerprints, cfg.output_format)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir)
+    n = len(shards)
+    log.info("curate: %d shards, %d steps in %d segments, executor %s with %d workers",
+             n, len(specs), len(segments), cfg.executor, cfg.workers)
+    ran = skipped = 0
+    pool = make_executor(cfg.executor, cfg.workers, cfg.ray_address)
+    try:
+        for seg, segment in enumerate(segments):
+            directory = seg_dir(job, seg)
+            _fresh(directory, fingerprints[seg])
+            if segment.corpus is not None:
+                done = run_tasks(pool, partial(_star, run_index_shard), [(job, seg, k) for k in range(n)],
+                                 f"{segment.corpus.label} index")
+                skipped += sum(done)
+                ran += len(done) - sum(done)
+                resolved = directory / "resolve.done"
+                if not resolved.exists():
+                    segment.corpus.build().resolve(directory / "step", n, pool)
+                    atomic_write_bytes(resolved, b"")
+                    ran += 1
+                else:
+                    skipped += 1
+            desc = ", ".join(s.label for s in segment.steps) or "read"
+            results = run_tasks(pool, partial(_star, run_segment_shard), [(job, seg, k) for k in range(n)],
+                                f"{segment.corpus.label + ' apply' if segment.corpus else 'read'}: {desc}")
+            skipped += sum(r["skipped"] for r in results)
+            ran += sum(not r["skipped"] for r in results)
+            if seg == 0:
+                n_input = sum(r["in"] for r in results)
+        final_fp = _digest(fingerprints[-1], cfg.output_format)
+        stamp = run_dir / "work" / "final" / "FINGERPRINT"
+        if not (stamp.exists() and stamp.read_text() == final_fp):
+            for d in ("output", "rejects", "work/final"):
+                shutil.rmtree(run_dir / d, ignore_errors=True)
+            (run_dir / "work" / "final").mkdir(parents=True)
+            stamp.write_text(final_fp)
+        parts = run_tasks(pool, partial(finalize_shard, job), list(range(n)), "write output")
+        skipped += sum(p["skipped"] for p in parts)
+        ran += sum(not p["skipped"] for p in parts)
+    finally:
+        pool.close()
+    stats = merge_stats(parts, specs)
+    if stats["documents"] != n_input:
+        raise RuntimeError(f"curate lost documents: read {n_input}, kept {stats['kept']} + rejected {stats['rejected']}")
+    stats.update(input_shards=n, tasks_run=ran, tasks_skipped=skipped, wall_s=round(time.perf_counter() - t0, 2),
+                 workers=cfg.workers, executor=cfg.executor, output=str(run_dir / "output"),
+                 rejects=str(run_dir / "rejects"))
+    if cfg.known_duplicates:
+        from lmforge.curate.report import dedup_quality
+
+        stats["dedup"] = dedup_quality(run_dir, specs, cfg.known_duplicates)
+    from lmforge.curate.report import write_report
+
+    write_report(run_dir, stats)
+    log.info("curate: %d documents -> %d kept, %d rejected in %.1f s -> %s", stats["documents"], stats["kept"],
+             stats["rejected"], stats["wall_s"], run_dir)
+    return stats
+
+
+def iter_run_records(run_dir: Path) -> Iterable[tuple[dict, str | None, str | None]]:
+    """(metadata-bearing record, stage, reason) of every document in a finished run's outputs."""
+    import pyarrow.parquet as pq
+
+    for path in sorted((run_dir / "output").glob("shard-*")):
+        if path.suffix == ".parquet":
+            table = pq.read_table(path, columns=["id", "metadata"]).to_pylist()
+            for row in table:
+                yield {"id": row["id"], "metadata": json.loads(row["metadata"])}, None, None
+        else:
+            for r in read_records(path):
+                yield r, None, None
+    for path in sorted((run_dir / "rejects").glob("shard-*.jsonl")):
+        for r in read_records(path):
+            yield r, r["stage"], r["reason"]
+
+
+__all__ = ["CurateConfig", "run_curate", "iter_run_records", "reason_key"]

@@ -1,0 +1,348 @@
+"""Input readers for curation: WARC, HTML files, JSONL, Parquet and plain text, cut into shards.
+
+A reader yields ``(Document, None)`` for every record it can read and ``(Document, reason)``
+for one it cannot (a truncated WARC record, an undecodable payload, a malformed JSONL
+line), so bad records become counted rejects instead of stopping the run or vanishing.
+A missing or unreadable file is an ``InputError`` naming it.
+
+Sharding: every file's records are numbered; the records of all inputs, in order, are cut
+into shards of ``records_per_shard`` (a large WARC becomes several shards, small HTML
+files are grouped). ``records_per_shard: 0`` makes one shard per file.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lmforge.core.io import InputError, expand_paths
+from lmforge.curate.base import Document
+from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, jsonl_records, open_binary
+
+WARC_SUFFIXES = (".warc", ".warc.gz", ".arc.gz")
+HTML_SUFFIXES = (".html", ".htm", ".xhtml")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+WARC_RECORD_TYPES = ("warcinfo", "response", "resource", "request", "metadata", "revisit", "conversion", "continuation")
+Format = Literal["auto", "warc", "html", "jsonl", "parquet", "text"]
+
+
+@dataclass
+class InputsConfig:
+    """Where the raw documents are and how to cut them into shards."""
+
+    paths: list[str] = field(default_factory=list)  # files, globs (``**`` allowed) or folders (their HTML files)
+    format: Format = "auto"  # auto: by suffix (.warc[.gz], .html/.htm/.xhtml, .jsonl[.gz], .parquet, else text)
+    text_field: str = "text"  # JSONL key / Parquet column with the text
+    id_field: str = "id"  # optional; missing ids become <file>:<line>
+    records_per_shard: int = 100  # 0: one shard per file
+    warc_record_types: list[str] = field(default_factory=lambda: ["response", "conversion"])
+
+    def __post_init__(self) -> None:
+        if self.records_per_shard < 0:
+            raise ValueError(f"records_per_shard must be >= 0, got {self.records_per_shard}")
+        unknown = set(self.warc_record_types) - set(WARC_RECORD_TYPES)
+        if unknown:
+            raise ValueError(f"unknown warc_record_types {sorted(unknown)}; valid: {', '.join(WARC_RECORD_TYPES)}")
+
+
+@dataclass
+class Piece:
+    """Records ``[start, stop)`` of one file (record = WARC record of a kept type, JSONL line, Parquet row)."""
+
+    path: str
+    format: str
+    start: int
+    stop: int
+
+
+def file_format(path: Path, configured: str) -> str:
+    if configured != "auto":
+        return configured
+    name = path.name.lower()
+    if name.endswith(WARC_SUFFIXES):
+        return "warc"
+    if name.endswith(HTML_SUFFIXES):
+        return "html"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+def input_files(cfg: InputsConfig) -> list[Path]:
+    """Expand paths; a folder stands for the HTML files under it."""
+    patterns = []
+    for p in cfg.paths:
+        if Path(p).is_dir():
+            found = sorted(q for q in Path(p).rglob("*") if q.is_file() and q.name.lower().endswith(HTML_SUFFIXES))
+            if not found:
+                raise InputError(f"input folder {p} holds no .html/.htm/.xhtml file")
+            patterns += [str(q) for q in found]
+        else:
+            patterns.append(p)
+    files = expand_paths(patterns, what="input")
+    for f in files:
+        try:
+            with open(f, "rb"):
+                pass
+        except OSError as exc:
+            raise InputError(f"{f}: cannot open input: {exc.strerror or exc}") from exc
+    return files
+
+
+def count_records(path: Path, fmt: str, cfg: InputsConfig) -> int:
+    if fmt == "warc":
+        return sum(1 for _ in _warc_records(path, cfg))
+    if fmt == "jsonl":
+        n = 0
+        with open_binary(path) as f:
+            try:
+                for _ in f:
+                    n += 1
+            except (OSError, EOFError, zlib.error) as exc:
+                raise InputError(f"{path}: unreadable after line {n}: {exc}") from exc
+        return n
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as exc:  # pyarrow raises several types for corrupt files
+            raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    return 1
+
+
+def plan_shards(cfg: InputsConfig) -> list[list[Piece]]:
+    """Cut the inputs into shards, each a list of pieces of files, in input order."""
+    shards: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = cfg.records_per_shard
+    for path in input_files(cfg):
+        fmt = file_format(path, cfg.format)
+        if cfg.records_per_shard == 0:
+            shards.append([Piece(str(path), fmt, 0, count_records(path, fmt, cfg) if fmt == "warc" else 1 << 62)])
+            continue
+        n = count_records(path, fmt, cfg)
+        start = 0
+        while start < n or (n == 0 and start == 0):
+            take = min(room, n - start)
+            # the last piece of a file reads to its end, so trailing damage is seen by one shard
+            stop = start + take if start + take < n else 1 << 62
+            current.append(Piece(str(path), fmt, start, stop))
+            start += max(take, 1)
+            room -= take
+            if room == 0:
+                shards.append(current)
+                current, room = [], cfg.records_per_shard
+    if current:
+        shards.append(current)
+    return shards
+
+
+def read_piece(piece: Piece, cfg: InputsConfig) -> Iterator[tuple[Document, str | None]]:
+    path = Path(piece.path)
+    if piece.format == "warc":
+        yield from read_warc(path, cfg, piece.start, piece.stop)
+    elif piece.format == "jsonl":
+        yield from read_jsonl(path, cfg, piece.start, piece.stop)
+    elif piece.format == "parquet":
+        yield from read_parquet(path, cfg, piece.start, piece.stop)
+    elif piece.start == 0:
+        yield from read_whole_file(path, piece.format)
+
+
+# --------------------------------------------------------------------------- WARC
+
+
+@dataclass
+class _WarcItem:
+    record: Any  # a fastwarc WarcRecord, or None for damage found after the last record
+    payload: bytes
+    offset: int
+    problem: str | None = None
+
+
+def _warc_records(path: Path, cfg: InputsConfig) -> Iterator[_WarcItem]:
+    """Records of the kept types with their payloads, then one item per damaged tail.
+
+    fastwarc stops quietly at a truncated gzip member, so after the last record the
+    reader checks that the file ends where that record ends; anything left is reported.
+    """
+    from fastwarc.warc import ArchiveIterator
+
+    kept = set(cfg.warc_record_types)
+    last_offset = None
+    try:
+        with open(path, "rb") as f:
+            for record in ArchiveIterator(f, parse_http=True):
+                last_offset = record.stream_pos
+                if str(record.record_type) not in kept:
+                    continue
+                payload = record.reader.read()
+                problem = None
+                if len(payload) < record.content_length:  # fastwarc's content_length is the payload's, after HTTP
+                    problem = f"truncated-record: payload has {len(payload)} of {record.content_length} bytes"
+                yield _WarcItem(record, payload, record.stream_pos, problem)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read WARC: {exc.strerror or exc}") from exc
+    tail = _damaged_tail(path, last_offset)
+    if tail is not None:
+        yield _WarcItem(None, b"", tail[0], tail[1])
+
+
+def _damaged_tail(path: Path, last_offset: int | None) -> tuple[int, str] | None:
+    """(offset, reason) when bytes after the last parsed record hold no complete record."""
+    size = path.stat().st_size
+    start = last_offset or 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read()
+    if path.name.lower().endswith(".gz"):
+        end = start
+        rest = data
+        # step over the last record's gzip member (or every member, if none parsed)
+        while rest:
+            d = zlib.decompressobj(wbits=31)
+            try:
+                d.decompress(rest)
+            except zlib.error as exc:
+                return end, f"truncated-record: damaged gzip member at byte {end} ({exc})"
+            if not d.eof:
+                return end, f"truncated-record: gzip member at byte {end} ends early (file is {size} bytes)"
+            end += len(rest) - len(d.unused_data)
+            rest = d.unused_data
+            if last_offset is not None:
+                break
+        if rest.strip(b"\0"):
+            return end, f"truncated-record: {len(rest)} unparsed bytes at byte {end}"
+        return None
+    if last_offset is None and data.strip():
+        return 0, "truncated-record: no WARC record could be parsed"
+    return None
+
+
+def _decode(payload: bytes, charset: str | None) -> tuple[str | None, str | None]:
+    if b"\0" in payload[:4096]:
+        return None, "binary-payload: NUL bytes in the payload"
+    for enc in dict.fromkeys([charset or "utf-8", "utf-8"]):
+        try:
+            return payload.decode(enc), None
+        except LookupError:
+            continue
+        except UnicodeDecodeError as exc:
+            error = f"undecodable-payload: invalid {enc} at byte {exc.start}"
+    return None, error
+
+
+def read_warc(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
+    for index, item in enumerate(_warc_records(path, cfg)):
+        if index < start:
+            continue
+        if index >= stop:
+            break
+        rec = item.record
+        if rec is None:
+            doc = Document(id=f"{path}@{item.offset}", text="", metadata={"source": str(path), "offset": item.offset})
+            yield doc, item.problem
+            continue
+        url = rec.headers.get("WARC-Target-URI", "")
+        record_id = (rec.record_id or f"{path}@{item.offset}").strip("<>")
+        ctype = rec.headers.get("WARC-Identified-Payload-Type") or (rec.http_content_type if rec.is_http else None) \
+            or rec.headers.get("Content-Type", "")
+        meta = {"url": url, "source": str(path), "offset": item.offset, "content_type": ctype.split(";")[0].strip()}
+        if rec.is_http and rec.http_headers is not None:
+            meta["http_status"] = rec.http_headers.status_code
+        if item.problem:
+            yield Document(record_id, item.payload.decode("utf-8", "replace"), meta), item.problem
+            continue
+        text, problem = _decode(item.payload, rec.http_charset if rec.is_http else None)
+        if text is None:
+            yield Document(record_id, item.payload.decode("utf-8", "replace"), meta), problem
+        else:
+            yield Document(record_id, text, meta), None
+
+
+# --------------------------------------------------------------------------- other formats
+
+
+def read_whole_file(path: Path, fmt: str) -> Iterator[tuple[Document, str | None]]:
+    """An HTML or text file is one document; its id and url are its path."""
+    try:
+        with open_binary(path) as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from exc
+    meta: dict[str, Any] = {"source": str(path)}
+    if fmt == "html":
+        meta.update(url=path.as_posix(), content_type="text/html")
+    text, problem = _decode(data, None)
+    yield Document(str(path), text if text is not None else data.decode("utf-8", "replace"), meta), problem
+
+
+def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
+    """Each JSON line is a document; fields other than text and id become metadata."""
+    lines = jsonl_records(path)
+    index = -1
+    while True:
+        try:
+            where, record = next(lines)
+        except StopIteration:
+            return
+        except (OSError, EOFError, zlib.error) as exc:
+            doc = Document(f"{path.name}:damaged", "", {"source": str(path)})
+            yield doc, f"unreadable-file: {path} is damaged after line {index + 1}: {exc}"
+            return
+        index = int(where.rsplit(":", 1)[1]) - 1
+        if index < start:
+            continue
+        if index >= stop:
+            return
+        fallback_id = f"{path.name}:{index + 1}"
+        if isinstance(record, BadRecord):
+            yield Document(fallback_id, "", {"source": str(path)}), f"{record.reason.replace('_', '-')}: {where}: {record.detail}"
+            continue
+        if not isinstance(record, dict):
+            yield Document(fallback_id, "", {"source": str(path)}), f"not-an-object: {where}: {type(record).__name__}"
+            continue
+        yield _record_document(record, cfg, fallback_id, path, where)
+
+
+def _record_document(record: dict, cfg: InputsConfig, fallback_id: str, path: Path, where: str
+                     ) -> tuple[Document, str | None]:
+    text = record.get(cfg.text_field)
+    doc_id = record.get(cfg.id_field)
+    meta = {k: v for k, v in record.items() if k not in (cfg.text_field, cfg.id_field)}
+    meta.setdefault("source", str(path))
+    doc = Document(str(doc_id) if doc_id is not None else fallback_id, text if isinstance(text, str) else "", meta)
+    if text is None:
+        return doc, f"missing-text: {where}: no {cfg.text_field!r} field"
+    if not isinstance(text, str):
+        return doc, f"text-not-string: {where}: {cfg.text_field!r} is {type(text).__name__}"
+    return doc, None
+
+
+def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    if cfg.text_field not in pf.schema_arrow.names:
+        raise InputError(f"{path}: no {cfg.text_field!r} column (columns: {pf.schema_arrow.names})")
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        if row + batch.num_rows <= start:
+            row += batch.num_rows
+            continue
+        for record in batch.to_pylist():
+            if start <= row < stop:
+                yield _record_document(record, cfg, f"{path.name}:{row + 1}", path, f"{path}:row {row + 1}")
+            row += 1
+            if row >= stop:
+                return
