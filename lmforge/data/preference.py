@@ -57,6 +57,7 @@ class PreferencePair:
     chosen: Completion
     rejected: Completion
     source: str  # file:line
+    margin: float | None = None  # how much better chosen is (a reward model's Bradley-Terry margin)
 
 
 @dataclass
@@ -134,7 +135,10 @@ def parse_pair(tok: Tokenizer, record: Any, max_length: int, on_too_long: OnTooL
     r, r_note = tokenize_completion(tok, prompt, rejected, max_length, "rejected", on_too_long)
     if c.input_ids == r.input_ids:
         raise ExampleError("identical_pair", f"'chosen' and 'rejected' are identical within max_length={max_length}")
-    return PreferencePair(c, r, ""), bool(c_note or r_note)
+    margin = record.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)):
+        raise ExampleError("bad_margin", f"'margin' must be a number, got {margin!r}")
+    return PreferencePair(c, r, "", None if margin is None else float(margin)), bool(c_note or r_note)
 
 
 def parse_unpaired(tok: Tokenizer, record: Any, max_length: int,
@@ -221,11 +225,15 @@ def pad_rows(completions: Sequence[Completion], pad_id: int, length: int | None 
 
 def pair_rows(pairs: Sequence[PreferencePair], pad_id: int, length: int | None = None,
               side: str = "right") -> dict[str, torch.Tensor]:
-    """``chosen_*`` and ``rejected_*`` rows of the pairs, padded to one length."""
+    """``chosen_*`` and ``rejected_*`` rows of the pairs, padded to one length, and ``margin``
+    when any pair has one (0 for the others)."""
     length = length or max(max(len(p.chosen.input_ids), len(p.rejected.input_ids)) for p in pairs)
     chosen = pad_rows([p.chosen for p in pairs], pad_id, length, side)
     rejected = pad_rows([p.rejected for p in pairs], pad_id, length, side)
-    return {**{f"chosen_{k}": v for k, v in chosen.items()}, **{f"rejected_{k}": v for k, v in rejected.items()}}
+    rows = {**{f"chosen_{k}": v for k, v in chosen.items()}, **{f"rejected_{k}": v for k, v in rejected.items()}}
+    if any(p.margin is not None for p in pairs):
+        rows["margin"] = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32)
+    return rows
 
 
 def mismatched_completion(prompt: Completion, other: Completion, max_length: int) -> Completion:

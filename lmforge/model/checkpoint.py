@@ -32,10 +32,16 @@ CHECKSUMS = "checksums.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def _transformer_and_prefix(model: torch.nn.Module) -> tuple[Transformer, str]:
+    """The transformer inside ``model`` (itself, or a wrapper's ``backbone``, e.g. a reward model)."""
+    return (model, "") if isinstance(model, Transformer) else (model.backbone, "backbone.")
+
+
 def model_state_for_saving(model: Transformer) -> dict[str, torch.Tensor]:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
+    core, prefix = _transformer_and_prefix(model)
+    if core.cfg.tie_embeddings:
+        state.pop(prefix + "lm_head.weight", None)
     return state
 
 
@@ -123,15 +129,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", verify: boo
 
 def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
     """Load a saved state dict, re-tying the output matrix and rebuilding the RoPE tables."""
-    if model.cfg.tie_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    core, prefix = _transformer_and_prefix(model)
+    output_key = prefix + "lm_head.weight"
+    if core.cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != output_key}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed_missing = {"lm_head.weight"} if model.cfg.tie_embeddings else set()
+    allowed_missing = {output_key} if core.cfg.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise InputError(f"{where}: weights do not match the model config (missing {missing}, unexpected {unexpected})")
-    if model.cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
+    if core.cfg.tie_embeddings:
+        core.lm_head.weight = core.embed.weight
     with torch.no_grad():
-        cos, sin = rope_tables(model.cfg, model.rope_cos.device)
-        model.rope_cos.copy_(cos)
-        model.rope_sin.copy_(sin)
+        cos, sin = rope_tables(core.cfg, core.rope_cos.device)
+        core.rope_cos.copy_(cos)
+        core.rope_sin.copy_(sin)

@@ -230,22 +230,3 @@ def bradley_terry_loss(
     if center_coef:
         losses = losses + center_coef * (rewards_chosen + rewards_rejected) ** 2
     return losses
-
-
-def last_token_index(tokens: torch.Tensor, pad_id: int | None = None) -> torch.Tensor:
-    """Index of the last real token of each row, where a reward model reads its score.
-
-    ``tokens`` is either an attention mask (``pad_id=None``: non-zero = real) or input ids
-    compared with ``pad_id``. Works with left and right padding. When pad == eos, pass the
-    attention mask: ids alone cannot tell a trailing EOS from padding, and then this
-    returns the token before it, as transformers' sequence-classification pooling does.
-    """
-    real = tokens != 0 if pad_id is None else tokens != pad_id
-    if tokens.ndim != 2:
-        raise ValueError(f"expected (B, T) attention mask or ids, got shape {tuple(tokens.shape)}")
-    empty = ~real.any(-1)
-    if empty.any():
-        rows = empty.nonzero().flatten().tolist()
-        raise ValueError(f"rows {rows} have no real token; drop empty sequences before scoring")
-    positions = torch.arange(tokens.shape[1], device=tokens.device)
-    return (positions * real).argmax(-1)

@@ -33,6 +33,7 @@ from lmforge.train.finetune import (
     exact_match_tasks,
     load_base,
     save_finetuned,
+    task_files,
     wrap_lora,
 )
 from lmforge.train.loop import TrainConfig, resolve_device, train
@@ -88,7 +89,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
              len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded",
              len(val_examples), skipped.total)
 
-    tasks = exact_match_tasks(tok, d.val, recipe.eval.max_examples) if d.val and recipe.eval.exact_match else ([], [])
+    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
     before = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     if before:
         log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])

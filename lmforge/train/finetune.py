@@ -6,7 +6,7 @@ exact match, and save the result as a plain checkpoint plus a PEFT adapter.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
 @dataclass
 class ExactMatchConfig:
     exact_match: bool = True  # greedy answers to validation prompts, compared to the reference
+    tasks: list[str] = field(default_factory=list)  # files of tasks to score; empty: the validation data
     max_examples: int = 200
     max_new_tokens: int = 32
 
@@ -71,9 +72,12 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: P
 
 def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:
     """Prompts (ChatML up to the generation prompt) and reference answers of conversations ending
-    with the assistant, or of conversational ``prompt``/``chosen`` pairs (the chosen answer)."""
+    with the assistant, of conversational ``prompt``/``chosen`` pairs (the chosen answer), or of
+    desirable ``prompt``/``completion`` examples."""
     prompts: list[list[int]] = []
     answers: list[str] = []
+    if not paths:
+        return prompts, answers
     for _, record in read_sft_records(paths):
         if not isinstance(record, dict):
             continue
@@ -81,6 +85,9 @@ def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tu
             context, answer = record["messages"][:-1], record["messages"][-1]
         elif isinstance(record.get("prompt"), list) and isinstance(record.get("chosen"), list) and record["chosen"]:
             context, answer = record["prompt"], record["chosen"][-1]
+        elif (isinstance(record.get("prompt"), list) and isinstance(record.get("completion"), list)
+              and record["completion"] and record.get("label", True) is True):
+            context, answer = record["prompt"], record["completion"][-1]
         else:
             continue
         if not isinstance(answer, dict) or answer.get("role") != "assistant":
@@ -108,3 +115,8 @@ def exact_match_accuracy(model: nn.Module, tok: Tokenizer, prompts: list[list[in
         correct += sum(exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32]))
     model.train(was_training)
     return {"exact_match": correct / len(prompts), "examples": len(prompts)}
+
+
+def task_files(cfg: ExactMatchConfig, val: list[str]) -> list[str]:
+    """The files exact match is scored on: ``eval.tasks``, else the validation data (none if disabled)."""
+    return (cfg.tasks or val) if cfg.exact_match else []

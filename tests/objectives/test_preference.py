@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from lmforge.model.reward import last_token_index
 from lmforge.objectives.preference import (
     bradley_terry_loss,
     cpo_loss,
     dpo_loss,
     kto_loss,
-    last_token_index,
     orpo_loss,
     sequence_logprobs,
     simpo_loss,

@@ -1,0 +1,126 @@
+"""Paired preference optimisation (DPO and its variants, SimPO, ORPO, CPO) as a training objective.
+
+A batch holds ``chosen_*`` and ``rejected_*`` rows (``lmforge.data.preference.pair_rows``),
+run through the policy as one ``[chosen; rejected]`` batch. Each method's loss is the pure
+function in ``lmforge.objectives.preference``; this module only gathers its inputs: summed
+or length-averaged completion log-probs, the reference's (precomputed in the batch as
+``ref_chosen_logps``/``ref_rejected_logps``, or from a ``Reference``), and the NLL term of
+ORPO and CPO. The loss is summed over pairs; the loop divides by the pairs of the whole step.
+
+Logged per pair, as TRL does: ``reward_chosen``/``reward_rejected`` (β·log-ratio for the
+reference-based losses, β·log-prob for the reference-free ones), ``margin`` (their
+difference), ``accuracy`` (margin > 0), ``logp_chosen``/``logp_rejected`` and, with a
+reference, ``kl``: the mean log-ratio logπ − logπ_ref of chosen and rejected (a k1
+estimate on the preference data, not on the policy's own samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.preference import cpo_loss, dpo_loss, orpo_loss, sequence_logprobs, simpo_loss
+from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
+
+PreferenceLoss = Literal["dpo", "ipo", "cdpo", "rdpo", "hinge", "simpo", "orpo", "cpo"]
+REFERENCE_FREE = ("simpo", "orpo", "cpo")
+DPO_TYPES = {"dpo": "sigmoid", "ipo": "ipo", "cdpo": "cdpo", "rdpo": "robust", "hinge": "hinge"}
+
+
+@dataclass
+class PreferenceLossConfig:
+    loss: PreferenceLoss = "dpo"  # dpo | ipo | cdpo | rdpo | hinge (reference) ; simpo | orpo | cpo (reference-free)
+    beta: float = 0.1  # β (IPO's τ; ORPO's λ). TRL's default 0.1; SimPO's paper uses 2.0-2.5
+    label_smoothing: float = 0.0  # ε for cdpo and rdpo (0.1 is typical), and optional for simpo/cpo
+    simpo_gamma: float = 0.5  # SimPO's target margin γ (TRL's simpo_gamma)
+    cpo_alpha: float = 1.0  # weight of CPO's NLL term on the chosen completion
+
+    def __post_init__(self) -> None:
+        if self.loss not in DPO_TYPES and self.loss not in REFERENCE_FREE:
+            raise ValueError(f"loss must be one of {[*DPO_TYPES, *REFERENCE_FREE]}, got {self.loss!r}")
+        if self.beta <= 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
+        if self.loss in ("cdpo", "rdpo") and not 0 < self.label_smoothing < 0.5:
+            raise ValueError(f"loss {self.loss} needs label_smoothing in (0, 0.5), e.g. 0.1; got {self.label_smoothing}")
+        if self.label_smoothing and self.loss not in ("cdpo", "rdpo", "simpo", "cpo"):
+            raise ValueError(f"label_smoothing has no effect with loss {self.loss}; use cdpo or rdpo")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss not in REFERENCE_FREE
+
+
+def _cat(batch: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    if f"chosen_{key}" not in batch:
+        return None
+    return torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])
+
+
+class PreferenceObjective:
+    """The paired preference losses over ``[chosen; rejected]`` batches."""
+
+    def __init__(self, cfg: PreferenceLossConfig, reference: Reference | None = None):
+        self.cfg = cfg
+        self.reference = reference
+
+    def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["chosen_input_ids"].shape[0]
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Real (non-pad) tokens the policy processes, for tokens/s and MFU."""
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+
+    def reference_logprobs(self, batch, input_ids, labels, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ref_chosen_logps" in batch:
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        if self.reference is None:
+            raise ValueError(f"loss {self.cfg.loss} needs a reference: pass one, or precompute ref_*_logps")
+        return self.reference(input_ids, labels, attention_mask).chunk(2)
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        cfg = self.cfg
+        input_ids, labels, attention_mask = trim_padding(_cat(batch, "input_ids"), _cat(batch, "labels"),
+                                                         _cat(batch, "attention_mask"))
+        logps, n_tokens, logits = completion_logprobs(model, input_ids, labels, attention_mask)
+        chosen, rejected = logps.chunk(2)
+        n_chosen, n_rejected = n_tokens.chunk(2)
+        avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+        metrics: dict[str, torch.Tensor] = {}
+        if cfg.needs_reference:
+            ref_chosen, ref_rejected = self.reference_logprobs(batch, input_ids, labels, attention_mask)
+            if cfg.loss == "ipo":  # TRL: the log-ratios are length-normalised for IPO
+                losses, reward_c, reward_r = dpo_loss(avg_chosen, avg_rejected, ref_chosen / n_chosen.clamp(min=1),
+                                                      ref_rejected / n_rejected.clamp(min=1), cfg.beta, "ipo")
+                reward_c = cfg.beta * (chosen - ref_chosen).detach()
+                reward_r = cfg.beta * (rejected - ref_rejected).detach()
+            else:
+                losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta,
+                                                      DPO_TYPES[cfg.loss], cfg.label_smoothing)
+            metrics["kl"] = ((chosen - ref_chosen) + (rejected - ref_rejected)).detach().sum() / 2
+        elif cfg.loss == "simpo":
+            losses, reward_c, reward_r = simpo_loss(avg_chosen, avg_rejected, cfg.beta, cfg.simpo_gamma,
+                                                    cfg.label_smoothing)
+        else:
+            half = input_ids.shape[0] // 2
+            if cfg.loss == "orpo":  # TRL's ORPO: NLL over the chosen prompt *and* completion (trl PR #1516)
+                mask = attention_mask[:half] if attention_mask is not None else torch.ones_like(input_ids[:half])
+                nll_labels = input_ids[:half].masked_fill(mask == 0, -100)
+            else:  # CPO: NLL over the chosen completion
+                nll_labels = labels[:half]
+            nll_logps, nll_tokens = sequence_logprobs(logits[:half], nll_labels)
+            nll = -nll_logps.sum() / nll_tokens.sum().clamp(min=1)  # token mean over the micro-batch, as TRL
+            if cfg.loss == "orpo":
+                losses, reward_c, reward_r = orpo_loss(avg_chosen, avg_rejected, nll, cfg.beta)
+            else:
+                losses, reward_c, reward_r = cpo_loss(chosen, rejected, nll, cfg.beta, cfg.cpo_alpha,
+                                                      cfg.label_smoothing)
+            metrics["nll"] = nll.detach() * half
+        margin = reward_c - reward_r
+        metrics.update(reward_chosen=reward_c.sum(), reward_rejected=reward_r.sum(), margin=margin.sum(),
+                       accuracy=(margin > 0).float().sum(), logp_chosen=chosen.detach().sum(),
+                       logp_rejected=rejected.detach().sum())
+        return LossOutput(losses.sum(), self.num_targets(batch), metrics={k: v.detach() for k, v in metrics.items()})

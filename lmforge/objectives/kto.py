@@ -1,0 +1,77 @@
+"""KTO (Ethayarajh et al. 2024) as a training objective, on unpaired desirable/undesirable examples.
+
+A batch holds ``input_ids``/``labels``/``attention_mask`` rows, a boolean ``desirable``
+per row and ``kl_*`` rows: each prompt followed by another example's completion
+(``lmforge.data.preference.unpaired_rows``). The loss is ``kto_loss``: the policy's log-ratio
+r against a baseline z0, the mean log-ratio on the mismatched ``kl_*`` rows, clamped at 0
+and detached. As in TRL, the policy scores the KL rows without gradient, and z0 is taken
+over the micro-batch. Reference log-probs come precomputed in the batch (``ref_logps``,
+``ref_kl_logps``) or from a ``Reference``.
+
+Logged per example: ``kl`` (z0), ``accuracy`` (r above z0 for a desirable example, below
+for an undesirable one), ``signed_reward`` (β·r, negated for undesirable examples, so it
+rises as the policy separates them) and ``reward_desirable``/``reward_undesirable`` (β·r
+summed over each kind, per example of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.preference import kto_loss
+from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
+
+
+@dataclass
+class KTOLossConfig:
+    beta: float = 0.1  # β; TRL's default
+    desirable_weight: float = 1.0  # λ_D; keep λ_D·n_D / (λ_U·n_U) in [1, 4/3] (TRL, KTO paper)
+    undesirable_weight: float = 1.0  # λ_U
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0 or self.desirable_weight <= 0 or self.undesirable_weight <= 0:
+            raise ValueError("beta, desirable_weight and undesirable_weight must be positive")
+
+
+class KTOObjective:
+    def __init__(self, cfg: KTOLossConfig, reference: Reference | None = None):
+        self.cfg = cfg
+        self.reference = reference
+
+    def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0]
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["attention_mask"].sum() + batch["kl_attention_mask"].sum())
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        cfg = self.cfg
+        ids, labels, mask = trim_padding(batch["input_ids"], batch["labels"], batch["attention_mask"])
+        kl_ids, kl_labels, kl_mask = trim_padding(batch["kl_input_ids"], batch["kl_labels"], batch["kl_attention_mask"])
+        logps = completion_logprobs(model, ids, labels, mask)[0]
+        with torch.no_grad():
+            kl_logps = completion_logprobs(model, kl_ids, kl_labels, kl_mask)[0]
+        if "ref_logps" in batch:
+            ref_logps, ref_kl_logps = batch["ref_logps"], batch["ref_kl_logps"]
+        elif self.reference is not None:
+            ref_logps = self.reference(ids, labels, mask)
+            ref_kl_logps = self.reference(kl_ids, kl_labels, kl_mask)
+        else:
+            raise ValueError("KTO needs a reference: pass one, or precompute ref_logps and ref_kl_logps")
+        desirable = batch["desirable"].bool()
+        losses, rewards, z0 = kto_loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps, cfg.beta,
+                                       cfg.desirable_weight, cfg.undesirable_weight)
+        sign = desirable.float() * 2 - 1
+        n = len(losses)
+        metrics = {
+            "kl": z0 * n,
+            "accuracy": ((rewards - cfg.beta * z0) * sign > 0).float().sum(),
+            "signed_reward": (rewards * sign).sum(),
+            "reward_desirable": rewards[desirable].sum(),
+            "reward_undesirable": rewards[~desirable].sum(),
+        }
+        return LossOutput(losses.sum(), n, metrics={k: v.detach() for k, v in metrics.items()})

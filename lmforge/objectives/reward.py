@@ -1,0 +1,48 @@
+"""Bradley-Terry reward-model training as an objective, on ``[chosen; rejected]`` pair batches.
+
+The model is a ``lmforge.model.reward.RewardModel``; the loss is ``bradley_terry_loss``
+with the pair's optional ``margin`` (Llama 2) and the optional centring term (TRL's
+``center_rewards_coefficient``). Logged per pair: ``reward_chosen``, ``reward_rejected``,
+``margin`` (r_c − r_r) and ``accuracy`` (r_c > r_r: the pairwise accuracy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.preference import bradley_terry_loss
+from lmforge.objectives.reference import trim_padding
+
+
+@dataclass
+class RewardLossConfig:
+    center_coef: float = 0.0  # c·(r_c + r_r)² keeps rewards near 0; TRL recommends 0.01
+    use_margin: bool = True  # subtract the data's per-pair `margin` field when present
+
+
+class RewardObjective:
+    def __init__(self, cfg: RewardLossConfig):
+        self.cfg = cfg
+
+    def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["chosen_input_ids"].shape[0]
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+        mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+        ids, _, mask = trim_padding(ids, ids, mask)
+        rewards = model(ids, mask)
+        chosen, rejected = rewards.chunk(2)
+        margin = batch.get("margin") if self.cfg.use_margin else None
+        losses = bradley_terry_loss(chosen, rejected, margin, self.cfg.center_coef)
+        diff = (chosen - rejected).detach()
+        metrics = {"reward_chosen": chosen.detach().sum(), "reward_rejected": rejected.detach().sum(),
+                   "margin": diff.sum(), "accuracy": (diff > 0).float().sum()}
+        return LossOutput(losses.sum(), len(losses), metrics=metrics)

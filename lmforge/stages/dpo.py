@@ -1,0 +1,223 @@
+"""Preference optimisation of a fine-tuned checkpoint on paired data, through the one training
+loop: DPO and its variants (`loss: dpo | ipo | cdpo | rdpo | hinge`, against a frozen
+reference) or the reference-free SimPO, ORPO and CPO (`loss: simpo | orpo | cpo`). Reads TRL's
+preference format, `prompt`/`chosen`/`rejected` (plain strings or conversational, from JSONL
+or Parquet). Full fine-tuning, or LoRA/DoRA/QLoRA with `lora:`, where the reference is the
+model with its adapters disabled. Reference log-probs are computed once before training
+(`precompute_reference: true`) or on the fly. Logs rewards of chosen and rejected, margins,
+preference accuracy and KL, and reports validation margins, the model's own pairwise
+preference (log-likelihood of chosen above rejected) and greedy exact-match accuracy,
+before and after training.
+
+  lmforge dpo recipes/demo/dpo.yaml
+  lmforge dpo recipes/demo/dpo.yaml loss=ipo beta=0.5
+  lmforge dpo recipes/demo/dpo.yaml loss=cdpo label_smoothing=0.1 lora.r=16
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lmforge.core.io import InputError, atomic_write_json, expand_paths
+from lmforge.core.run import log, start_run
+from lmforge.data.documents import SkipLog
+from lmforge.data.preference import pair_rows, read_preference_pairs
+from lmforge.data.rows import RowLoader
+from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
+from lmforge.objectives.reference import Reference, completion_logprobs, policy_reference, precompute_logprobs
+from lmforge.peft.lora import LoraConfig
+from lmforge.train.finetune import (
+    ExactMatchConfig,
+    exact_match_accuracy,
+    exact_match_tasks,
+    load_base,
+    save_finetuned,
+    task_files,
+    wrap_lora,
+)
+from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, resolve_precision, train
+from lmforge.train.metrics import plot_losses
+
+
+@dataclass
+class PreferenceDataConfig:
+    train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
+    val: list[str] = field(default_factory=list)  # held-out pairs: validation margins and accuracy
+    max_length: int = 512  # tokens of prompt + completion
+    on_bad: Literal["error", "skip"] = "error"  # a bad record (identical pair, empty completion, prompt too long...)
+    on_too_long: Literal["error", "truncate", "skip"] = "truncate"  # a completion past max_length (TRL: keep_start)
+    seed: int = 0
+
+
+@dataclass
+class DPORecipe(PreferenceLossConfig):
+    run_dir: str = "runs/dpo"
+    checkpoint: str = "runs/sft"  # the policy to start from (and the reference): usually the SFT model
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    lora: LoraConfig | None = None  # adapters only; the reference is then the model with adapters disabled
+    precompute_reference: bool = True  # reference log-probs in one pass before training (no reference in memory after)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6, warmup_steps=10, eval_every=50,
+                                                                   micro_batch_size=4, batch_tokens=4096))
+    eval: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+
+
+def attach_reference(reference: Reference, rows: dict[str, torch.Tensor], names: dict[str, str],
+                     batch_size: int, device: torch.device, precision: str) -> None:
+    """Add the reference's log-probs to ``rows``: ``names`` maps row prefix -> new column."""
+    for prefix, column in names.items():
+        rows[column] = precompute_logprobs(reference, rows, prefix, batch_size, device,
+                                           lambda: autocast_context(device, precision))
+
+
+@torch.no_grad()
+def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], batch_size: int,
+                        device: torch.device, precision: str) -> dict:
+    """How often the model itself prefers chosen: logπ(chosen) > logπ(rejected), summed and
+    length-averaged, and the mean summed log-prob margin. Comparable across every loss."""
+    was_training = model.training
+    model.eval()
+    scores = {}
+    for side in ("chosen", "rejected"):
+        scorer = lambda ids, labels, mask: completion_logprobs(model, ids, labels, mask)[:2]  # noqa: E731
+        sums, counts = [], []
+        for start in range(0, len(rows[f"{side}_input_ids"]), batch_size):
+            cols = slice(start, start + batch_size)
+            with autocast_context(device, precision):
+                s, n = scorer(rows[f"{side}_input_ids"][cols].to(device), rows[f"{side}_labels"][cols].to(device),
+                              rows[f"{side}_attention_mask"][cols].to(device))
+            sums.append(s.float().cpu())
+            counts.append(n.cpu())
+        scores[side] = (torch.cat(sums), torch.cat(counts).clamp(min=1))
+    model.train(was_training)
+    (c, nc), (r, nr) = scores["chosen"], scores["rejected"]
+    return {"pairs": len(c), "logp_accuracy": float((c > r).float().mean()),
+            "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
+
+
+def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
+                            reference_columns: dict[str, str], needs_reference: bool, stage: str,
+                            read_examples: Callable, measure: Callable | None = None) -> dict:
+    """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result."""
+    if not recipe.data.train:
+        raise InputError("data.train is empty: list the JSONL/Parquet files of preference data")
+    expand_paths(recipe.data.train, what=f"{stage} training")
+    run_dir = start_run(recipe, recipe.run_dir)
+    cfg = recipe.train
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    torch.manual_seed(cfg.seed)
+    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
+
+    d = recipe.data
+    skipped = SkipLog()
+    train_examples = read_examples(d.train, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
+                                   skipped=skipped)
+    if not train_examples:
+        raise InputError(f"no usable examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
+    val_examples = read_examples(d.val, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
+                                 skipped=skipped) if d.val else []
+    train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
+    val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
+    log.info("%s: %d training and %d validation examples; %d skipped or truncated %s", stage, len(train_examples),
+             len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
+
+    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
+    before = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
+    if measure is not None:
+        before.update(measure(model, val_rows, cfg.micro_batch_size, device, precision))
+    log.info("%s: before training %s", stage, before)
+    if recipe.lora is not None:
+        wrap_lora(model, recipe.lora, stage)
+
+    reference = None
+    if needs_reference:
+        reference = policy_reference(model)  # adapters disabled with LoRA, else a frozen copy
+        if recipe.precompute_reference:
+            t0 = time.perf_counter()
+            for rows in (train_rows, val_rows):
+                if rows is not None:
+                    attach_reference(reference, rows, reference_columns, 2 * cfg.micro_batch_size, device, precision)
+            reference = None  # a frozen copy is freed here
+            log.info("%s: reference log-probs precomputed in %.1f s", stage, time.perf_counter() - t0)
+    objective = objective_for(reference)
+    val_batches = (lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None
+    start = evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches) if val_batches else {}
+    before.update(start)
+    per_token = model.cfg.flops_per_token(d.max_length)
+    summary = train(
+        model=model,
+        objective=objective,
+        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed),
+        cfg=cfg,
+        run_dir=run_dir,
+        recipe=recipe,
+        val_batches=val_batches,
+        # a live reference adds a forward (2N) to the policy's forward and backward (6N) per token
+        flops_per_token=per_token * (4 / 3 if reference is not None else 1),
+        tokenizer_dir=tok_dir,
+    )
+    final = save_finetuned(model, run_dir, tok_dir, base_dir, recipe.lora)
+    after = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
+    if measure is not None:
+        after.update(measure(model, val_rows, cfg.micro_batch_size, device, precision))
+    after.update({k: v for k, v in summary.items() if k.startswith("val_")})
+    summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
+                   before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None,
+                   loss=getattr(recipe, "loss", stage))
+    atomic_write_json(run_dir / "summary.json", summary)
+    log.info("%s: after training %s; model in %s", stage, after, final)
+    return summary
+
+
+def run_dpo(recipe: DPORecipe) -> dict:
+    loss_cfg = PreferenceLossConfig(recipe.loss, recipe.beta, recipe.label_smoothing, recipe.simpo_gamma,
+                                    recipe.cpo_alpha)
+    return run_preference_training(
+        recipe,
+        objective_for=lambda reference: PreferenceObjective(loss_cfg, reference),
+        rows_for=lambda examples, pad_id, max_length, seed: pair_rows(examples, pad_id),
+        reference_columns={"chosen_": "ref_chosen_logps", "rejected_": "ref_rejected_logps"},
+        needs_reference=loss_cfg.needs_reference,
+        stage="dpo",
+        read_examples=read_preference_pairs,
+        measure=lambda model, rows, *args: pairwise_preference(model, rows, *args) if rows is not None else {},
+    )
+
+
+def _pct(result: dict | None, key: str = "exact_match") -> str:
+    value = (result or {}).get(key)
+    if isinstance(value, dict):
+        value = value.get("exact_match")
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report: data, margins, preference and exact-match accuracy before and after."""
+    before, after = res.get("before") or {}, res.get("after") or {}
+    out = [f"- loss `{res.get('loss')}`: {res.get('train_examples')} training pairs, {res.get('step')} steps in "
+           f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+    skipped = (res.get("skipped") or {}).get("by_reason") or {}
+    if skipped:
+        out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped}")
+    if "val_margin" in after:
+        out.append(f"- validation reward margin **{before.get('val_margin', 0):.3f} → {after['val_margin']:.3f}**, "
+                   f"preference accuracy {_pct(before, 'val_accuracy')} → {_pct(after, 'val_accuracy')}")
+    if "logp_accuracy" in after:
+        out.append(f"- the model's own preference (log-prob of chosen > rejected) on {after['pairs']} held-out pairs: "
+                   f"{_pct(before, 'logp_accuracy')} → **{_pct(after, 'logp_accuracy')}**")
+    if after.get("exact_match"):
+        out.append(f"- exact match on {after['exact_match']['examples']} tasks: **{_pct(before)} before, "
+                   f"{_pct(after)} after**")
+    if plot_losses(stage_dir, plot_path):
+        out += ["", f"![loss curve]({plot_path.name})"]
+    return out
+
+
+RECIPE = DPORecipe
+run = run_dpo
