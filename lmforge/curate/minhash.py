@@ -1,0 +1,468 @@
+"""MinHash-LSH near-duplicate removal, as datatrove runs it for FineWeb.
+
+Each document becomes a set of shingles: its normalised words, ``n_grams`` at a time
+(Broder 1997). A MinHash signature keeps, for each of ``b·r`` permutations
+``π(h) = (a·h + b) mod (2^61 − 1)``, the smallest permuted shingle hash; two documents
+agree on one signature entry with probability equal to their Jaccard similarity ``s``.
+LSH cuts the signature into ``b`` buckets of ``r`` hashes, and two documents become a
+candidate pair when every hash of some bucket agrees, which happens with probability
+
+    P(candidate | s) = 1 − (1 − s^r)^b          (Leskovec, Rajaraman & Ullman, MMDS §3.4)
+
+With datatrove's defaults (5-grams, b = 14, r = 8) the curve's midpoint is
+(1/b)^(1/r) ≈ 0.72 and P(candidate | s = 0.8) ≈ 0.92. Candidate pairs are joined into
+clusters by union-find and one document per cluster is kept: the first in
+(shard, index) order.
+
+The work is staged like datatrove's four MinHash steps so that no process holds the
+corpus: ``index_shard`` writes each shard's signatures, one sorted file per bucket;
+``resolve`` merges the shards' files bucket by bucket (one ``pool_map`` task each, in
+hash ranges that fit ``max_rows_in_memory``) into candidate pairs, then runs one
+union-find over all pairs; ``apply_shard`` keeps each cluster's representative.
+
+Differences from datatrove, all deliberate:
+- Words are the normalised text split on whitespace (datatrove uses a language-specific
+  word tokenizer, spaCy for English). Punctuation is every Unicode punctuation, symbol and
+  control character (datatrove lists about 80 characters).
+- Each word is hashed once (xxh64, or the first 8 bytes of SHA-1) and ``n_grams``
+  consecutive word hashes are combined into the shingle hash with numpy, instead of
+  hashing each joined n-gram string; so signatures differ from datatrove's value by value
+  while estimating the same Jaccard similarity.
+- A document with fewer words than ``n_grams`` is one shingle of all its words (datatrove
+  gives it no signature, so it is never deduplicated). A document with no words at all
+  gets no signature and is never a near-duplicate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import unicodedata
+from dataclasses import dataclass
+from functools import cache, partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import xxhash
+
+from lmforge.core.io import atomic_write_text
+from lmforge.curate.base import Document, PoolMap
+
+MERSENNE_PRIME = np.uint64((1 << 61) - 1)
+_MAX_UINT64 = np.uint64(np.iinfo(np.uint64).max)
+_SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2^64
+_ROWS_PER_BLOCK = 2048  # shingles permuted per numpy call (112 x 2048 x 8 B = 1.8 MB)
+
+
+@dataclass
+class MinHashConfig:
+    """MinHash-LSH near-dedup; the defaults are datatrove's (FineWeb) settings."""
+
+    n_grams: int = 5  # words per shingle
+    num_buckets: int = 14  # LSH bands b; more bands catch lower similarities
+    hashes_per_bucket: int = 8  # hashes per band r; threshold about (1/b)^(1/r) = 0.72
+    seed: int = 1  # seeds the permutations (datatrove's: np.random.RandomState(seed))
+    hash: Literal["xxhash", "sha1"] = "xxhash"  # 64-bit word hash: xxh64, or the first 8 bytes of SHA-1
+    normalize: bool = True  # datatrove's TextNormConfig: lowercase, numbers to 0, no punctuation/diacritics, one space
+    max_rows_in_memory: int = 4_000_000  # signature rows one resolve task holds at once (about 80 bytes each)
+
+    def __post_init__(self) -> None:
+        for key in ("n_grams", "num_buckets", "hashes_per_bucket", "max_rows_in_memory"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"minhash.{key} must be a positive integer, got {value!r}")
+        if self.hash not in ("xxhash", "sha1"):
+            raise ValueError(f"minhash.hash must be 'xxhash' or 'sha1', got {self.hash!r}")
+        if self.seed < 0:
+            raise ValueError(f"minhash.seed must be >= 0 (it seeds numpy's RandomState), got {self.seed}")
+
+    @property
+    def num_perm(self) -> int:
+        return self.num_buckets * self.hashes_per_bucket
+
+    @property
+    def threshold(self) -> float:
+        """Similarity where the LSH curve is steepest, (1/b)^(1/r)."""
+        return (1 / self.num_buckets) ** (1 / self.hashes_per_bucket)
+
+
+def candidate_probability(s: float | np.ndarray, num_buckets: int, hashes_per_bucket: int) -> float | np.ndarray:
+    """P(two documents of Jaccard similarity s share a bucket) = 1 − (1 − s^r)^b."""
+    return 1 - (1 - np.asarray(s, dtype=np.float64) ** hashes_per_bucket) ** num_buckets
+
+
+# --------------------------------------------------------------------------- normalisation
+
+_KEEP, _SPACE, _DIGIT, _MARK, _DECIMAL = 0, 1, 2, 3, 4
+_DECIMAL_SEPARATORS = ".,،٫⎖⎗⎘"  # kept inside numbers, as datatrove's NUMBERS_PATTERN
+_NUMBER = re.compile(r"0+(?:[.,،٫⎖⎗⎘]0+)?")  # digits are already "0" when this runs
+
+
+def _char_class(cp: int) -> int:
+    c = chr(cp)
+    if c in _DECIMAL_SEPARATORS:
+        return _DECIMAL
+    cat = unicodedata.category(c)
+    if cat == "Nd":
+        return _DIGIT
+    if cat == "Mn":
+        return _MARK
+    if cat[0] in "PSZ" or cat == "Cc" or c.isspace():
+        return _SPACE
+    return _KEEP
+
+
+@cache
+def _bmp_classes() -> np.ndarray:
+    """Class of each code point of the Basic Multilingual Plane (built once per process, ~30 ms)."""
+    return np.fromiter((_char_class(cp) for cp in range(0x10000)), dtype=np.uint8, count=0x10000)
+
+
+def normalize_text(text: str) -> str:
+    """The normalised text: ``normalized_words`` joined by single spaces."""
+    return " ".join(normalized_words(text))
+
+
+def normalized_words(text: str) -> list[str]:
+    """The words of datatrove's ``simplify_text``: lowercase, numbers -> "0", punctuation and symbols -> space,
+    diacritics stripped (NFD, then combining marks dropped), whitespace runs -> one space.
+
+    Works on the code points as a numpy array, so the cost is a few array passes per document.
+    """
+    text = text.lower()
+    if not text.isascii():
+        text = unicodedata.normalize("NFD", text)
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    bmp = cps < 0x10000
+    if bmp.all():
+        cls = _bmp_classes()[cps]
+    else:  # astral characters (emoji, rare scripts): classify each distinct one
+        cls = np.empty(len(cps), dtype=np.uint8)
+        cls[bmp] = _bmp_classes()[cps[bmp]]
+        astral, inverse = np.unique(cps[~bmp], return_inverse=True)
+        cls[~bmp] = np.array([_char_class(int(c)) for c in astral], dtype=np.uint8)[inverse]
+    out = np.where(cls == _SPACE, np.uint32(32), np.where(cls == _DIGIT, np.uint32(48), cps))
+    if (cls == _MARK).any():
+        out = out[cls != _MARK]
+    text = out.astype("<u4", copy=False).tobytes().decode("utf-32-le")
+    if "0" in text:
+        text = _NUMBER.sub("0", text)
+    for sep in _DECIMAL_SEPARATORS if not text.isascii() else ".,":
+        if sep in text:
+            text = text.replace(sep, " ")
+    return text.split()
+
+
+def document_words(text: str, normalize: bool = True) -> list[str]:
+    return normalized_words(text) if normalize else text.split()
+
+
+# --------------------------------------------------------------------------- shingles and signatures
+
+
+def _sha1_64(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha1(data).digest()[:8], "little")
+
+
+def word_hashes(words: list[str], hash_fc: str = "xxhash") -> np.ndarray:
+    """One 64-bit hash per word (C calls through ``map``, no Python loop body)."""
+    fn = xxhash.xxh64_intdigest if hash_fc == "xxhash" else _sha1_64
+    return np.fromiter(map(fn, map(str.encode, words)), dtype=np.uint64, count=len(words))
+
+
+def _fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser, an avalanching bijection (in place)."""
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(0xFF51AFD7ED558CCD)
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(0xC4CEB9FE1A85EC53)
+    x ^= x >> np.uint64(33)
+    return x
+
+
+def combine_ngrams(h: np.ndarray, n: int) -> np.ndarray:
+    """Hashes of all runs of ``n`` consecutive items: fmix64(Σ_j h[i+j]·B^(n−1−j) mod 2^64).
+
+    Fewer than ``n`` items make one shingle of all of them; none make none.
+    """
+    if len(h) == 0:
+        return h
+    n = min(n, len(h))
+    m = len(h) - n + 1
+    acc = h[:m].copy()
+    for j in range(1, n):
+        acc *= _SHINGLE_BASE
+        acc += h[j : j + m]
+    return _fmix64(acc)
+
+
+def shingle_hashes(text: str, cfg: MinHashConfig) -> np.ndarray:
+    """The document's distinct shingle hashes (uint64, sorted)."""
+    words = document_words(text, cfg.normalize)
+    return np.unique(combine_ngrams(word_hashes(words, cfg.hash), cfg.n_grams))
+
+
+@cache
+def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """datatrove's permutation parameters: a in [1, p), b in [0, p), from RandomState(seed)."""
+    gen = np.random.RandomState(seed)
+    a = gen.randint(1, MERSENNE_PRIME, dtype=np.uint64, size=num_perm)
+    b = gen.randint(0, MERSENNE_PRIME, dtype=np.uint64, size=num_perm)
+    return a, b
+
+
+def _permuted(h: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(h·a + b) mod (2^61 − 1) for every shingle (rows) and permutation (columns), into ``y``.
+
+    ``h·a + b`` wraps modulo 2^64 exactly as datatrove's numpy uint64 arithmetic does; the
+    reduction mod the Mersenne prime p = 2^61 − 1 uses x ≡ (x & p) + (x >> 61) (mod p),
+    then one conditional subtraction (the min picks y − p only when y ≥ p), which equals
+    ``x % p`` for every uint64 x at a third of numpy's division cost.
+    """
+    np.multiply(h[:, None], a, out=x)
+    x += b
+    np.bitwise_and(x, MERSENNE_PRIME, out=y)
+    x >>= np.uint64(61)
+    y += x
+    np.subtract(y, MERSENNE_PRIME, out=x)
+    np.minimum(y, x, out=y)
+    return y
+
+
+def signatures(texts: list[str], cfg: MinHashConfig) -> tuple[np.ndarray, np.ndarray]:
+    """MinHash signatures (len(texts), b·r) uint64, and which documents have any words.
+
+    Documents are permuted in blocks of about ``_ROWS_PER_BLOCK`` shingles so that numpy's
+    per-call cost is shared by short documents and memory stays bounded for long ones.
+    """
+    a, b = permutations(cfg.num_perm, cfg.seed)
+    sigs = np.full((len(texts), cfg.num_perm), _MAX_UINT64, dtype=np.uint64)
+    has_words = np.zeros(len(texts), dtype=bool)
+    x = np.empty((_ROWS_PER_BLOCK, cfg.num_perm), dtype=np.uint64)
+    y = np.empty_like(x)
+    pending: list[tuple[int, np.ndarray]] = []
+    pending_rows = 0
+
+    def flush() -> None:
+        nonlocal pending_rows
+        h = np.concatenate([s for _, s in pending])
+        starts = np.cumsum([0] + [len(s) for _, s in pending[:-1]])
+        v = _permuted(h, a, b, x[: len(h)], y[: len(h)])
+        sigs[[i for i, _ in pending]] = np.minimum.reduceat(v, starts, axis=0)
+        pending.clear()
+        pending_rows = 0
+
+    for i, text in enumerate(texts):
+        sh = shingle_hashes(text, cfg)
+        if len(sh) == 0:
+            continue
+        has_words[i] = True
+        if len(sh) > _ROWS_PER_BLOCK:  # a long document on its own, block by block
+            for start in range(0, len(sh), _ROWS_PER_BLOCK):
+                block = sh[start : start + _ROWS_PER_BLOCK]
+                v = _permuted(block, a, b, x[: len(block)], y[: len(block)])
+                np.minimum(sigs[i], v.min(axis=0), out=sigs[i])
+            continue
+        if pending_rows + len(sh) > _ROWS_PER_BLOCK:
+            flush()
+        pending.append((i, sh))
+        pending_rows += len(sh)
+    if pending:
+        flush()
+    return sigs, has_words
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Exact Jaccard similarity of two sets of shingle hashes (sorted unique arrays)."""
+    union = len(np.union1d(a, b))
+    return len(np.intersect1d(a, b, assume_unique=True)) / union if union else 1.0
+
+
+def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
+    """Fraction of signature entries that agree: an unbiased estimate of the Jaccard similarity."""
+    return float(np.mean(sig_a == sig_b))
+
+
+# --------------------------------------------------------------------------- on-disk stages
+#
+# work_dir/ids/s{shard}.json              document ids of the shard, in order
+# work_dir/sigs/b{bucket}/s{shard}.npy    (n, r + 2) uint64 rows [key, hash_1..hash_r, doc index], sorted
+# work_dir/pairs/b{bucket}.npy            (m, 2) uint64 candidate pairs of global ids (shard << 32 | index)
+# work_dir/clusters/s{shard}.json         members of clusters of size > 1: index, kept id, cluster size
+# work_dir/summary.json                   counts
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _bucket_keys(rows: np.ndarray) -> np.ndarray:
+    """A uniform 64-bit key per bucket signature, so a bucket can be split into equal hash ranges."""
+    acc = rows[:, 0].copy()
+    for j in range(1, rows.shape[1]):
+        acc *= _SHINGLE_BASE
+        acc += rows[:, j]
+    return _fmix64(acc)
+
+
+class MinHashDedup:
+    """Corpus step: drop all but the first document of each near-duplicate cluster."""
+
+    name = "minhash"
+
+    def __init__(self, cfg: MinHashConfig | None = None):
+        self.cfg = cfg or MinHashConfig()
+
+    # -- stage 1: signatures, one sorted file per bucket
+    def index_shard(self, shard: int, docs: list[Document], work_dir: Path) -> None:
+        cfg, r = self.cfg, self.cfg.hashes_per_bucket
+        work_dir = Path(work_dir)
+        sigs, has_words = signatures([d.text for d in docs], cfg)
+        index = np.flatnonzero(has_words).astype(np.uint64)
+        sigs = sigs[has_words]
+        for bucket in range(cfg.num_buckets):
+            band = sigs[:, bucket * r : (bucket + 1) * r]
+            table = np.column_stack([_bucket_keys(band), band, index]) if len(index) else np.empty((0, r + 2), np.uint64)
+            order = np.lexsort(table.T[::-1])  # rows in lexicographic order: key first, doc index last
+            _save_npy(work_dir / "sigs" / f"b{bucket:03d}" / f"s{shard:06d}.npy", table[order])
+        atomic_write_text(work_dir / "ids" / f"s{shard:06d}.json", json.dumps([d.id for d in docs], ensure_ascii=False))
+
+    # -- stages 2 and 3: candidate pairs per bucket, then one union-find
+    def resolve(self, work_dir: Path, num_shards: int, pool_map: PoolMap) -> None:
+        work_dir = Path(work_dir)
+        task = partial(bucket_pairs, str(work_dir), num_shards, self.cfg.max_rows_in_memory)
+        n_pairs = pool_map(task, list(range(self.cfg.num_buckets)))
+        pairs = [np.load(work_dir / "pairs" / f"b{b:03d}.npy") for b in range(self.cfg.num_buckets)]
+        members = cluster_pairs(np.concatenate(pairs) if pairs else np.empty((0, 2), np.uint64))
+        by_shard: dict[int, dict[str, list]] = {}
+        ids_cache: dict[int, list[str]] = {}
+        for gid, root, size in members:
+            shard, index = int(gid >> 32), int(gid & 0xFFFFFFFF)
+            root_shard, root_index = int(root >> 32), int(root & 0xFFFFFFFF)
+            if root_shard not in ids_cache:
+                ids_cache[root_shard] = _read_ids(work_dir, root_shard)
+            entry = by_shard.setdefault(shard, {"index": [], "kept": [], "size": []})
+            entry["index"].append(index)
+            entry["kept"].append(ids_cache[root_shard][root_index])
+            entry["size"].append(int(size))
+        clusters_dir = work_dir / "clusters"
+        for old in clusters_dir.glob("s*.json") if clusters_dir.is_dir() else []:
+            old.unlink()  # a rerun must not see a previous run's clusters
+        for shard, entry in by_shard.items():
+            atomic_write_text(clusters_dir / f"s{shard:06d}.json", json.dumps(entry, ensure_ascii=False))
+        n_clusters = len({int(root) for _, root, _ in members})
+        atomic_write_text(work_dir / "summary.json", json.dumps({
+            "candidate_pairs": int(sum(n_pairs)), "clusters": n_clusters,
+            "documents_in_clusters": len(members), "removed": len(members) - n_clusters,
+            "threshold": round(self.cfg.threshold, 4),
+        }, indent=2) + "\n")
+
+    # -- stage 4: keep one document per cluster
+    def apply_shard(self, shard: int, docs: list[Document], work_dir: Path) -> list[str | None]:
+        work_dir = Path(work_dir)
+        indexed = _read_ids(work_dir, shard)
+        if indexed != [d.id for d in docs]:
+            raise RuntimeError(f"minhash: shard {shard} holds {len(docs)} documents but {len(indexed)} were indexed "
+                               f"(or in another order); rerun the step's index phase")
+        decisions: list[str | None] = [None] * len(docs)
+        path = work_dir / "clusters" / f"s{shard:06d}.json"
+        if not path.is_file():
+            return decisions
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        for index, kept, size in zip(entry["index"], entry["kept"], entry["size"]):
+            doc = docs[index]
+            doc.metadata["dup_cluster"] = kept
+            doc.metadata["dup_cluster_size"] = size
+            if doc.id != kept:
+                decisions[index] = f"near-duplicate of {kept}"
+        return decisions
+
+
+def _read_ids(work_dir: Path, shard: int) -> list[str]:
+    path = work_dir / "ids" / f"s{shard:06d}.json"
+    if not path.is_file():
+        raise RuntimeError(f"minhash: {path} is missing; index_shard has not run for shard {shard}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def bucket_pairs(work_dir: str, num_shards: int, max_rows: int, bucket: int) -> int:
+    """Stage 2 for one bucket: merge the shards' sorted signature files and write candidate pairs.
+
+    Documents whose bucket signatures are equal form a run after sorting; each document is
+    paired with the previous one of its run (a chain, as datatrove writes it), which is
+    enough for union-find. The bucket is read in key ranges of at most about ``max_rows``
+    rows, so memory stays bounded however many shards there are.
+    """
+    directory = Path(work_dir) / "sigs" / f"b{bucket:03d}"
+    tables = []
+    for shard in range(num_shards):
+        path = directory / f"s{shard:06d}.npy"
+        if not path.is_file():
+            raise RuntimeError(f"minhash: {path} is missing; index_shard has not run for shard {shard}")
+        tables.append((shard, np.load(path, mmap_mode="r")))
+    total = sum(len(t) for _, t in tables)
+    n_ranges = max(1, math.ceil(total / max_rows))
+    bounds = [int(i * (2**64) // n_ranges) for i in range(n_ranges)] + [2**64]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        parts = []
+        for shard, table in tables:
+            keys = np.asarray(table[:, 0])
+            start = np.searchsorted(keys, np.uint64(lo), side="left")
+            stop = len(keys) if hi == 2**64 else np.searchsorted(keys, np.uint64(hi), side="left")
+            if stop > start:
+                part = np.array(table[start:stop])
+                part[:, -1] |= np.uint64(shard) << np.uint64(32)  # doc index -> global id
+                parts.append(part)
+        if not parts:
+            continue
+        rows = np.concatenate(parts)
+        rows = rows[np.lexsort(rows.T[::-1])]
+        same = np.all(rows[1:, :-1] == rows[:-1, :-1], axis=1)
+        out.append(np.column_stack([rows[:-1, -1][same], rows[1:, -1][same]]))
+    pairs = np.concatenate(out) if out else np.empty((0, 2), np.uint64)
+    _save_npy(Path(work_dir) / "pairs" / f"b{bucket:03d}.npy", pairs.astype(np.uint64))
+    return len(pairs)
+
+
+def cluster_pairs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
+    """Stage 3: union-find over candidate pairs of global ids.
+
+    Returns ``(id, root, cluster size)`` for every id in a cluster of two or more, where the
+    root is the smallest id of the cluster (the first document in (shard, index) order).
+    """
+    if len(pairs) == 0:
+        return []
+    pairs = np.unique(pairs, axis=0)
+    nodes, inverse = np.unique(pairs, return_inverse=True)
+    edges = inverse.reshape(-1, 2).tolist()
+    parent = list(range(len(nodes)))
+
+    def find(i: int) -> int:
+        root = i
+        while parent[root] != root:
+            root = parent[root]
+        while parent[i] != root:  # path compression
+            parent[i], i = root, parent[i]
+        return root
+
+    for u, v in edges:
+        ru, rv = find(u), find(v)
+        if ru != rv:  # the smaller index (= smaller global id) becomes the root
+            parent[max(ru, rv)] = min(ru, rv)
+    roots = np.array([find(i) for i in range(len(nodes))])
+    sizes = np.bincount(roots, minlength=len(nodes))
+    return [(int(nodes[i]), int(nodes[roots[i]]), int(sizes[roots[i]])) for i in range(len(nodes))]
