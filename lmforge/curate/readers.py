@@ -177,20 +177,29 @@ def _warc_records(path: Path, cfg: InputsConfig) -> Iterator[_WarcItem]:
 
     kept = set(cfg.warc_record_types)
     last_offset = None
+    pending: _WarcItem | None = None  # the last record is held back until the file's end is checked
     try:
         with open(path, "rb") as f:
             for record in ArchiveIterator(f, parse_http=True):
                 last_offset = record.stream_pos
+                if pending is not None:
+                    yield pending
+                    pending = None
                 if str(record.record_type) not in kept:
                     continue
                 payload = record.reader.read()
                 problem = None
                 if len(payload) < record.content_length:  # fastwarc's content_length is the payload's, after HTTP
                     problem = f"truncated-record: payload has {len(payload)} of {record.content_length} bytes"
-                yield _WarcItem(record, payload, record.stream_pos, problem)
+                pending = _WarcItem(record, payload, record.stream_pos, problem)
     except OSError as exc:
         raise InputError(f"{path}: cannot read WARC: {exc.strerror or exc}") from exc
     tail = _damaged_tail(path, last_offset)
+    if pending is not None and tail is not None and tail[0] == pending.offset:
+        pending.problem = pending.problem or tail[1]  # the last record itself is cut short
+        tail = None
+    if pending is not None:
+        yield pending
     if tail is not None:
         yield _WarcItem(None, b"", tail[0], tail[1])
 

@@ -1,0 +1,134 @@
+import json
+
+import pytest
+
+from lmforge.core.config import ConfigError, load_config
+from lmforge.core.io import InputError
+from lmforge.curate import filters
+from lmforge.curate.pipeline import CurateConfig, run_curate
+from lmforge.curate.readers import InputsConfig
+from lmforge.data.documents import DocumentsConfig, read_documents
+from tests.curate.warc_fixtures import PROSE, html_record, write_warc
+
+STEPS = [{"type": "extract"}, {"type": "language", "languages": ["en"]},
+         {"type": "gopher_quality", "min_doc_words": 20}, {"type": "exact_dedup"}]
+
+
+def story(i: int) -> str:
+    return f"Story number {i} begins here. " + PROSE["en"]
+
+
+@pytest.fixture()
+def crawl(tmp_path):
+    """12 records: 6 English stories, 2 exact copies, French, a PDF, an undecodable page, and a cut-off last record."""
+    records = [html_record(f"https://x.org/en/{i}", story(i)) for i in range(6)]
+    records += [html_record("https://x.org/copy/0", story(0)), html_record("https://x.org/copy/3", story(3))]
+    records += [html_record("https://x.org/fr/0", PROSE["fr"]),
+                ("https://x.org/doc.pdf", b"%PDF-1.4 binary", "application/pdf"),
+                ("https://x.org/bad", "<p>caf\xe9</p>".encode("latin-1"), "text/html; charset=utf-8"),
+                html_record("https://x.org/en/cut", story(9) * 4)]
+    path = write_warc(tmp_path / "crawl.warc.gz", records)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 150])
+    (tmp_path / "known.tsv").write_text("url_a\turl_b\tkind\tjaccard\n"
+                                        "https://x.org/copy/0\thttps://x.org/en/0\tidentical\t1.0\n"
+                                        "https://x.org/copy/3\thttps://x.org/en/3\tidentical\t1.0\n")
+    return path
+
+
+def config(tmp_path, crawl, name="run", **kw):
+    return CurateConfig(run_dir=str(tmp_path / name), inputs=InputsConfig(paths=[str(crawl)], records_per_shard=3),
+                        steps=[dict(s) for s in STEPS], workers=1, known_duplicates=str(tmp_path / "known.tsv"), **kw)
+
+
+def outputs(run_dir):
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes()
+            for d in ("output", "rejects") for p in sorted((run_dir / d).iterdir())}
+
+
+def rejects(run_dir):
+    return [json.loads(line) for p in sorted((run_dir / "rejects").glob("*.jsonl")) for line in p.open()]
+
+
+def test_kept_plus_rejected_is_the_input_and_every_reject_has_stage_and_reason(tmp_path, crawl):
+    stats = run_curate(config(tmp_path, crawl))
+    run_dir = tmp_path / "run"
+    kept = list(read_documents(DocumentsConfig(paths=[str(run_dir / "output" / "*.parquet")])))
+    rej = rejects(run_dir)
+    assert len(kept) + len(rej) == 12 == stats["documents"] and stats["input_shards"] == 4
+    assert len({d.id for d in kept}) == len(kept)  # WARC record ids
+    assert len(kept) == 6 == stats["kept"]
+    by_url = {r["metadata"].get("url"): (r["stage"], r["reason"].split(":")[0].split(" ")[0]) for r in rej}
+    assert by_url == {"https://x.org/copy/0": ("exact_dedup", "exact-duplicate"),
+                      "https://x.org/copy/3": ("exact_dedup", "exact-duplicate"),
+                      "https://x.org/fr/0": ("language", "language"),
+                      "https://x.org/doc.pdf": ("extract", "not-html"),
+                      "https://x.org/bad": ("read", "undecodable-payload"),
+                      "https://x.org/en/cut": ("read", "truncated-record")}
+    assert stats["stages"]["language"]["reasons"] == {"language": 1}
+    assert stats["languages"]["kept"] == {"en": 6}
+    assert stats["dedup"]["precision"] == 1.0 and stats["dedup"]["recall"] == 1.0
+    assert (run_dir / "report.png").stat().st_size > 0 and "kept" in (run_dir / "report.md").read_text()
+    assert json.loads((run_dir / "stats.json").read_text())["kept"] == 6
+
+
+def test_interrupted_run_resumes_to_identical_output(tmp_path, crawl, monkeypatch):
+    reference = tmp_path / "reference"
+    run_curate(config(tmp_path, crawl, "reference"))
+    calls = {"n": 0}
+    real = filters.GopherQualityFilter.__call__
+
+    def interrupted(self, doc):
+        calls["n"] += 1
+        if calls["n"] == 4:  # mid-way through the second shard
+            raise KeyboardInterrupt
+        return real(self, doc)
+
+    monkeypatch.setattr(filters.GopherQualityFilter, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_curate(config(tmp_path, crawl))
+    monkeypatch.setattr(filters.GopherQualityFilter, "__call__", real)
+    stats = run_curate(config(tmp_path, crawl))
+    assert stats["tasks_skipped"] >= 1  # the finished shard was not redone
+    assert outputs(tmp_path / "run") == outputs(reference)
+    again = run_curate(config(tmp_path, crawl))
+    assert again["tasks_run"] == 0 and outputs(tmp_path / "run") == outputs(reference)
+
+
+def test_changed_step_reruns_from_that_segment_and_jsonl_output(tmp_path, crawl):
+    run_curate(config(tmp_path, crawl))
+    cfg = config(tmp_path, crawl, output_format="jsonl")
+    cfg.steps[-1]["lowercase"] = True
+    stats = run_curate(cfg)
+    assert stats["tasks_skipped"] == 4  # segment 0 reused; dedup and output redone
+    assert sorted(p.suffix for p in (tmp_path / "run" / "output").iterdir()) == [".jsonl"] * 4
+
+
+def test_process_pool_and_ray_give_the_same_output_as_one_process(tmp_path, crawl):
+    import ray
+
+    run_curate(config(tmp_path, crawl, "one"))
+    run_curate(CurateConfig(**{**vars(config(tmp_path, crawl, "pool")), "workers": 2}))
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        run_curate(CurateConfig(**{**vars(config(tmp_path, crawl, "ray")), "executor": "ray", "workers": 2}))
+    finally:
+        ray.shutdown()
+    assert outputs(tmp_path / "pool") == outputs(tmp_path / "one") == outputs(tmp_path / "ray")
+
+
+def test_recipe_errors_name_the_step_and_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown step type 'gopher_qualty'; did you mean 'gopher_quality'"):
+        CurateConfig(steps=[{"type": "gopher_qualty"}])
+    with pytest.raises(ConfigError, match=r"steps\[1\]\.min_doc_word'; did you mean 'steps\[1\]\.min_doc_words'"):
+        CurateConfig(steps=[{"type": "extract"}, {"type": "gopher_quality", "min_doc_word": 3}])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("inputs: {paths: [a.warc.gz]}\nsteps:\n  - type: language\n    threshold: 0.9\n")
+    cfg = load_config(CurateConfig, recipe)
+    assert cfg.steps == [{"type": "language", "languages": ["en"], "threshold": 0.9, "max_chars": 0}]
+
+
+def test_missing_input_is_an_input_error(tmp_path):
+    cfg = CurateConfig(run_dir=str(tmp_path / "r"), inputs=InputsConfig(paths=[str(tmp_path / "none.jsonl")]))
+    with pytest.raises(InputError, match="none.jsonl"):
+        run_curate(cfg)
