@@ -234,6 +234,23 @@ def _permuted(h: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.
     return y
 
 
+def shingles_signature(shingles: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
+    """The MinHash signature (b·r,) of one set of shingle hashes."""
+    a, b = permutations(cfg.num_perm, cfg.seed)
+    sig = np.full(cfg.num_perm, _MAX_UINT64, dtype=np.uint64)
+    for start in range(0, len(shingles), _ROWS_PER_BLOCK):
+        block = np.asarray(shingles[start : start + _ROWS_PER_BLOCK], dtype=np.uint64)
+        x, y = np.empty((len(block), cfg.num_perm), np.uint64), np.empty((len(block), cfg.num_perm), np.uint64)
+        np.minimum(sig, _permuted(block, a, b, x, y).min(axis=0), out=sig)
+    return sig
+
+
+def share_a_bucket(sig_a: np.ndarray, sig_b: np.ndarray, cfg: MinHashConfig) -> bool:
+    """Whether LSH makes the two documents a candidate pair: all r hashes of some bucket agree."""
+    equal = (sig_a == sig_b).reshape(cfg.num_buckets, cfg.hashes_per_bucket)
+    return bool(equal.all(axis=1).any())
+
+
 def signatures(texts: list[str], cfg: MinHashConfig) -> tuple[np.ndarray, np.ndarray]:
     """MinHash signatures (len(texts), b·r) uint64, and which documents have any words.
 
@@ -297,7 +314,8 @@ def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
 # work_dir/summary.json                   counts
 
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save`` so that readers see the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -337,7 +355,7 @@ class MinHashDedup:
             band = sigs[:, bucket * r : (bucket + 1) * r]
             table = np.column_stack([_bucket_keys(band), band, index]) if len(index) else np.empty((0, r + 2), np.uint64)
             order = np.lexsort(table.T[::-1])  # rows in lexicographic order: key first, doc index last
-            _save_npy(work_dir / "sigs" / f"b{bucket:03d}" / f"s{shard:06d}.npy", table[order])
+            save_array(work_dir / "sigs" / f"b{bucket:03d}" / f"s{shard:06d}.npy", table[order])
         atomic_write_text(work_dir / "ids" / f"s{shard:06d}.json", json.dumps([d.id for d in docs], ensure_ascii=False))
 
     # -- stages 2 and 3: candidate pairs per bucket, then one union-find
@@ -434,7 +452,7 @@ def bucket_pairs(work_dir: str, num_shards: int, max_rows: int, bucket: int) -> 
         same = np.all(rows[1:, :-1] == rows[:-1, :-1], axis=1)
         out.append(np.column_stack([rows[:-1, -1][same], rows[1:, -1][same]]))
     pairs = np.concatenate(out) if out else np.empty((0, 2), np.uint64)
-    _save_npy(Path(work_dir) / "pairs" / f"b{bucket:03d}.npy", pairs.astype(np.uint64))
+    save_array(Path(work_dir) / "pairs" / f"b{bucket:03d}.npy", pairs.astype(np.uint64))
     return len(pairs)
 
 
