@@ -177,7 +177,7 @@ def plot_stats(stats: dict, path: Path) -> bool:
     a.set_title("duplicate-cluster sizes (kept docs)")
     for key, sides in stats["scores"].items():
         a = next(ax)
-        for side in ("kept", "rejected"):
+        for side in ("rejected", "kept"):
             if sides[side]:
                 a.hist(sides[side], bins=30, alpha=0.6, label=side)
         a.legend()
