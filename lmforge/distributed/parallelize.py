@@ -1,22 +1,114 @@
 """Transformations applied to a built model, in torchtitan's order: TP, activation checkpointing, compile, FSDP.
 
 The model code knows nothing about them; each function takes a model whose blocks are
-``model.layers`` and changes it in place. Parameter names are unchanged.
+``model.layers`` (a ModuleList, or a ModuleDict for a pipeline stage) and changes it in
+place. Parameter names, and so checkpoints, are unchanged.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """Megatron-style tensor parallelism with DTensor (Shoeybi et al. 2019; Korthikanti et al. 2022).
+
+    Attention is split by heads (Q, K, V column-wise, output projection row-wise) and the
+    MLP by width (w1, w3 column-wise, w2 row-wise), so each block needs one all-reduce
+    forward and one backward. The embedding is split by vocabulary (row-wise) and so is
+    the output head (column-wise); with ``loss_parallel`` its logits stay sharded and
+    the cross-entropy runs inside ``torch.distributed.tensor.parallel.loss_parallel``.
+    With ``sequence_parallel`` the norms and the residual stream are split along the
+    sequence, turning each all-reduce into a reduce-scatter + all-gather.
+    """
+    tp = tp_mesh.size()
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root = {}
+    if getattr(model, "embed", None) is not None:
+        root["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "lm_head", None) is not None:
+        if sequence_parallel:
+            root["norm"] = SequenceParallel()
+        root["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
+    tied = getattr(model, "embed", None) is not None and getattr(model, "lm_head", None) is not None \
+        and model.lm_head.weight is model.embed.weight
+    parallelize_module(model, tp_mesh, root)
+    if tied:  # both styles split the shared matrix by vocabulary: keep one parameter
+        model.lm_head.weight = model.embed.weight
+    for block in model.layers.children():
+        plan = {
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=seq),
+            "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan.update({
+                "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                # attn(x, cos, sin, attn_mask, kv_cache): gather the sequence of x only
+                "attn": PrepareModuleInput(input_layouts=(seq, None, None, None, None),
+                                           desired_input_layouts=(Replicate(), None, None, None, None),
+                                           use_local_output=True),
+                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        block.attn.n_heads //= tp  # the local projections hold this device's heads
+        block.attn.n_kv_heads //= tp
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in the backward pass instead of storing them."""
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(
+            name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False))
 
 
 def apply_compile(model: nn.Module) -> None:
     """``torch.compile`` each block separately: one graph reused by every layer, so compiling is quick."""
-    for block in model.layers:
+    for block in model.layers.children():
         block.compile(dynamic=False)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """FSDP2 (per-parameter sharding with DTensor) per block and at the root.
+
+    ``reshard_after_forward=True`` frees each block's gathered weights after its forward and
+    gathers them again for backward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2-like:
+    less communication, weights unsharded during the step). Weights are gathered in
+    ``param_dtype``, gradients reduced in fp32. A 2-D ``dp_mesh`` (replicate, shard) is HSDP.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.children():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # the root group (embedding, final norm, head) is needed again first in backward: keep it
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def parallelize_model(model: nn.Module, ctx, *, precision: str, activation_checkpointing: bool, compile: bool) -> None:
+    """Apply the layout of ``ctx`` (a ParallelContext) to ``model`` in torchtitan's order: TP, AC, compile, FSDP."""
+    layout, cfg = ctx.layout, ctx.cfg
+    if layout.tp > 1:
+        apply_tp(model, ctx.tp_mesh, loss_parallel=cfg.loss_parallel and layout.pp == 1,
+                 sequence_parallel=cfg.sequence_parallel)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    if layout.dp > 1:
+        mp = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if precision == "bf16" else "fp32")
+        apply_fsdp(model, ctx.dp_mesh, param_dtype=torch.bfloat16 if mp == "bf16" else torch.float32,
+                   reshard_after_forward=cfg.reshard_after_forward)

@@ -4,6 +4,8 @@ A checkpoint is a directory::
 
     model.safetensors       weights (a tied output matrix is stored once, as embed.weight)
     model.json              ModelConfig
+    (or, written by a distributed run, .metadata + __<rank>_0.distcp shards in place of
+    model.safetensors: see ``lmforge.distributed.checkpoint``; ``read_weights`` reads either)
     tokenizer.json, tokenizer_config.json
     checksums.json          sha256 of every other file, written last
     (training checkpoints add optimizer.pt, trainer_state.json, config.yaml)
@@ -29,6 +31,7 @@ from lmforge.model.transformer import Transformer, rope_tables
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model.json"
 CHECKSUMS = "checksums.json"
+SHARDED_METADATA = ".metadata"  # a distributed (DCP) checkpoint: weights and optimizer in *.distcp shards
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -48,7 +51,12 @@ def model_state_for_saving(model: Transformer) -> dict[str, torch.Tensor]:
 def write_model_files(directory: Path, model: Transformer, tokenizer_dir: str | Path | None) -> None:
     """Weights, model config and tokenizer into ``directory`` (no checksums yet)."""
     save_file({k: v.cpu() for k, v in model_state_for_saving(model).items()}, str(directory / WEIGHTS), metadata={"format": "pt"})
-    atomic_write_json(directory / MODEL_CONFIG, dataclasses.asdict(model.cfg))
+    write_model_config(directory, model.cfg, tokenizer_dir)
+
+
+def write_model_config(directory: Path, cfg: ModelConfig, tokenizer_dir: str | Path | None) -> None:
+    """The model config and the tokenizer files into ``directory``."""
+    atomic_write_json(directory / MODEL_CONFIG, dataclasses.asdict(cfg))
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name
@@ -93,7 +101,7 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     run directory; with ``verify``, the one returned has had its checksums checked."""
     path = Path(path)
     for direct in (path, path / "final"):  # final/: a fine-tuning run's finished (merged) model
-        if (direct / WEIGHTS).is_file():
+        if (direct / WEIGHTS).is_file() or (direct / SHARDED_METADATA).is_file():
             if verify:
                 verify_checksums(direct)
             return direct
@@ -119,12 +127,23 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", verify: boo
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)
-    try:
-        state = load_file(str(directory / WEIGHTS), device=str(device))
-    except Exception as exc:  # safetensors raises its own error types for truncated files
-        raise InputError(f"{directory / WEIGHTS}: cannot read weights: {exc}") from exc
-    load_weights(model, state, where=str(directory / WEIGHTS))
+    load_weights(model, read_weights(directory, device), where=str(directory))
     return model, directory
+
+
+def read_weights(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A checkpoint's weights by parameter name: ``model.safetensors``, or else the shards of a
+    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them."""
+    directory = Path(directory)
+    sharded = not (directory / WEIGHTS).is_file() and (directory / SHARDED_METADATA).is_file()
+    try:
+        if sharded:
+            from lmforge.distributed.checkpoint import read_model_state
+
+            return {k: v.to(device) for k, v in read_model_state(directory).items()}
+        return load_file(str(directory / WEIGHTS), device=str(device))
+    except Exception as exc:  # safetensors and DCP raise their own error types for truncated files
+        raise InputError(f"{directory if sharded else directory / WEIGHTS}: cannot read weights: {exc}") from exc
 
 
 def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:

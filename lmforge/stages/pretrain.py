@@ -5,27 +5,38 @@ clipping, bf16/fp16/fp32, activation checkpointing, torch.compile, periodic vali
 that resume exactly (train.resume=auto).
 
   lmforge pretrain recipes/demo/pretrain.yaml model.n_layers=4 train.max_steps=200
+
+The same recipe runs distributed under torchrun (gloo on CPUs, NCCL on GPUs) with the
+layout in parallel: (FSDP2/HSDP, tensor and pipeline parallel; see docs/distributed.md):
+
+  torchrun --nproc_per_node=8 -m lmforge pretrain recipes/distributed/fsdp_tp.yaml
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, start_run
 from lmforge.data.loader import LoaderConfig, TokenLoader
 from lmforge.data.shards import open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
-from lmforge.distributed.parallelize import apply_activation_checkpointing
+from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.mesh import ParallelContext, check_layout, init_parallel, launched_world_size, resolve_layout
+from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
+from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.objectives.clm import CausalLMObjective
-from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, train
+from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
+from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, resolve_precision, train
 from lmforge.train.metrics import plot_losses
 
 
@@ -36,6 +47,7 @@ class PretrainRecipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: LoaderConfig = field(default_factory=LoaderConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
@@ -54,6 +66,8 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
 
 
 def run_pretrain(recipe: PretrainRecipe) -> dict:
+    layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
+    check_layout(layout, recipe.parallel, recipe.model, recipe.train.micro_batch_size)
     if not recipe.data.datasets:
         raise InputError("data.datasets is empty: list at least one directory written by `lmforge prepare`")
     tok = Tokenizer.load(recipe.tokenizer)
@@ -66,6 +80,8 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     if recipe.data.seq_len > recipe.model.max_seq_len:
         raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds model.max_seq_len {recipe.model.max_seq_len}")
 
+    if layout.world_size > 1:
+        return run_pretrain_distributed(recipe, tok, manifests)
     run_dir = start_run(recipe, recipe.run_dir)
     cfg = recipe.train
     device = resolve_device(cfg.device)
@@ -106,6 +122,74 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",
                  summary["val_loss"], summary.get("val_bpb", float("nan")), entropy, math.exp(summary["val_loss"]))
     return summary
+
+
+def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict]) -> dict:
+    """``run_pretrain`` on one rank of a ``torchrun`` job: the model is built whole on every
+    rank from the same seed, split into this rank's pipeline stage, then parallelized."""
+    created = not dist.is_initialized()
+    ctx: ParallelContext = init_parallel(recipe.parallel, recipe.train.device)
+    layout = ctx.layout
+    if not ctx.is_logging_rank:
+        log.setLevel(logging.WARNING)
+    try:
+        if ctx.is_logging_rank:
+            start_run(recipe, recipe.run_dir)
+        dist.barrier()
+        run_dir = Path(recipe.run_dir)
+        precision = [resolve_precision(recipe.train.precision, ctx.device) if ctx.is_logging_rank else None]
+        dist.broadcast_object_list(precision, src=0)  # every rank must choose the same
+        cfg = dataclasses.replace(recipe.train, precision=precision[0])
+        torch.manual_seed(cfg.seed)
+        model = build_model(recipe.model, ctx.device)
+        flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
+        log.info("model: %.2fM parameters, %.1f MFLOP per token; layout %s over %d processes (%s)",
+                 recipe.model.num_params() / 1e6, flops_per_token / 1e6, layout, layout.world_size, ctx.device.type)
+        token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
+        if layout.pp > 1:
+            model = split_into_stage(model, ctx.pp_rank, layout.pp)
+        parallelize_model(model, ctx, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=cfg.compile)
+        pipeline = None
+        if layout.pp > 1:
+            pipeline = PipelineRunner(model, ctx, recipe.parallel.pp_microbatches or layout.pp,
+                                      split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss,
+                                      count_bytes=lambda targets: int(token_bytes[targets.cpu()].sum()))
+
+        loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train", rank=ctx.dp_rank, world_size=layout.dp)
+        grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=layout.dp)
+        first = recipe.data.datasets[0]
+        val_cfg = LoaderConfig(datasets=[first], seq_len=recipe.data.seq_len, bos_aligned=recipe.data.bos_aligned,
+                               shuffle=False, seed=recipe.data.seed)
+        has_val = manifests[0]["splits"]["val"]["n_tokens"] > recipe.data.seq_len
+        summary = train(
+            model=model,
+            objective=CausalLMObjective(token_bytes),
+            train_batches=loader,
+            cfg=cfg,
+            run_dir=run_dir,
+            recipe=recipe,
+            grad_accum=grad_accum,
+            val_batches=(lambda: TokenLoader(val_cfg, cfg.micro_batch_size, split="val", loop=False,
+                                             rank=ctx.dp_rank, world_size=layout.dp)) if has_val else None,
+            flops_per_token=flops_per_token,
+            tokenizer_dir=recipe.tokenizer,
+            parallel=ctx,
+            pipeline=pipeline,
+        )
+        summary.update(params=recipe.model.num_params(), flops_per_token=flops_per_token, world_size=layout.world_size,
+                       layout=str(layout), tokens_per_step=grad_accum * cfg.micro_batch_size * recipe.data.seq_len * layout.dp)
+        if ctx.is_logging_rank:
+            summary["unigram_entropy"] = unigram_entropy(first.path, recipe.model.vocab_size)
+            atomic_write_json(run_dir / "summary.json", summary)
+            if "val_loss" in summary:
+                log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f",
+                         summary["val_loss"], summary.get("val_bpb", float("nan")), summary["unigram_entropy"])
+        dist.barrier()
+        return summary
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:

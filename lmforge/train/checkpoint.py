@@ -5,6 +5,11 @@
 ``trainer_state.json`` (step, tokens seen, loader and loss-scaler state) and the
 resolved ``config.yaml``. Each is written into a temporary directory that is renamed
 into place, with checksums; only the newest ``keep`` checkpoints are kept.
+
+A distributed run writes the model and optimizer as DCP shards instead (every rank its
+own, maybe in the background) and rank 0 the rest; its last checkpoint also gets a
+gathered ``model.safetensors`` for ``lmforge export``. Either kind resumes in any
+layout the sharded one allows: a sharded checkpoint also resumes in a single process.
 """
 
 from __future__ import annotations
@@ -12,15 +17,26 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass
+import tempfile
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lmforge.core.config import save_config
-from lmforge.core.io import atomic_directory, atomic_write_json
-from lmforge.model.checkpoint import load_weights, verify_checksums, write_checksums, write_model_files
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json
+from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, read_model_state, save_sharded
+from lmforge.model.checkpoint import (
+    WEIGHTS,
+    load_weights,
+    verify_checksums,
+    write_checksums,
+    write_model_config,
+    write_model_files,
+)
 from lmforge.model.transformer import Transformer
 
 OPTIMIZER = "optimizer.pt"
@@ -78,14 +94,24 @@ class ResumeState:
     trainer_state: dict
 
 
-def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.optim.Optimizer) -> ResumeState:
-    """Restore weights, optimizer and RNG states in place; return the step and trainer state."""
+def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.optim.Optimizer,
+                             sharded_model: bool = False) -> ResumeState:
+    """Restore weights, optimizer and RNG states in place; return the step and trainer state.
+
+    A sharded (DCP) checkpoint loads into any layout, a single process included;
+    ``sharded_model`` (a parallelized model) needs one."""
     from safetensors.torch import load_file
 
     verify_checksums(ckpt)
     device = next(model.parameters()).device
-    load_weights(model, load_file(str(ckpt / "model.safetensors"), device=str(device)), where=str(ckpt))
-    optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER, map_location=device, weights_only=True))
+    if is_sharded_checkpoint(ckpt):
+        load_sharded(ckpt, model, optimizer)
+    elif sharded_model:
+        raise InputError(f"{ckpt}: written by a single-process run, which a distributed run cannot resume; "
+                         "resume it in one process, or start over with train.resume=never")
+    else:
+        load_weights(model, load_file(str(ckpt / "model.safetensors"), device=str(device)), where=str(ckpt))
+        optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER, map_location=device, weights_only=True))
     rng = torch.load(ckpt / RNG, weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
@@ -94,3 +120,74 @@ def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.op
     version, internal, gauss = state.pop("python_random")
     random.setstate((version, tuple(internal), gauss))
     return ResumeState(step=state.pop("step"), trainer_state=state)
+
+
+@dataclass
+class PendingCheckpoint:
+    """A sharded checkpoint whose shards are written (or being written in the background);
+    ``commit()`` waits for them, lets rank 0 add the other files and renames it into place."""
+
+    tmp: Path
+    target: Path
+    future: Future | None
+    files: dict = field(default_factory=dict)  # what rank 0 writes beside the shards, captured at save time
+
+    def commit(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            f = self.files
+            if f["with_weights"]:  # the single-file format lmforge export / generate / sft read
+                from safetensors.torch import save_file
+
+                weights = read_model_state(self.tmp)
+                if f["model_cfg"].tie_embeddings:
+                    weights.pop("lm_head.weight", None)
+                save_file({k: v.contiguous() for k, v in weights.items()}, str(self.tmp / WEIGHTS),
+                          metadata={"format": "pt"})
+            write_model_config(self.tmp, f["model_cfg"], f["tokenizer_dir"])
+            torch.save(f["rng"], self.tmp / RNG)
+            atomic_write_json(self.tmp / TRAINER_STATE, f["trainer_state"])
+            save_config(f["recipe"], self.tmp)
+            write_checksums(self.tmp)
+            if self.target.exists():
+                old = self.target.with_name(f".{self.target.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                self.target.rename(old)
+                self.tmp.rename(self.target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                self.tmp.rename(self.target)
+            prune_checkpoints(self.target.parent.parent, f["keep"])
+        dist.barrier()
+        return self.target
+
+
+def save_sharded_training_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    recipe: Any,
+    tokenizer_dir: str | Path | None,
+    keep: int,
+    *,
+    with_weights: bool,
+    async_group=None,
+) -> PendingCheckpoint:
+    """Every rank writes its shards into one temporary directory (named by rank 0); with
+    ``async_group`` in the background. Call ``commit()`` on the result (every rank)."""
+    target = checkpoint_dir(run_dir, step)
+    name = [None]
+    if dist.get_rank() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        name = [tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)]
+    dist.broadcast_object_list(name, src=0)
+    tmp = Path(name[0])
+    future = save_sharded(tmp, model, optimizer, async_group)
+    files = {"with_weights": with_weights, "model_cfg": model.cfg, "tokenizer_dir": tokenizer_dir, "rng": rng_state(),
+             "trainer_state": {"step": step, **trainer_state, "python_random": _py_random_state()},
+             "recipe": recipe, "keep": keep}
+    return PendingCheckpoint(tmp, target, future, files)

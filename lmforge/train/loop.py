@@ -4,6 +4,11 @@ Each optimizer step draws ``grad_accum`` micro-batches, divides every micro-batc
 loss by the target-token count of the whole step (so each token weighs the same), runs
 forward/backward under the configured precision, clips, steps AdamW at the scheduled
 learning rate, logs metrics, and now and then evaluates and checkpoints.
+
+Under ``torchrun`` the same loop runs on every rank with a ``ParallelContext``: the target
+count and the logged loss are summed over data-parallel ranks, the loss is scaled so that
+FSDP's gradient mean becomes the per-token mean of the global batch, a pipeline runs its
+schedule in place of forward/backward, only rank 0 logs, and checkpoints are sharded.
 """
 
 from __future__ import annotations
@@ -17,12 +22,24 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from tqdm import tqdm
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log, progress_bar
+from lmforge.distributed.clip import clip_grad_norm_
+from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.model.checkpoint import latest_valid_checkpoint
-from lmforge.train.checkpoint import load_training_checkpoint, save_training_checkpoint
+from lmforge.train.checkpoint import (
+    PendingCheckpoint,
+    load_training_checkpoint,
+    save_sharded_training_checkpoint,
+    save_training_checkpoint,
+)
 from lmforge.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from lmforge.train.optim import build_adamw, lr_at
 
@@ -146,13 +163,19 @@ def train_step(
     precision: str,
     grad_clip: float,
     forward_loss: Callable | None = None,
+    parallel: ParallelContext | None = None,
+    pipeline: PipelineRunner | None = None,
 ) -> StepResult:
     """One optimizer step over ``micro_batches``.
 
     Each micro-batch's summed loss is divided by the target count of the whole step, so
     accumulating k micro-batches gives the same update as one batch k times larger.
     ``forward_loss`` replaces ``objective(model, batch)``, e.g. with its compiled form.
+    With ``parallel`` the step is one of a distributed run (see ``_parallel_train_step``).
     """
+    if parallel is not None:
+        return _parallel_train_step(model, objective, micro_batches, optimizer, scaler, params, precision, grad_clip,
+                                    forward_loss, parallel, pipeline)
     device = params[0].device
     n_targets = sum(objective.num_targets(b) for b in micro_batches)
     loss_total = torch.zeros((), device=device)
@@ -178,28 +201,120 @@ def train_step(
     return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallelism is a replicated DTensor: its plain value."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def loss_context(parallel: ParallelContext) -> contextlib.AbstractContextManager:
+    """Cross-entropy over vocabulary-sharded logits, where tensor parallelism keeps them sharded."""
+    layout = parallel.layout
+    if layout.tp > 1 and layout.pp == 1 and parallel.cfg.loss_parallel:
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def parallel_backward(model, objective, micro_batches, precision, parallel: ParallelContext,
+                      pipeline: PipelineRunner | None = None, forward_loss: Callable | None = None,
+                      scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, int, dict]:
+    """Forward and backward of one step's micro-batches on one rank of a distributed run.
+
+    The target count is summed over data-parallel ranks, so each token of the global batch
+    weighs the same; FSDP averages gradients over those ranks, so each rank's loss is
+    scaled by their number to turn the average into a sum. Returns the global mean loss,
+    the global target count and the objective's metric sums (every rank gets them).
+    """
+    device = parallel.device
+    dp = parallel.layout.dp
+    n_targets = int(parallel.all_reduce_dp(torch.tensor(
+        float(sum(objective.num_targets(b) for b in micro_batches)), dtype=torch.float64, device=device)).item())
+    loss_total = torch.zeros((), device=device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    forward_loss = forward_loss or objective
+    for batch in micro_batches:
+        with autocast_context(device, precision):
+            if pipeline is not None:
+                loss_total += pipeline.train_batch(batch, divisor=n_targets / dp) / dp
+                continue
+            with loss_context(parallel):
+                out = forward_loss(model, to_device(batch, device))
+                loss = out.loss_sum / n_targets
+                (scaler.scale(loss * dp) if scaler is not None else loss * dp).backward()
+        loss_total += _local(loss.detach()).float()
+        for name, value in getattr(out, "metrics", {}).items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + _local(value.detach()).float()
+    parallel.all_reduce_pp(loss_total)  # a pipeline's loss is known on its last stage
+    parallel.all_reduce_dp(loss_total)
+    for value in metric_sums.values():
+        parallel.all_reduce_dp(value)
+    return loss_total, n_targets, metric_sums
+
+
+def _parallel_train_step(model, objective, micro_batches, optimizer, scaler, params, precision, grad_clip,
+                         forward_loss, parallel: ParallelContext, pipeline: PipelineRunner | None) -> StepResult:
+    """``train_step`` on one rank of a distributed run; the loss and metrics are global means."""
+    loss_total, n_targets, metric_sums = parallel_backward(model, objective, micro_batches, precision, parallel,
+                                                           pipeline, forward_loss, scaler)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm_(params, grad_clip, parallel)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: torch.device, precision: str,
-             max_batches: int | None) -> dict:
+             max_batches: int | None, parallel: ParallelContext | None = None,
+             pipeline: PipelineRunner | None = None) -> dict:
     """Mean loss per target (nats), the objective's metrics as ``val_<name>``, and bits per byte
-    when the objective counts bytes."""
+    when the objective counts bytes.
+
+    Distributed, each data-parallel rank evaluates its rows and the sums are added up; only
+    whole global batches are evaluated (every rank must run the same forwards), so a last
+    partial batch that a single process would include is left out.
+    """
     was_training = model.training
     model.eval()
     loss_sum, n_targets, n_bytes = 0.0, 0, 0
     metric_sums: dict[str, float] = {}
+    full_rows = None
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
+        if parallel is not None:
+            rows = torch.tensor(len(batch), device=device)
+            dist.all_reduce(rows, op=dist.ReduceOp.MIN)
+            full_rows = full_rows or int(rows)
+            if int(rows) == 0 or int(rows) < full_rows:
+                break
         if len(batch) == 0:
             continue
-        with autocast_context(device, precision):
+        if pipeline is not None:
+            with autocast_context(device, precision):
+                batch_loss, batch_bytes = pipeline.eval_batch(batch)
+            loss_sum += batch_loss
+            n_targets += objective.num_targets(batch)
+            n_bytes += batch_bytes
+            continue
+        with autocast_context(device, precision), (loss_context(parallel) if parallel else contextlib.nullcontext()):
             out = objective(model, to_device(batch, device))
-        loss_sum += out.loss_sum.item()
+        loss_sum += _local(out.loss_sum).item()
         n_targets += out.n_targets
         n_bytes += getattr(out, "n_bytes", 0) or 0
         for name, value in getattr(out, "metrics", {}).items():
-            metric_sums[name] = metric_sums.get(name, 0.0) + float(value)
+            metric_sums[name] = metric_sums.get(name, 0.0) + float(_local(value))
     model.train(was_training)
+    if parallel is not None:
+        names = sorted(metric_sums)
+        sums = parallel.all_reduce_dp(torch.tensor([loss_sum, n_targets, n_bytes, *[metric_sums[k] for k in names]],
+                                                   dtype=torch.float64, device=device))
+        loss_sum, n_targets, n_bytes = float(sums[0]), int(sums[1]), int(sums[2])
+        metric_sums = {k: float(v) for k, v in zip(names, sums[3:])}
     if n_targets == 0:
         return {}
     result = {"val_loss": loss_sum / n_targets}
@@ -221,16 +336,26 @@ def train(
     val_batches: Callable[[], Iterator] | None = None,
     flops_per_token: float | None = None,
     tokenizer_dir: str | Path | None = None,
+    parallel: ParallelContext | None = None,
+    pipeline: PipelineRunner | None = None,
 ) -> dict:
     """Train ``model`` in place for ``cfg.max_steps`` optimizer steps; return a summary.
 
     ``train_batches`` must have ``state_dict()``/``load_state_dict()`` for exact resume;
     ``val_batches()`` returns a fresh finite iterator over validation batches.
+    In a distributed run ``model`` is already parallelized (blocks compiled there when
+    ``cfg.compile``), ``train_batches`` yields this data-parallel rank's rows, and
+    ``pipeline`` (a pipeline rank's stage and schedule) replaces forward/backward.
     """
     run_dir = Path(run_dir)
-    device = next(model.parameters()).device
+    device = parallel.device if parallel is not None else next(model.parameters()).device
     precision = resolve_precision(cfg.precision, device)
-    forward_loss = compile_objective(objective) if cfg.compile else objective
+    forward_loss = compile_objective(objective) if cfg.compile and parallel is None else objective
+    logging_rank = parallel is None or parallel.is_logging_rank
+    world_size = parallel.layout.world_size if parallel is not None else 1
+    dp = parallel.layout.dp if parallel is not None else 1
+    async_group = dist.new_group(backend="gloo") if parallel is not None and parallel.cfg.async_checkpoint else None
+    pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     params = [p for p in model.parameters() if p.requires_grad]
@@ -239,29 +364,47 @@ def train(
     ckpt = None
     if cfg.resume == "auto":
         ckpt = latest_valid_checkpoint(run_dir)
+        if parallel is not None:  # every rank resumes from the one rank 0 found
+            found = [str(ckpt) if ckpt is not None else None]
+            dist.broadcast_object_list(found, src=0)
+            ckpt = Path(found[0]) if found[0] is not None else None
     elif cfg.resume != "never":
         ckpt = Path(cfg.resume)
         if not ckpt.is_dir():
             raise InputError(f"train.resume: checkpoint {ckpt} not found (use auto, never or a checkpoint directory)")
     if ckpt is not None:
-        state = load_training_checkpoint(ckpt, model, optimizer)
+        state = load_training_checkpoint(ckpt, model, optimizer, sharded_model=parallel is not None)
         train_batches.load_state_dict(state.trainer_state["loader"])
         if scaler is not None and state.trainer_state.get("scaler"):
             scaler.load_state_dict(state.trainer_state["scaler"])
         start_step, tokens_seen = state.step, state.trainer_state.get("tokens_seen", 0)
         log.info("resuming from %s (step %d)", ckpt, start_step)
-    metrics = MetricsLogger(run_dir, cfg.tensorboard, resume_step=start_step if ckpt is not None else None)
-    peak = peak_flops(device, DTYPES[precision]) if flops_per_token else None
+    metrics = (MetricsLogger(run_dir, cfg.tensorboard, resume_step=start_step if ckpt is not None else None)
+               if logging_rank else _NoMetrics())
+    peak = peak_flops(device, DTYPES[precision]) if flops_per_token and logging_rank else None
 
     def trainer_state() -> dict:
         return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None}
 
-    def checkpoint(step: int) -> Path:
-        path = save_training_checkpoint(run_dir, step, model, optimizer, trainer_state(), recipe, tokenizer_dir,
-                                        cfg.keep_checkpoints)
-        log.info("step %d: checkpoint %s", step, path)
-        return path
+    def checkpoint(step: int, final: bool = False) -> Path:
+        if parallel is None:
+            path = save_training_checkpoint(run_dir, step, model, optimizer, trainer_state(), recipe, tokenizer_dir,
+                                            cfg.keep_checkpoints)
+            log.info("step %d: checkpoint %s", step, path)
+            return path
+        while pending:  # the previous background save must be committed first
+            log.info("checkpoint %s committed", pending.pop().commit())
+        save = save_sharded_training_checkpoint(
+            run_dir, step, model, optimizer, trainer_state(), recipe, tokenizer_dir, cfg.keep_checkpoints,
+            with_weights=final, async_group=None if final else async_group)
+        if save.future is None:
+            path = save.commit()
+            log.info("step %d: sharded checkpoint %s", step, path)
+            return path
+        pending.append(save)
+        log.info("step %d: sharded checkpoint %s being written in the background", step, save.target)
+        return save.target
 
     summary: dict = {"start_step": start_step, "step": start_step, "precision": precision}
     if start_step >= cfg.max_steps:
@@ -270,7 +413,8 @@ def train(
         return summary
 
     model.train()
-    bar = progress_bar(cfg.max_steps, "training", unit="step", initial=start_step)
+    bar = (progress_bar(cfg.max_steps, "training", unit="step", initial=start_step) if logging_rank
+           else tqdm(disable=True))
     t_start = time.perf_counter()
     tok_rates, mfus = [], []
     last_ckpt = None
@@ -282,9 +426,9 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [next(train_batches) for _ in range(grad_accum)]
-        n_tokens = sum(getattr(objective, "num_tokens", objective.num_targets)(b) for b in micro_batches)
+        n_tokens = dp * sum(getattr(objective, "num_tokens", objective.num_targets)(b) for b in micro_batches)
         result = train_step(model, objective, micro_batches, optimizer, scaler, params, precision, cfg.grad_clip,
-                            forward_loss)
+                            forward_loss, parallel, pipeline)
         loss_value, grad_norm, n_targets = result.loss.item(), result.grad_norm, result.n_targets  # the host sync
         if not math.isfinite(loss_value):
             metrics.close()
@@ -300,8 +444,8 @@ def train(
                   "tokens": tokens_seen, "targets": n_targets, "tokens_per_s": n_tokens / dt, "step_s": dt,
                   "memory_bytes": peak_memory_bytes(device)}
         record.update({name: float(value) for name, value in result.metrics.items()})
-        if flops_per_token and peak:
-            record["mfu"] = flops_per_token * n_tokens / dt / peak
+        if flops_per_token and peak:  # model FLOPs of the global batch over the peak of every device
+            record["mfu"] = flops_per_token * n_tokens / dt / (peak * world_size)
         if step > start_step:  # the first step pays for warm-up (allocation, compilation)
             tok_rates.append(record["tokens_per_s"])
             if "mfu" in record:
@@ -311,7 +455,8 @@ def train(
         out_of_time = (cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes) or (
             cfg.stop_at_step is not None and done >= cfg.stop_at_step)
         if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or is_last or out_of_time):
-            record.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches))
+            record.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel,
+                                   pipeline))
         metrics.log(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -320,13 +465,15 @@ def train(
         elif "val_loss" in record:
             bar.write(_format_step(record, cfg.max_steps))
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or is_last or out_of_time:
-            last_ckpt = checkpoint(done)
+            last_ckpt = checkpoint(done, final=is_last or out_of_time)
         if out_of_time and not is_last:
             log.info("stopping at step %d (max_minutes=%s, stop_at_step=%s); resume with train.resume=auto",
                      done, cfg.max_minutes, cfg.stop_at_step)
             break
     bar.close()
     metrics.close()
+    while pending:
+        pending.pop().commit()
     summary.update(
         step=step + 1,
         final_loss=loss_value,
@@ -337,6 +484,16 @@ def train(
         **{k: v for k, v in record.items() if k.startswith("val_")},
     )
     return summary
+
+
+class _NoMetrics:
+    """The metrics of ranks other than 0: nothing is written."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # objective metrics worth a place on the console line (all of them go to metrics.jsonl)

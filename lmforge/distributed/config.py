@@ -1,0 +1,38 @@
+"""The ``parallel:`` section of a training recipe: how one run is laid out over devices.
+
+The degrees multiply to the world size (``torchrun --nproc_per_node``, or Slurm tasks):
+``dp_replicate x dp_shard x tp x pp``. The default (``dp_shard: -1``, everything else 1)
+is plain FSDP over every process, which in a single process is no parallelism at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ParallelConfig:
+    """Data (FSDP2 / HSDP), tensor and pipeline parallel degrees and their options."""
+
+    dp_replicate: int = 1  # data-parallel replicas that each hold whole weights (HSDP when dp_shard > 1 too)
+    dp_shard: int = -1  # FSDP2 sharding degree; -1 = what the world size leaves after the other degrees
+    tp: int = 1  # tensor parallel: attention heads, MLP width and vocabulary split over this many devices
+    pp: int = 1  # pipeline parallel: consecutive layers split into this many stages
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # GPipe (all forwards, then all backwards) or 1F1B
+    pp_microbatches: int | None = None  # pipeline micro-batches per train.micro_batch_size rows; None = pp
+    reshard_after_forward: bool = True  # FSDP: True = ZeRO-3 (free gathered weights after forward); False = ZeRO-2-like
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # FSDP weights in this dtype, grads reduced in fp32; auto = train.precision
+    sequence_parallel: bool = False  # tp: norms and residuals sharded along the sequence (less activation memory)
+    loss_parallel: bool = True  # tp: vocabulary-parallel output and cross-entropy, logits never gathered
+    async_checkpoint: bool = False  # write sharded checkpoints in the background while training continues
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # process-group backend; auto = nccl on GPUs, gloo on CPUs
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be at least 1, got {getattr(self, name)}")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"parallel.dp_shard must be at least 1, or -1 for the rest of the world, got {self.dp_shard}")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            raise ValueError(f"parallel.pp_microbatches must be at least 1, got {self.pp_microbatches}")

@@ -1,0 +1,112 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: a model split into stages by layers.
+
+Each pipeline rank keeps one ``TransformerStage`` (a slice of the built model's layers;
+the first stage also embeds, the last also normalises and projects to logits) and runs
+a GPipe or 1F1B schedule that splits each micro-batch into ``pp_microbatches`` pieces.
+Parameter names are those of the whole model, so sharded checkpoints load into any layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from lmforge.distributed.mesh import stage_layer_ranges
+from lmforge.model.transformer import rotation_tables
+
+
+class TransformerStage(nn.Module):
+    """Layers ``layers`` of a ``Transformer``, keeping their names (``layers.<i>``)."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits (last stage) out."""
+        if self.embed is not None:
+            x = self.embed(x)
+        T = x.shape[1]
+        cos, sin = rotation_tables(self.rope_cos[:T][None], self.rope_sin[:T][None])
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def split_into_stage(model: nn.Module, pp_rank: int, pp: int) -> TransformerStage:
+    ranges = stage_layer_ranges(model.cfg.n_layers, pp)
+    return TransformerStage(model, ranges[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+
+
+class StageLoss:
+    """The last stage's loss of one pipeline micro-batch: summed loss / ``divisor`` (set per step)."""
+
+    def __init__(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_sum = loss_sum
+        self.divisor = 1.0
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum(output, target) / self.divisor
+
+
+class PipelineRunner:
+    """Runs a pipeline schedule over the loop's micro-batches on this rank's stage.
+
+    ``split(batch) -> (inputs, targets)`` and ``loss_sum(output, targets)`` come from the
+    objective (for pre-training: shifted windows and the summed cross-entropy);
+    ``count_bytes(targets)`` gives bytes for bits per byte in evaluation.
+    """
+
+    def __init__(self, stage_module: TransformerStage, ctx, n_microbatches: int, split: Callable,
+                 loss_sum: Callable, count_bytes: Callable | None = None):
+        self.ctx, self.split, self.count_bytes = ctx, split, count_bytes
+        self.pp, self.rank = ctx.layout.pp, ctx.pp_rank
+        self.loss = StageLoss(loss_sum)
+        stage = PipelineStage(stage_module, self.rank, self.pp, ctx.device, group=ctx.pp_group)
+        schedule = ScheduleGPipe if ctx.cfg.pp_schedule == "gpipe" else Schedule1F1B
+        # scale_grads=False: the loss is already divided by the step's target count
+        self.schedule = schedule(stage, n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.pp - 1
+
+    def _run(self, batch: torch.Tensor, train: bool) -> torch.Tensor:
+        """Loss sum (over micro-batches, divided as set) on the last stage; 0 elsewhere."""
+        inputs, targets = self.split(batch.to(self.ctx.device))
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        target = targets if self.is_last else None
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=target, losses=losses)
+        if not self.is_last:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    def train_batch(self, batch: torch.Tensor, divisor: float) -> torch.Tensor:
+        """Forward and backward of one loop micro-batch; returns its loss sum / divisor (last stage)."""
+        self.loss.divisor = divisor
+        return self._run(batch, train=True)
+
+    def eval_batch(self, batch: torch.Tensor) -> tuple[float, int]:
+        """(loss sum, bytes of the targets) of one batch, known on every pipeline rank."""
+        self.loss.divisor = 1.0
+        with torch.no_grad():
+            loss_sum = self.ctx.all_reduce_pp(self._run(batch, train=False))
+        n_bytes = self.count_bytes(self.split(batch)[1]) if self.count_bytes is not None else 0
+        return float(loss_sum), n_bytes

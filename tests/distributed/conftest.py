@@ -1,0 +1,54 @@
+"""Launching ``torchrun`` jobs of tiny recipes (gloo, one thread per rank) and reading their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmforge.core.config import load_config, save_config
+from lmforge.stages.pretrain import PretrainRecipe
+from tests.train.conftest import shards_dir  # noqa: F401  (the token shards of tests/train)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun(nproc: int, jobs: list[dict], spec_dir: Path, timeout: float = 300) -> None:
+    """Run ``jobs`` (see worker.py) in one ``torchrun --nproc_per_node=nproc`` launch; fail with its output."""
+    for i, job in enumerate(jobs):
+        if not isinstance(job["recipe"], (str, Path)):
+            job["recipe"] = str(save_config(job["recipe"], spec_dir, f"job{i}.yaml"))
+    spec = spec_dir / f"spec_{nproc}.json"
+    spec.write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "tests.distributed.worker", str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-12000:]}")
+
+
+@pytest.fixture(scope="module")
+def recipe_for(shards_dir, small_tokenizer_dir):  # noqa: F811
+    """``make_recipe`` of tests/train for module-scoped runs: a tiny fp32 recipe, dotted overrides.
+
+    2 layers, width 32, 4 heads (2 KV heads), vocabulary 512; 8 windows of 32 tokens per step."""
+
+    def make(run_dir: Path, **overrides) -> PretrainRecipe:
+        base = {
+            "run_dir": str(run_dir), "tokenizer": str(small_tokenizer_dir),
+            "model.vocab_size": 512, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
+            "model.n_kv_heads": 2, "model.ffn_hidden": 64, "model.max_seq_len": 64,
+            "data.datasets": f"[{{path: {shards_dir}}}]", "data.seq_len": 32,
+            "train.max_steps": 4, "train.lr": 3e-3, "train.warmup_steps": 2, "train.micro_batch_size": 4,
+            "train.batch_tokens": 256, "train.precision": "fp32", "train.eval_every": 4, "train.eval_batches": 2,
+            "train.checkpoint_every": 4, "train.tensorboard": False, "train.device": "cpu",
+        }
+        base.update(overrides)
+        return load_config(PretrainRecipe, None, [f"{k}={v}" for k, v in base.items()])
+
+    return make

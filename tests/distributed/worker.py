@@ -1,0 +1,87 @@
+"""Runs inside ``torchrun``: the jobs of a JSON spec, one after another, on every rank.
+
+A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe) or
+``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
+parallelized model against the same model unsharded in this process, written by rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lmforge.core.config import load_config
+from lmforge.distributed.mesh import init_parallel
+from lmforge.distributed.parallelize import parallelize_model
+from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
+from lmforge.model.transformer import Transformer
+from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
+from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
+from lmforge.train.loop import parallel_backward
+
+
+def gradients(recipe: PretrainRecipe, out: str) -> None:
+    """Max |grad - reference grad| per parameter after one step of two micro-batches."""
+    ctx = init_parallel(recipe.parallel, "cpu")
+    layout, B, T = ctx.layout, recipe.train.micro_batch_size, recipe.data.seq_len
+    torch.manual_seed(0)
+    reference = Transformer(recipe.model)
+    model = copy.deepcopy(reference)
+    generator = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, recipe.model.vocab_size, (layout.dp * B, T + 1), generator=generator) for _ in range(2)]
+    mine = [w[ctx.dp_rank * B:(ctx.dp_rank + 1) * B] for w in windows]
+    if layout.pp > 1:
+        model = split_into_stage(model, ctx.pp_rank, layout.pp)
+    parallelize_model(model, ctx, precision="fp32", activation_checkpointing=recipe.train.activation_checkpointing,
+                      compile=False)
+    pipeline = None
+    if layout.pp > 1:
+        pipeline = PipelineRunner(model, ctx, recipe.parallel.pp_microbatches or layout.pp,
+                                  split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss)
+    objective = CausalLMObjective()
+    loss, _, _ = parallel_backward(model, objective, mine, "fp32", ctx, pipeline)
+
+    n = sum(objective.num_targets(w) for w in windows)
+    ref_loss = sum(objective(reference, w).loss_sum for w in windows) / n
+    ref_loss.backward()
+    ref_grads = dict(reference.named_parameters())
+    diffs = {}
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        diffs[name] = (grad - ref_grads[name].grad).abs().max().item()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, diffs)
+    if dist.get_rank() == 0:
+        merged = {}
+        for d in gathered:
+            for k, v in d.items():
+                merged[k] = max(v, merged.get(k, 0.0))
+        with open(out, "w") as f:
+            json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "grad_diff": merged,
+                       "n_params": len(ref_grads)}, f)
+    dist.barrier()
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        jobs = json.load(f)
+    dist.init_process_group("gloo")
+    try:
+        for job in jobs:
+            recipe = load_config(PretrainRecipe, job["recipe"])
+            if job["kind"] == "pretrain":
+                run_pretrain(recipe)
+            else:
+                gradients(recipe, job["out"])
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
