@@ -92,7 +92,8 @@ class RewardModel(nn.Module):
         else:
             last = last_token_index(attention_mask)
         h = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]
-        return self.score(h).squeeze(-1).float()
+        rewards = self.score(h).squeeze(-1)
+        return rewards.float() if rewards.dtype in (torch.float16, torch.bfloat16) else rewards
 
     def save_head(self, directory: str | Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in self.score.state_dict().items()},
