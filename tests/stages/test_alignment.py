@@ -1,0 +1,119 @@
+"""`lmforge reward`, `dpo` and `kto` end to end on a tiny model: the loop, the reference, the results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmforge.core.config import load_config
+from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
+from lmforge.data.sft_demo import make_examples
+from lmforge.model.checkpoint import load_model, write_checksums, write_model_files
+from lmforge.model.config import ModelConfig
+from lmforge.model.reward import load_reward_model
+from lmforge.model.transformer import Transformer
+from lmforge.stages.dpo import DPORecipe, run_dpo
+from lmforge.stages.kto import KTORecipe, run_kto
+from lmforge.stages.reward import RewardRecipe, run_reward
+from lmforge.train.metrics import read_metrics
+
+COMMON = ["data.max_length=96", "train.max_steps=4", "train.warmup_steps=0", "train.lr=1e-3",
+          "train.micro_batch_size=4", "train.precision=fp32", "train.eval_every=2", "train.eval_batches=null",
+          "train.tensorboard=false", "train.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(tmp_path_factory, small_tokenizer_dir):
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                                    max_seq_len=128))
+    write_model_files(path, model, small_tokenizer_dir)
+    write_checksums(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("preference")
+    pairs = make_pairs(make_examples(30, seed=3))
+    write_jsonl(path / "train.jsonl", pairs[:22])
+    write_jsonl(path / "val.jsonl", pairs[22:])
+    write_jsonl(path / "kto_train.jsonl", unpair(pairs[:22]))
+    return path
+
+
+def dpo_recipe(tmp_path, base, data, *overrides) -> DPORecipe:
+    return load_config(DPORecipe, None, [
+        f"run_dir={tmp_path / 'dpo'}", f"checkpoint={base}", f"data.train=[{data / 'train.jsonl'}]",
+        f"data.val=[{data / 'val.jsonl'}]", "eval.max_examples=4", "eval.max_new_tokens=4", *COMMON, *overrides])
+
+
+def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, base_checkpoint, data):
+    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "beta=0.5"))
+    records = read_metrics(tmp_path / "dpo")
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 1
+    assert records[0]["margin"] == pytest.approx(0.0, abs=1e-5)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert {"reward_chosen", "reward_rejected", "accuracy", "kl", "grad_norm"} <= set(records[-1])
+    before, after = summary["before"], summary["after"]
+    assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert after["val_margin"] > before["val_margin"] and after["logp_margin"] > before["logp_margin"]
+    assert before["exact_match"]["examples"] == 4
+    model, where = load_model(tmp_path / "dpo")
+    assert where.name == "final"
+
+
+def test_lora_dpo_uses_the_model_with_adapters_disabled_as_reference(tmp_path, base_checkpoint, data, monkeypatch):
+    import lmforge.objectives.reference as reference
+
+    def no_copy(model):
+        raise AssertionError("a LoRA policy must not copy the model for its reference")
+
+    monkeypatch.setattr(reference, "frozen_copy_reference", no_copy)
+    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "lora={r: 4, alpha: 8}",
+                                 "precompute_reference=false"))
+    records = read_metrics(tmp_path / "dpo")
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # B = 0 at init: policy == reference
+    assert records[-1]["kl"] != 0.0 and summary["lora"]
+    assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_precomputed_and_live_reference_give_the_same_losses(tmp_path, base_checkpoint, data):
+    run_dpo(dpo_recipe(tmp_path / "a", base_checkpoint, data, "precompute_reference=true"))
+    run_dpo(dpo_recipe(tmp_path / "b", base_checkpoint, data, "precompute_reference=false"))
+    a = [r["loss"] for r in read_metrics(tmp_path / "a" / "dpo")]
+    b = [r["loss"] for r in read_metrics(tmp_path / "b" / "dpo")]
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo", "cpo", "ipo"])
+def test_every_paired_loss_trains_through_the_loop(tmp_path, base_checkpoint, data, loss):
+    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, f"loss={loss}", "train.max_steps=2"))
+    assert math.isfinite(summary["final_loss"]) and summary["loss"] == loss
+
+
+def test_kto_trains_on_unpaired_examples_with_a_kl_baseline(tmp_path, base_checkpoint, data):
+    recipe = load_config(KTORecipe, None, [
+        f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}", f"data.train=[{data / 'kto_train.jsonl'}]",
+        f"pairs=[{data / 'val.jsonl'}]", "eval.tasks=[]", "eval.exact_match=false", *COMMON])
+    summary = run_kto(recipe)
+    records = read_metrics(tmp_path / "kto")
+    assert records[0]["loss"] == pytest.approx(0.5, abs=1e-5)  # r = z0 = 0: each example costs λ/2
+    assert records[-1]["loss"] < records[0]["loss"] and "kl" in records[-1]
+    assert summary["after"]["logp_margin"] > summary["before"]["logp_margin"]
+
+
+def test_reward_model_learns_the_pairs_and_reloads_with_its_head(tmp_path, base_checkpoint, data):
+    recipe = load_config(RewardRecipe, None, [
+        f"run_dir={tmp_path / 'rm'}", f"checkpoint={base_checkpoint}", f"data.train=[{data / 'train.jsonl'}]",
+        f"data.val=[{data / 'val.jsonl'}]", *COMMON, "train.max_steps=8"])
+    summary = run_reward(recipe)
+    records = read_metrics(tmp_path / "rm")
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert 0.0 <= summary["after"]["val_accuracy"] <= 1.0 and "val_margin" in summary["after"]
+    model = load_reward_model(tmp_path / "rm")
+    ids = torch.tensor([[1, 5, 9, 11]])
+    assert model(ids).shape == (1,)
