@@ -38,6 +38,9 @@ class PreferenceLossConfig:
     label_smoothing: float = 0.0  # ε for cdpo and rdpo (0.1 is typical), and optional for simpo/cpo
     simpo_gamma: float = 0.5  # SimPO's target margin γ (TRL's simpo_gamma)
     cpo_alpha: float = 1.0  # weight of CPO's NLL term on the chosen completion
+    # + w·NLL(chosen completion) for the reference-based losses: RPO (Pang et al. 2024), TRL's
+    # loss_type [..., "sft"] with loss_weights; keeps DPO from lowering the chosen answer's likelihood
+    sft_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in DPO_TYPES and self.loss not in REFERENCE_FREE:
@@ -48,6 +51,9 @@ class PreferenceLossConfig:
             raise ValueError(f"loss {self.loss} needs label_smoothing in (0, 0.5), e.g. 0.1; got {self.label_smoothing}")
         if self.label_smoothing and self.loss not in ("cdpo", "rdpo", "simpo", "cpo"):
             raise ValueError(f"label_smoothing has no effect with loss {self.loss}; use cdpo or rdpo")
+        if self.sft_weight < 0 or (self.sft_weight and not self.needs_reference):
+            raise ValueError(f"sft_weight must be >= 0 and applies to dpo/ipo/cdpo/rdpo/hinge (orpo and cpo have "
+                             f"their own NLL term), got {self.sft_weight} with loss {self.loss}")
 
     @property
     def needs_reference(self) -> bool:
@@ -101,6 +107,10 @@ class PreferenceObjective:
                 losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta,
                                                       DPO_TYPES[cfg.loss], cfg.label_smoothing)
             metrics["kl"] = ((chosen - ref_chosen) + (rejected - ref_rejected)).detach().sum() / 2
+            if cfg.sft_weight:  # token mean over the micro-batch's chosen completions, as TRL's "sft" loss
+                nll = -chosen.sum() / n_chosen.sum().clamp(min=1)
+                losses = losses + cfg.sft_weight * nll
+                metrics["nll"] = nll.detach() * len(chosen)
         elif cfg.loss == "simpo":
             losses, reward_c, reward_r = simpo_loss(avg_chosen, avg_rejected, cfg.beta, cfg.simpo_gamma,
                                                     cfg.label_smoothing)

@@ -177,7 +177,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
 
 def run_dpo(recipe: DPORecipe) -> dict:
     loss_cfg = PreferenceLossConfig(recipe.loss, recipe.beta, recipe.label_smoothing, recipe.simpo_gamma,
-                                    recipe.cpo_alpha)
+                                    recipe.cpo_alpha, recipe.sft_weight)
     return run_preference_training(
         recipe,
         objective_for=lambda reference: PreferenceObjective(loss_cfg, reference),

@@ -95,9 +95,11 @@ def trl_inputs(rows: dict, left: bool) -> dict:
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize(("loss", "trl_type", "eps"), [("dpo", "sigmoid", 0.0), ("ipo", "ipo", 0.0),
-                                                       ("rdpo", "robust", 0.2), ("hinge", "hinge", 0.0)])
-def test_dpo_variants_equal_trl_dpo_trainer(models, small_tokenizer, loss, trl_type, eps, side):
+@pytest.mark.parametrize(("loss", "trl_type", "eps", "sft"), [
+    ("dpo", "sigmoid", 0.0, 0.0), ("ipo", "ipo", 0.0, 0.0), ("rdpo", "robust", 0.2, 0.0), ("hinge", "hinge", 0.0, 0.0),
+    ("dpo", "sigmoid", 0.0, 0.7),  # RPO: TRL's loss_type ["sigmoid", "sft"]
+])
+def test_dpo_variants_equal_trl_dpo_trainer(models, small_tokenizer, loss, trl_type, eps, sft, side):
     ours, theirs = models
     tok = small_tokenizer
     rows = pair_rows(pairs(tok), pad_id=tok.eos_id, side=side)  # pad == end-of-text
@@ -106,10 +108,11 @@ def test_dpo_variants_equal_trl_dpo_trainer(models, small_tokenizer, loss, trl_t
     rows["ref_rejected_logps"] = -20 * torch.rand(3, generator=g, dtype=torch.float64)
     inputs = {**trl_inputs(rows, side == "left"), "ref_chosen_logps": rows["ref_chosen_logps"],
               "ref_rejected_logps": rows["ref_rejected_logps"]}
-    fake = trainer_self(ld_alpha=None, f_divergence_type="reverse_kl", loss_types=[trl_type], loss_weights=[1.0],
+    types, weights = ([trl_type, "sft"], [1.0, sft]) if sft else ([trl_type], [1.0])
+    fake = trainer_self(ld_alpha=None, f_divergence_type="reverse_kl", loss_types=types, loss_weights=weights,
                         beta=0.3, label_smoothing=eps, use_weighting=False)
     expected = DPOTrainer._compute_loss(fake, theirs, inputs, return_outputs=False)
-    out = PreferenceObjective(PreferenceLossConfig(loss, beta=0.3, label_smoothing=eps))(ours, rows)
+    out = PreferenceObjective(PreferenceLossConfig(loss, beta=0.3, label_smoothing=eps, sft_weight=sft))(ours, rows)
     assert_close(out.loss_sum / out.n_targets, expected, rtol=1e-6, atol=1e-7)  # HF computes RoPE tables in fp32
     metrics = {k: v / out.n_targets for k, v in out.metrics.items()}
     assert metrics["reward_chosen"].item() == pytest.approx(fake._metrics["train"]["rewards/chosen"][0], rel=1e-6)
