@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -68,6 +68,31 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequ
         parallelize_module(block, tp_mesh, plan)
         block.attn.n_heads //= tp  # the local projections hold this device's heads
         block.attn.n_kv_heads //= tp
+    _distribute_remaining(model, tp_mesh)
+
+
+def _distribute_remaining(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make the parameters no plan split (norm gains) replicated DTensors, so that every
+    parameter is a DTensor (one fused optimizer, one clipping rule). A norm sees the same
+    activations on every tensor-parallel rank, except QK-norm, which sees this rank's heads
+    (dim 1): there the gain's gradient is a partial sum that DTensor adds up over ranks."""
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own or any(isinstance(p, DTensor) for p in own):
+            continue
+        placement = Shard(1) if name.endswith(("q_norm", "k_norm")) else Replicate()
+        distribute_module(module, tp_mesh, input_fn=_inputs_as_dtensors(placement), output_fn=_output_as_local)
+
+
+def _inputs_as_dtensors(placement):
+    def to_dtensor(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [placement], run_check=False) if isinstance(x, torch.Tensor) else x
+                     for x in inputs)
+    return to_dtensor
+
+
+def _output_as_local(module, output, mesh):
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -70,7 +70,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = 100  # steps between validations (0: only at the end)
-    eval_batches: int | None = 20  # validation micro-batches per evaluation (None: the whole split)
+    eval_batches: int | None = 20  # validation micro-batches per evaluation, over all data-parallel ranks (None: the whole split)
     log_every: int = 10  # steps between console lines (metrics.jsonl gets every step)
     checkpoint_every: int = 500  # steps between checkpoints (one is always written at the end)
     keep_checkpoints: int = 2
@@ -355,6 +355,8 @@ def train(
     world_size = parallel.layout.world_size if parallel is not None else 1
     dp = parallel.layout.dp if parallel is not None else 1
     async_group = dist.new_group(backend="gloo") if parallel is not None and parallel.cfg.async_checkpoint else None
+    # eval_batches counts micro-batches over all data-parallel ranks: the validation set does not grow with them
+    eval_batches = -(-cfg.eval_batches // dp) if cfg.eval_batches is not None else None
     pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
@@ -455,8 +457,7 @@ def train(
         out_of_time = (cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes) or (
             cfg.stop_at_step is not None and done >= cfg.stop_at_step)
         if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or is_last or out_of_time):
-            record.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel,
-                                   pipeline))
+            record.update(evaluate(model, objective, val_batches(), device, precision, eval_batches, parallel, pipeline))
         metrics.log(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")

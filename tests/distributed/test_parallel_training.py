@@ -1,0 +1,150 @@
+"""FSDP, HSDP, TP, PP and FSDP x TP runs of the pretrain recipe under torchrun (gloo, CPU) against
+one single-process run of the same model and data: losses, gradient norms, gradients, weights,
+validation loss, and sharded checkpoints that resume in other layouts and in one process.
+
+Two launches serve every test (2 and 4 processes); each job is a few steps of a tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.distributed.checkpoint import read_model_state
+from lmforge.model.checkpoint import load_model, read_weights
+from lmforge.stages.export import ExportRecipe, run_export
+from lmforge.stages.pretrain import run_pretrain
+from lmforge.train.metrics import read_metrics
+from tests.distributed.conftest import torchrun
+
+STEPS = 4
+TWO_RANK_RUNS = {
+    "fsdp": {"parallel.dp_shard": 2},
+    "replicate_zero2": {"parallel.dp_replicate": 2, "parallel.reshard_after_forward": False},
+    "tp_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.activation_checkpointing": True},
+    "pp_1f1b": {"parallel.pp": 2, "parallel.pp_microbatches": 2},
+    "pp_gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "parallel.pp_microbatches": 4},
+}
+FOUR_RANK_RUNS = {
+    "fsdp_x_tp": {"parallel.dp_shard": 2, "parallel.tp": 2},
+    "hsdp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2},
+}
+GRADIENT_CHECKS = {
+    2: {"grad_fsdp": {"parallel.dp_shard": 2}, "grad_tp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        "grad_tp_qk_norm_no_loss_parallel": {"parallel.tp": 2, "parallel.loss_parallel": False, "model.qk_norm": True},
+        "grad_pp": {"parallel.pp": 2, "parallel.pp_microbatches": 2}},
+    4: {"grad_fsdp_x_tp": {"parallel.dp_shard": 2, "parallel.tp": 2},
+        "grad_pp_x_fsdp": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_microbatches": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, recipe_for):
+    """Run directories by name: the single-process reference and every distributed job."""
+    root = tmp_path_factory.mktemp("parallel")
+    dirs = {"reference": root / "reference"}
+    run_pretrain(recipe_for(dirs["reference"]))
+
+    def pretrain_jobs(specs: dict) -> list[dict]:
+        jobs = []
+        for name, overrides in specs.items():
+            dirs[name] = root / name
+            jobs.append({"kind": "pretrain", "recipe": recipe_for(dirs[name], **overrides)})
+        return jobs
+
+    def gradient_jobs(specs: dict) -> list[dict]:
+        jobs = []
+        for name, overrides in specs.items():
+            dirs[name] = root / f"{name}.json"
+            jobs.append({"kind": "gradients", "recipe": recipe_for(root / name, **overrides), "out": str(dirs[name])})
+        return jobs
+
+    # the FSDP run checkpoints every step, in the background; later jobs resume from its checkpoints
+    first = pretrain_jobs({"fsdp": {**TWO_RANK_RUNS["fsdp"], "parallel.async_checkpoint": True,
+                                    "train.checkpoint_every": 1, "train.keep_checkpoints": STEPS}})
+    fsdp_ckpts = dirs["fsdp"] / "checkpoints"
+    resumes = pretrain_jobs({
+        "resume_as_tp": {"parallel.tp": 2, "train.resume": str(fsdp_ckpts / "step_00000001")},
+        "resume_as_pp": {"parallel.pp": 2, "train.resume": str(fsdp_ckpts / "step_00000002")},
+    })
+    others = pretrain_jobs({k: v for k, v in TWO_RANK_RUNS.items() if k != "fsdp"})
+    torchrun(2, first + resumes + others + gradient_jobs(GRADIENT_CHECKS[2]), root)
+    torchrun(4, pretrain_jobs(FOUR_RANK_RUNS) + gradient_jobs(GRADIENT_CHECKS[4]), root)
+
+    dirs["resume_in_one_process"] = root / "resume_in_one_process"
+    run_pretrain(recipe_for(dirs["resume_in_one_process"], **{"train.resume": str(fsdp_ckpts / "step_00000002")}))
+    return dirs
+
+
+def losses(run_dir, key="loss"):
+    return [r[key] for r in read_metrics(run_dir) if key in r]
+
+
+@pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])
+def test_losses_and_gradient_norms_match_a_single_process_run(runs, name):
+    reference = losses(runs["reference"])
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    assert losses(runs[name]) == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert losses(runs[name], "grad_norm") == pytest.approx(losses(runs["reference"], "grad_norm"), rel=1e-4)
+    assert losses(runs[name], "val_loss") == pytest.approx(losses(runs["reference"], "val_loss"), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])
+def test_final_weights_match_a_single_process_run(runs, name):
+    final = f"checkpoints/step_{STEPS:08d}"
+    reference = load_file(str(runs["reference"] / final / "model.safetensors"))
+    weights = load_file(str(runs[name] / final / "model.safetensors"))  # gathered from the shards by rank 0
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.allclose(weights[key], value, rtol=0, atol=2e-5), key
+
+
+@pytest.mark.parametrize("name", [*GRADIENT_CHECKS[2], *GRADIENT_CHECKS[4]])
+def test_gradients_match_the_unsharded_model(runs, name):
+    result = json.loads(runs[name].read_text())
+    assert len(result["grad_diff"]) == result["n_params"]  # every parameter was compared, on some rank
+    assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6)
+    worst = max(result["grad_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 1e-6, worst
+
+
+def test_data_parallel_ranks_read_disjoint_rows_and_count_all_tokens(runs):
+    # the 2-rank FSDP run saw the same 8 windows per step as the single process (losses match above),
+    # and logs tokens of the global batch
+    records = read_metrics(runs["fsdp"])
+    assert [r["tokens"] for r in records] == [256 * (i + 1) for i in range(STEPS)]
+    summary = json.loads((runs["fsdp"] / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens_per_step"] == 256
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process_and_in_other_two_rank_layouts(runs):
+    reference = losses(runs["reference"])
+    assert losses(runs["resume_in_one_process"]) == pytest.approx(reference[2:], rel=1e-5)
+    assert losses(runs["resume_as_pp"]) == pytest.approx(reference[2:], rel=1e-5)
+    # step 1 was saved in the background while step 2 trained: it resumes exactly too
+    assert losses(runs["resume_as_tp"]) == pytest.approx(reference[1:], rel=1e-5)
+
+
+def test_sharded_checkpoints_hold_shards_per_rank_and_export_to_safetensors(runs, tmp_path):
+    ckpts = runs["fsdp"] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{i:08d}" for i in range(1, STEPS + 1)]
+    early = ckpts / "step_00000001"
+    files = {p.name for p in early.iterdir()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json", "rng.pt", "model.json",
+            "checksums.json"} <= files
+    assert "model.safetensors" not in files  # only the last checkpoint gathers the weights
+    # any checkpoint loads as a model in one process, from its shards
+    model, _ = load_model(early)
+    sharded = read_model_state(early)
+    for name, value in model.state_dict().items():
+        if name in sharded:
+            assert torch.equal(value, sharded[name])
+    # the last one's gathered file equals its shards, and `lmforge export` reads it
+    final = ckpts / f"step_{STEPS:08d}"
+    gathered, from_shards = read_weights(final), read_model_state(final)
+    assert all(torch.equal(gathered[k], from_shards[k]) for k in gathered)
+    run_export(ExportRecipe(checkpoint=str(runs["fsdp"]), run_dir=str(tmp_path / "hf")))
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
