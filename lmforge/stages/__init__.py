@@ -39,5 +39,6 @@ VERBS = [
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
     Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),
     Verb("bench", "measure this machine (bench peak: matmul FLOP/s per dtype, for MFU)", "lmforge.stages.bench"),
+    Verb("plan", "plan a run (plan memory: bytes per device under a parallel layout)", "lmforge.stages.plan"),
 ]
 VERBS_BY_NAME = {v.name: v for v in VERBS}
