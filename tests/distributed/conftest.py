@@ -12,7 +12,7 @@ import pytest
 
 from lmforge.core.config import load_config, save_config
 from lmforge.stages.pretrain import PretrainRecipe
-from tests.train.conftest import shards_dir  # noqa: F401  (the token shards of tests/train)
+from tests.train.conftest import make_recipe, shards_dir  # noqa: F401  (fixtures of tests/train)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,8 @@
 
 A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
-parallelized model against the same model unsharded in this process, written by rank 0.
+parallelized model against the same model unsharded (fp32) in this process, written by
+rank 0 with the dtypes the blocks computed in and the gradients were kept in.
 """
 
 from __future__ import annotations
@@ -37,34 +38,41 @@ def gradients(recipe: PretrainRecipe, out: str) -> None:
     mine = [w[ctx.dp_rank * B:(ctx.dp_rank + 1) * B] for w in windows]
     if layout.pp > 1:
         model = split_into_stage(model, ctx.pp_rank, layout.pp)
-    parallelize_model(model, ctx, precision="fp32", activation_checkpointing=recipe.train.activation_checkpointing,
+    precision = recipe.train.precision
+    parallelize_model(model, ctx, precision=precision, activation_checkpointing=recipe.train.activation_checkpointing,
                       compile=False)
+    seen_dtypes = set()  # of the weights a block computes with (FSDP's gathered copies)
+    first_block = next(iter(model.layers.children()))
+    first_block.register_forward_pre_hook(lambda m, args: seen_dtypes.add(str(m.mlp_norm.weight.dtype)))
     pipeline = None
     if layout.pp > 1:
         pipeline = PipelineRunner(model, ctx, recipe.parallel.pp_microbatches or layout.pp,
                                   split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss)
     objective = CausalLMObjective()
-    loss, _, _ = parallel_backward(model, objective, mine, "fp32", ctx, pipeline)
+    loss, _, _ = parallel_backward(model, objective, mine, precision, ctx, pipeline)
 
     n = sum(objective.num_targets(w) for w in windows)
     ref_loss = sum(objective(reference, w).loss_sum for w in windows) / n
     ref_loss.backward()
     ref_grads = dict(reference.named_parameters())
-    diffs = {}
+    diffs, grad_dtypes = {}, set()
     for name, p in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        diffs[name] = (grad - ref_grads[name].grad).abs().max().item()
+        grad_dtypes.add(str(grad.dtype))
+        # relative to the largest reference gradient of the tensor
+        diffs[name] = ((grad - ref_grads[name].grad).abs().max() / ref_grads[name].grad.abs().max()).item()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, diffs)
+    dist.all_gather_object(gathered, (diffs, sorted(seen_dtypes), sorted(grad_dtypes)))
     if dist.get_rank() == 0:
         merged = {}
-        for d in gathered:
+        for d, _, _ in gathered:
             for k, v in d.items():
                 merged[k] = max(v, merged.get(k, 0.0))
         with open(out, "w") as f:
-            json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "grad_diff": merged,
-                       "n_params": len(ref_grads)}, f)
+            json.dump({"loss": float(loss), "ref_loss": float(ref_loss), "grad_diff": merged, "n_params": len(ref_grads),
+                       "compute_dtypes": sorted({t for _, s, _ in gathered for t in s}),
+                       "grad_dtypes": sorted({t for _, _, g in gathered for t in g})}, f)
     dist.barrier()
 
 
