@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
-from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config, resolve_checkpoint
+from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config, read_weights, resolve_checkpoint
 from lmforge.model.hf import (
     HF_WEIGHTS,
     cast_weights,
@@ -66,10 +66,7 @@ def run_export(recipe: ExportRecipe) -> Path:
     if recipe.merge_lora:
         state = merged_state(ckpt, recipe.merge_lora)
     else:
-        try:
-            state = load_file(str(ckpt / WEIGHTS), device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for truncated files
-            raise InputError(f"{ckpt / WEIGHTS}: cannot read weights: {exc}") from exc
+        state = read_weights(ckpt)  # model.safetensors, or a distributed checkpoint's shards
     check_weights(state, cfg, where=str(ckpt / WEIGHTS))
     state = cast_weights(state, recipe.dtype)
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
