@@ -2,8 +2,8 @@
 
 Each document becomes a set of shingles: its normalised words, ``n_grams`` at a time
 (Broder 1997). A MinHash signature keeps, for each of ``b·r`` permutations
-``π(h) = (a·h + b) mod (2^61 − 1)``, the smallest permuted shingle hash; two documents
-agree on one signature entry with probability equal to their Jaccard similarity ``s``.
+``π_i(x) = (a_i·x + b_i) mod 2^32`` (a_i odd), the smallest permuted shingle hash; two
+documents agree on one signature entry with probability equal to their Jaccard similarity ``s``.
 LSH cuts the signature into ``b`` buckets of ``r`` hashes, and two documents become a
 candidate pair when every hash of some bucket agrees, which happens with probability
 
@@ -20,14 +20,28 @@ corpus: ``index_shard`` writes each shard's signatures, one sorted file per buck
 hash ranges that fit ``max_rows_in_memory``) into candidate pairs, then runs one
 union-find over all pairs; ``apply_shard`` keeps each cluster's representative.
 
-Differences from datatrove, all deliberate:
+Differences from datatrove, all deliberate (most for speed: ~5x datasketch from text on one core,
+see benchmarks/curate.py, where datatrove's formula in numpy was 1.5-1.8x):
 - Words are the normalised text split on whitespace (datatrove uses a language-specific
   word tokenizer, spaCy for English). Punctuation is every Unicode punctuation, symbol and
   control character (datatrove lists about 80 characters).
-- Each word is hashed once (xxh64, or the first 8 bytes of SHA-1) and ``n_grams``
-  consecutive word hashes are combined into the shingle hash with numpy, instead of
-  hashing each joined n-gram string; so signatures differ from datatrove's value by value
-  while estimating the same Jaccard similarity.
+- Each word is hashed once and ``n_grams`` consecutive word hashes are combined into the
+  shingle hash with numpy, instead of hashing each joined n-gram string. The default word
+  hash is a polynomial over the word's code points computed for all words of a document
+  in a few numpy passes (``polynomial_word_hashes``); ``hash: xxhash`` or ``sha1`` make one
+  C call per word instead (2-3x slower overall). Signatures differ from datatrove's value
+  by value while estimating the same Jaccard similarity.
+- Permutations are affine maps mod 2^32 of the top 32 bits of the 64-bit shingle hash, in
+  uint32 numpy arithmetic (a multiply, an add and a row minimum, ~0.4 ns per shingle and
+  permutation), instead of datatrove's ``(a·h + b) mod (2^61 − 1)`` on uint64 (eight array
+  passes, ~4 ns, 60% of the time). The guarantee P(entry agrees) = s needs each π_i to be a
+  bijection of uniformly random hash values, which fmix64-finalised shingle hashes model
+  (as datatrove's and datasketch's hashing does); the random (a_i, b_i) then only have to
+  make the b·r minima behave as independent, as 2-universal affine families do on inputs
+  with entropy (Mitzenmacher & Vadhan 2008, "Why simple hash functions work"). The tests
+  check it: entries agree at rate s, bands at rate s^r, errors within the binomial spread.
+  With 32-bit values two documents' different minima agree by chance with probability
+  about (shingles / 2^32), far below the estimator's own error.
 - A document with fewer words than ``n_grams`` is one shingle of all its words (datatrove
   gives it no signature, so it is never deduplicated). A document with no words at all
   gets no signature and is never a near-duplicate.
@@ -39,7 +53,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import tempfile
 import unicodedata
 from dataclasses import dataclass
@@ -53,10 +66,9 @@ import xxhash
 from lmforge.core.io import atomic_write_text
 from lmforge.curate.base import Document, PoolMap
 
-MERSENNE_PRIME = np.uint64((1 << 61) - 1)
-_MAX_UINT64 = np.uint64(np.iinfo(np.uint64).max)
+_MAX_UINT32 = np.uint32(0xFFFFFFFF)
 _SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2^64
-_ROWS_PER_BLOCK = 2048  # shingles permuted per numpy call (112 x 2048 x 8 B = 1.8 MB)
+_ROWS_PER_BLOCK = 512  # shingles permuted per numpy call: a, b and out (112 x 512 x 4 B each) stay in L2
 
 
 @dataclass
@@ -67,7 +79,9 @@ class MinHashConfig:
     num_buckets: int = 14  # LSH bands b; more bands catch lower similarities
     hashes_per_bucket: int = 8  # hashes per band r; threshold about (1/b)^(1/r) = 0.72
     seed: int = 1  # seeds the permutations (datatrove's: np.random.RandomState(seed))
-    hash: Literal["xxhash", "sha1"] = "xxhash"  # 64-bit word hash: xxh64, or the first 8 bytes of SHA-1
+    # 64-bit word hash: a polynomial over the code points computed for all words at once with numpy,
+    # or one call per word of xxh64 or SHA-1 (first 8 bytes), slower
+    hash: Literal["polynomial", "xxhash", "sha1"] = "polynomial"
     normalize: bool = True  # datatrove's TextNormConfig: lowercase, numbers to 0, no punctuation/diacritics, one space
     max_rows_in_memory: int = 4_000_000  # signature rows one resolve task holds at once (about 80 bytes each)
 
@@ -76,8 +90,8 @@ class MinHashConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"minhash.{key} must be a positive integer, got {value!r}")
-        if self.hash not in ("xxhash", "sha1"):
-            raise ValueError(f"minhash.hash must be 'xxhash' or 'sha1', got {self.hash!r}")
+        if self.hash not in ("polynomial", "xxhash", "sha1"):
+            raise ValueError(f"minhash.hash must be 'polynomial', 'xxhash' or 'sha1', got {self.hash!r}")
         if self.seed < 0:
             raise ValueError(f"minhash.seed must be >= 0 (it seeds numpy's RandomState), got {self.seed}")
 
@@ -100,7 +114,7 @@ def candidate_probability(s: float | np.ndarray, num_buckets: int, hashes_per_bu
 
 _KEEP, _SPACE, _DIGIT, _MARK, _DECIMAL = 0, 1, 2, 3, 4
 _DECIMAL_SEPARATORS = ".,،٫⎖⎗⎘"  # kept inside numbers, as datatrove's NUMBERS_PATTERN
-_NUMBER = re.compile(r"0+(?:[.,،٫⎖⎗⎘]0+)?")  # digits are already "0" when this runs
+_DROP = np.uint32(0xFFFFFFFF)  # marks a combining mark for removal
 
 
 def _char_class(cp: int) -> int:
@@ -117,10 +131,97 @@ def _char_class(cp: int) -> int:
     return _KEEP
 
 
+def _replacement(cp: int) -> int:
+    """What a lowercased, NFD code point becomes: 32 (space), 48 ("0"), 46 (".", any decimal
+    separator: they are interchangeable in NUMBERS_PATTERN and all become spaces), _DROP (a mark),
+    or itself."""
+    cls = _char_class(cp)
+    return {_SPACE: 32, _DIGIT: 48, _DECIMAL: 46, _MARK: int(_DROP)}.get(cls, cp)
+
+
 @cache
-def _bmp_classes() -> np.ndarray:
-    """Class of each code point of the Basic Multilingual Plane (built once per process, ~30 ms)."""
-    return np.fromiter((_char_class(cp) for cp in range(0x10000)), dtype=np.uint8, count=0x10000)
+def _bmp_replacements() -> np.ndarray:
+    """``_replacement`` of each code point of the Basic Multilingual Plane (built once per process, ~50 ms)."""
+    return np.fromiter((_replacement(cp) for cp in range(0x10000)), dtype=np.uint32, count=0x10000)
+
+
+# bytes.translate table doing ``_replacement`` on ASCII, plus lowercasing (ASCII has no marks)
+_ASCII_TABLE = bytes(32 if _char_class(cp) == _SPACE else 48 if _char_class(cp) == _DIGIT else ord(chr(cp).lower())
+                     for cp in range(128)) + bytes(range(128, 256))
+
+
+def _collapse_numbers(c: np.ndarray, separator: np.ndarray) -> np.ndarray:
+    """datatrove's ``NUMBERS_PATTERN.sub("0", ·)`` where digits are already "0": each match of
+    ``0+([sep]0+)?`` becomes one "0", then separators become spaces; on a code-point array.
+
+    Scanning left to right, a separator between two zero runs ("bridge") joins them when it
+    is the 1st, 3rd, 5th, ... bridge of a chain Z s Z s Z ... (the regex resumes after the
+    second run), so each chain's even-numbered bridges are removed, then repeated zeros.
+    """
+    zero = c == 48
+    bridge = np.zeros(len(c), dtype=bool)
+    bridge[1:-1] = separator[1:-1] & zero[:-2] & zero[2:]
+    at = np.flatnonzero(bridge)
+    if len(at):
+        nonzero_before = np.cumsum(~zero)  # non-zero characters up to and including each position
+        new_chain = np.ones(len(at), dtype=bool)
+        new_chain[1:] = nonzero_before[at[1:] - 1] != nonzero_before[at[:-1]]  # anything but zeros between
+        chain_start = np.maximum.accumulate(np.where(new_chain, np.arange(len(at)), 0))
+        joined = at[(np.arange(len(at)) - chain_start) % 2 == 0]
+        keep = np.ones(len(c), dtype=bool)
+        keep[joined] = False
+        c, zero, separator = c[keep], zero[keep], separator[keep]
+    keep = np.ones(len(c), dtype=bool)
+    keep[1:] = ~(zero[1:] & zero[:-1])
+    c, separator = c[keep], separator[keep]
+    c[separator] = 32
+    return c
+
+
+def simplified_codes(text: str) -> np.ndarray:
+    """The code points of datatrove's ``simplify_text`` before the final whitespace collapse:
+    lowercase, numbers -> "0", punctuation, symbols and whitespace -> " ", diacritics stripped
+    (NFD, then combining marks dropped). uint8 when the text is ASCII, else uint32.
+
+    Pure-ASCII text (most web text) is mapped by one C-speed ``bytes.translate``; other text
+    through a code-point table with numpy. Either way the cost is a few array passes.
+    """
+    if text.isascii():
+        c = np.frombuffer(text.encode("ascii").translate(_ASCII_TABLE), dtype=np.uint8).copy()
+        separator = (c == 46) | (c == 44)
+    else:
+        text = text.lower()
+        if not unicodedata.is_normalized("NFD", text):
+            text = unicodedata.normalize("NFD", text)
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+        bmp = cps < 0x10000
+        if bmp.all():
+            c = _bmp_replacements()[cps]
+        else:  # astral characters (emoji, rare scripts): map each distinct one
+            c = np.empty(len(cps), dtype=np.uint32)
+            c[bmp] = _bmp_replacements()[cps[bmp]]
+            astral, inverse = np.unique(cps[~bmp], return_inverse=True)
+            c[~bmp] = np.array([_replacement(int(x)) for x in astral], dtype=np.uint32)[inverse]
+        if (c == _DROP).any():
+            c = c[c != _DROP]
+        separator = c == 46
+    if separator.any():
+        return _collapse_numbers(c, separator)
+    zero = c == 48  # no separators: only runs of zeros to collapse
+    if zero.any():
+        keep = np.ones(len(c), dtype=bool)
+        keep[1:] = ~(zero[1:] & zero[:-1])
+        c = c[keep]
+    return c
+
+
+def _codes_text(c: np.ndarray) -> str:
+    return c.tobytes().decode("ascii") if c.dtype == np.uint8 else c.astype("<u4").tobytes().decode("utf-32-le")
+
+
+def simplified_text(text: str) -> str:
+    """``simplified_codes`` as a string."""
+    return _codes_text(simplified_codes(text))
 
 
 def normalize_text(text: str) -> str:
@@ -130,32 +231,8 @@ def normalize_text(text: str) -> str:
 
 def normalized_words(text: str) -> list[str]:
     """The words of datatrove's ``simplify_text``: lowercase, numbers -> "0", punctuation and symbols -> space,
-    diacritics stripped (NFD, then combining marks dropped), whitespace runs -> one space.
-
-    Works on the code points as a numpy array, so the cost is a few array passes per document.
-    """
-    text = text.lower()
-    if not text.isascii():
-        text = unicodedata.normalize("NFD", text)
-    cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    bmp = cps < 0x10000
-    if bmp.all():
-        cls = _bmp_classes()[cps]
-    else:  # astral characters (emoji, rare scripts): classify each distinct one
-        cls = np.empty(len(cps), dtype=np.uint8)
-        cls[bmp] = _bmp_classes()[cps[bmp]]
-        astral, inverse = np.unique(cps[~bmp], return_inverse=True)
-        cls[~bmp] = np.array([_char_class(int(c)) for c in astral], dtype=np.uint8)[inverse]
-    out = np.where(cls == _SPACE, np.uint32(32), np.where(cls == _DIGIT, np.uint32(48), cps))
-    if (cls == _MARK).any():
-        out = out[cls != _MARK]
-    text = out.astype("<u4", copy=False).tobytes().decode("utf-32-le")
-    if "0" in text:
-        text = _NUMBER.sub("0", text)
-    for sep in _DECIMAL_SEPARATORS if not text.isascii() else ".,":
-        if sep in text:
-            text = text.replace(sep, " ")
-    return text.split()
+    diacritics stripped (NFD, then combining marks dropped), whitespace runs -> one space."""
+    return simplified_text(text).split()
 
 
 def document_words(text: str, normalize: bool = True) -> list[str]:
@@ -185,6 +262,80 @@ def _fmix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_POLY_BASE = 0x100000001B3  # odd (FNV-1's 64-bit prime), so it is invertible mod 2^64
+_LENGTH_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
+_POLY_CHUNK = 1 << 16  # code points hashed per numpy pass; longer texts are cut at spaces
+
+
+@cache
+def _poly_powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """B^k and B^−k mod 2^64 for k < n (n a power of two, so the cache holds a few tables)."""
+    tables = []
+    for base in (_POLY_BASE, pow(_POLY_BASE, -1, 1 << 64)):
+        powers = np.full(n, base, dtype=np.uint64)
+        powers[0] = 1
+        tables.append(np.cumprod(powers, out=powers))
+    return tables[0], tables[1]
+
+
+def _polynomial_chunk(c: np.ndarray) -> np.ndarray:
+    n = len(c)
+    spaces = np.flatnonzero(c == 32)
+    bounds = np.empty(len(spaces) + 2, dtype=np.int64)
+    bounds[0], bounds[1:-1], bounds[-1] = -1, spaces, n
+    lengths = np.diff(bounds) - 1
+    is_word = lengths > 0
+    starts, lengths = bounds[:-1][is_word] + 1, lengths[is_word]
+    power, inverse = _poly_powers(1 << max(n, 1).bit_length())
+    prefix = np.zeros(n + 1, dtype=np.uint64)  # prefix[i] = Σ_{k<i} (c_k + 1)·B^k
+    terms = c.astype(np.uint64)
+    terms += np.uint64(1)
+    terms *= power[:n]
+    np.cumsum(terms, out=prefix[1:])
+    h = prefix[starts + lengths]
+    h -= prefix[starts]
+    h *= inverse[starts]  # shifts each word's sum to start at B^0
+    h += lengths.astype(np.uint64) * _LENGTH_MIX
+    return _fmix64(h)
+
+
+def polynomial_word_hashes(codes: np.ndarray) -> np.ndarray:
+    """One 64-bit hash per word of a code-point array whose words are separated by runs of 32 (space).
+
+    A word w_0..w_{L−1} hashes to fmix64(Σ_j (w_j + 1)·B^j + L·K mod 2^64), computed for all
+    words at once from prefix sums of (c_k + 1)·B^k (B odd, so B^−start exists mod 2^64),
+    where ``word_hashes`` makes one C call per word. Equal words get equal hashes; distinct
+    words collide only when a polynomial with coefficients below 2^21 in absolute value
+    vanishes mod 2^64 at the fixed base B.
+    """
+    if len(codes) <= _POLY_CHUNK:
+        return _polynomial_chunk(codes)
+    spaces = np.flatnonzero(codes == 32)
+    parts, start = [], 0
+    while start < len(codes):
+        end = start + _POLY_CHUNK
+        if end < len(codes):  # cut at the last space before end, or the first after it (a long word)
+            i = np.searchsorted(spaces, end)
+            end = int(spaces[i - 1]) if i > 0 and spaces[i - 1] > start else int(spaces[i]) if i < len(spaces) else len(codes)
+        parts.append(_polynomial_chunk(codes[start:end]))
+        start = end
+    return np.concatenate(parts)
+
+
+def _text_codes(text: str) -> np.ndarray:
+    """The code points of ``text`` (uint8 when it is ASCII, which is cheaper to build)."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    return np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+
+
+def document_word_hashes(text: str, cfg: MinHashConfig) -> np.ndarray:
+    """The 64-bit hashes of the document's (normalised) words, in order."""
+    if cfg.hash != "polynomial":
+        return word_hashes(document_words(text, cfg.normalize), cfg.hash)
+    return polynomial_word_hashes(simplified_codes(text) if cfg.normalize else _text_codes(" ".join(text.split())))
+
+
 def combine_ngrams(h: np.ndarray, n: int) -> np.ndarray:
     """Hashes of all runs of ``n`` consecutive items: fmix64(Σ_j h[i+j]·B^(n−1−j) mod 2^64).
 
@@ -203,46 +354,48 @@ def combine_ngrams(h: np.ndarray, n: int) -> np.ndarray:
 
 def shingle_hashes(text: str, cfg: MinHashConfig) -> np.ndarray:
     """The document's distinct shingle hashes (uint64, sorted)."""
-    words = document_words(text, cfg.normalize)
-    return np.unique(combine_ngrams(word_hashes(words, cfg.hash), cfg.n_grams))
+    return np.unique(combine_ngrams(document_word_hashes(text, cfg), cfg.n_grams))
 
 
 @cache
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """datatrove's permutation parameters: a in [1, p), b in [0, p), from RandomState(seed)."""
+    """The affine maps' parameters, (num_perm,) uint32 each: a odd, b any, from RandomState(seed)."""
     gen = np.random.RandomState(seed)
-    a = gen.randint(1, MERSENNE_PRIME, dtype=np.uint64, size=num_perm)
-    b = gen.randint(0, MERSENNE_PRIME, dtype=np.uint64, size=num_perm)
-    return a, b
+    a = gen.randint(0, 1 << 31, dtype=np.uint64, size=num_perm) * np.uint64(2) + np.uint64(1)
+    b = gen.randint(0, 1 << 32, dtype=np.uint64, size=num_perm)
+    return a.astype(np.uint32), b.astype(np.uint32)
 
 
-def _permuted(h: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """(h·a + b) mod (2^61 − 1) for every shingle (rows) and permutation (columns), into ``y``.
+@cache
+def _tiled_permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """a and b repeated along a block's columns, so that numpy's loops run over two contiguous rows."""
+    a, b = permutations(num_perm, seed)
+    return np.repeat(a[:, None], _ROWS_PER_BLOCK, axis=1), np.repeat(b[:, None], _ROWS_PER_BLOCK, axis=1)
 
-    ``h·a + b`` wraps modulo 2^64 exactly as datatrove's numpy uint64 arithmetic does; the
-    reduction mod the Mersenne prime p = 2^61 − 1 uses x ≡ (x & p) + (x >> 61) (mod p),
-    then one conditional subtraction (the min picks y − p only when y ≥ p), which equals
-    ``x % p`` for every uint64 x at a third of numpy's division cost.
+
+def permuted(x: np.ndarray, num_perm: int, seed: int, out: np.ndarray | None = None) -> np.ndarray:
+    """π_i(x) = (a_i·x + b_i) mod 2^32 for every permutation (rows) and 32-bit hash x (columns).
+
+    ``x`` holds at most ``_ROWS_PER_BLOCK`` values; uint32 arithmetic wraps, which is the mod.
     """
-    np.multiply(h[:, None], a, out=x)
-    x += b
-    np.bitwise_and(x, MERSENNE_PRIME, out=y)
-    x >>= np.uint64(61)
-    y += x
-    np.subtract(y, MERSENNE_PRIME, out=x)
-    np.minimum(y, x, out=y)
-    return y
+    a, b = _tiled_permutations(num_perm, seed)
+    out = np.empty((num_perm, len(x)), np.uint32) if out is None else out[:, : len(x)]
+    np.multiply(a[:, : len(x)], x, out=out)
+    return np.add(out, b[:, : len(x)], out=out)
+
+
+def _hash32(shingles: np.ndarray) -> np.ndarray:
+    """The top 32 bits of each 64-bit shingle hash (fmix64 output, so every bit is mixed)."""
+    return (np.asarray(shingles, dtype=np.uint64) >> np.uint64(32)).astype(np.uint32)
 
 
 def shingles_signature(shingles: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
-    """The MinHash signature (b·r,) of one set of shingle hashes."""
-    a, b = permutations(cfg.num_perm, cfg.seed)
-    sig = np.full(cfg.num_perm, _MAX_UINT64, dtype=np.uint64)
-    for start in range(0, len(shingles), _ROWS_PER_BLOCK):
-        block = np.asarray(shingles[start : start + _ROWS_PER_BLOCK], dtype=np.uint64)
-        x, y = np.empty((len(block), cfg.num_perm), np.uint64), np.empty((len(block), cfg.num_perm), np.uint64)
-        np.minimum(sig, _permuted(block, a, b, x, y).min(axis=0), out=sig)
-    return sig
+    """The MinHash signature (b·r,) of one set of 64-bit shingle hashes."""
+    x = _hash32(shingles)
+    sig = np.full(cfg.num_perm, _MAX_UINT32, dtype=np.uint32)
+    for start in range(0, len(x), _ROWS_PER_BLOCK):
+        np.minimum(sig, permuted(x[start : start + _ROWS_PER_BLOCK], cfg.num_perm, cfg.seed).min(axis=1), out=sig)
+    return sig.astype(np.uint64)
 
 
 def share_a_bucket(sig_a: np.ndarray, sig_b: np.ndarray, cfg: MinHashConfig) -> bool:
@@ -252,43 +405,42 @@ def share_a_bucket(sig_a: np.ndarray, sig_b: np.ndarray, cfg: MinHashConfig) -> 
 
 
 def signatures(texts: list[str], cfg: MinHashConfig) -> tuple[np.ndarray, np.ndarray]:
-    """MinHash signatures (len(texts), b·r) uint64, and which documents have any words.
+    """MinHash signatures (len(texts), b·r) uint64 (values below 2^32), and which documents have any words.
 
     Documents are permuted in blocks of about ``_ROWS_PER_BLOCK`` shingles so that numpy's
-    per-call cost is shared by short documents and memory stays bounded for long ones.
+    per-call cost is shared by short documents and memory stays bounded for long ones. A
+    document's repeated shingles are not removed: they cannot change a minimum.
     """
-    a, b = permutations(cfg.num_perm, cfg.seed)
-    sigs = np.full((len(texts), cfg.num_perm), _MAX_UINT64, dtype=np.uint64)
+    sigs = np.full((len(texts), cfg.num_perm), _MAX_UINT32, dtype=np.uint64)
     has_words = np.zeros(len(texts), dtype=bool)
-    x = np.empty((_ROWS_PER_BLOCK, cfg.num_perm), dtype=np.uint64)
-    y = np.empty_like(x)
+    out = np.empty((cfg.num_perm, _ROWS_PER_BLOCK), dtype=np.uint32)
     pending: list[tuple[int, np.ndarray]] = []
     pending_rows = 0
 
     def flush() -> None:
         nonlocal pending_rows
-        h = np.concatenate([s for _, s in pending])
+        x = np.concatenate([s for _, s in pending])
         starts = np.cumsum([0] + [len(s) for _, s in pending[:-1]])
-        v = _permuted(h, a, b, x[: len(h)], y[: len(h)])
-        sigs[[i for i, _ in pending]] = np.minimum.reduceat(v, starts, axis=0)
+        sigs[[i for i, _ in pending]] = np.minimum.reduceat(permuted(x, cfg.num_perm, cfg.seed, out), starts, axis=1).T
         pending.clear()
         pending_rows = 0
 
     for i, text in enumerate(texts):
-        sh = shingle_hashes(text, cfg)
-        if len(sh) == 0:
+        x = _hash32(combine_ngrams(document_word_hashes(text, cfg), cfg.n_grams))
+        if len(x) == 0:
             continue
         has_words[i] = True
-        if len(sh) > _ROWS_PER_BLOCK:  # a long document on its own, block by block
-            for start in range(0, len(sh), _ROWS_PER_BLOCK):
-                block = sh[start : start + _ROWS_PER_BLOCK]
-                v = _permuted(block, a, b, x[: len(block)], y[: len(block)])
-                np.minimum(sigs[i], v.min(axis=0), out=sigs[i])
+        if len(x) > _ROWS_PER_BLOCK:  # a long document on its own, block by block
+            sig = np.full(cfg.num_perm, _MAX_UINT32, dtype=np.uint32)
+            for start in range(0, len(x), _ROWS_PER_BLOCK):
+                np.minimum(sig, permuted(x[start : start + _ROWS_PER_BLOCK], cfg.num_perm, cfg.seed, out).min(axis=1),
+                           out=sig)
+            sigs[i] = sig
             continue
-        if pending_rows + len(sh) > _ROWS_PER_BLOCK:
+        if pending_rows + len(x) > _ROWS_PER_BLOCK:
             flush()
-        pending.append((i, sh))
-        pending_rows += len(sh)
+        pending.append((i, x))
+        pending_rows += len(x)
     if pending:
         flush()
     return sigs, has_words

@@ -9,19 +9,21 @@ import pytest
 
 from lmforge.curate.base import Document
 from lmforge.curate.minhash import (
-    MERSENNE_PRIME,
     MinHashConfig,
     MinHashDedup,
-    _permuted,
     candidate_probability,
     estimated_jaccard,
     jaccard,
     normalize_text,
+    normalized_words,
     permutations,
+    permuted,
+    polynomial_word_hashes,
     share_a_bucket,
     shingle_hashes,
     shingles_signature,
     signatures,
+    simplified_codes,
 )
 
 
@@ -50,17 +52,53 @@ def edit_words(words: list[str], rate: float, rng: np.random.Generator) -> list[
     return out
 
 
-def test_permutation_equals_datatrove_modulo_for_every_uint64():
+def test_permutations_are_affine_bijections_mod_2_32_seeded_by_random_state():
+    """Replaces the check of datatrove's (a·h + b) mod (2^61 − 1) values: the permutations are now
+    x -> (a·x + b) mod 2^32 with a odd (a bijection), drawn from RandomState(seed) as datatrove's are."""
     a, b = permutations(112, 1)
-    rng = np.random.default_rng(0)
-    h = np.concatenate([rng.integers(0, 2**64, size=3000, dtype=np.uint64),
-                        np.array([0, 1, 2**61 - 2, 2**61 - 1, 2**61, 2**64 - 1], dtype=np.uint64)])
-    x, y = np.empty((len(h), 112), np.uint64), np.empty((len(h), 112), np.uint64)
-    assert np.array_equal(_permuted(h, a, b, x, y), (h[:, None] * a + b) % MERSENNE_PRIME)
-    # datatrove's parameters: RandomState(seed).randint(1, p) then randint(0, p)
+    assert a.dtype == b.dtype == np.uint32 and np.all(a % 2 == 1)
     gen = np.random.RandomState(1)
-    assert np.array_equal(a, gen.randint(1, MERSENNE_PRIME, dtype=np.uint64, size=112))
-    assert np.array_equal(b, gen.randint(0, MERSENNE_PRIME, dtype=np.uint64, size=112))
+    assert np.array_equal(a, gen.randint(0, 1 << 31, dtype=np.uint64, size=112) * 2 + 1)
+    assert np.array_equal(b, gen.randint(0, 1 << 32, dtype=np.uint64, size=112))
+    assert not np.array_equal(permutations(112, 2)[0], a)
+    x = np.concatenate([np.random.default_rng(0).integers(0, 2**32, size=500, dtype=np.uint32),
+                        np.array([0, 1, 2**31, 2**32 - 1], dtype=np.uint32)])
+    expected = (a.astype(object)[:, None] * x.astype(object)[None, :] + b.astype(object)[:, None]) % 2**32
+    assert np.array_equal(permuted(x, 112, 1), expected.astype(np.uint32))
+    small = np.arange(1 << 12, dtype=np.uint32) << np.uint32(20)  # distinct inputs stay distinct
+    values = np.concatenate([permuted(small[i : i + 512], 112, 1) for i in range(0, len(small), 512)], axis=1)
+    assert all(len(np.unique(row)) == len(small) for row in values)
+
+
+def test_signature_entries_agree_with_probability_jaccard_and_bands_with_s_to_the_r():
+    """Over many random set pairs at J = 0.75, the 112 entries agree at rate J and a band of 8
+    agrees at rate J^8: the permutations behave as independent ones."""
+    cfg = MinHashConfig()
+    rng = np.random.default_rng(5)
+    agree, bands = [], []
+    for _ in range(300):
+        pool = rng.integers(0, 2**64, size=700, dtype=np.uint64)
+        set_a, set_b = pool[:600], np.concatenate([pool[:500], pool[600:]])
+        equal = shingles_signature(set_a, cfg) == shingles_signature(set_b, cfg)
+        agree.append(equal.mean())
+        bands.extend(equal.reshape(cfg.num_buckets, cfg.hashes_per_bucket).all(axis=1))
+    j = 500 / 700
+    assert abs(np.mean(agree) - j) <= 4 * math.sqrt(j * (1 - j) / (300 * 112))
+    p = j**8
+    assert abs(np.mean(bands) - p) <= 4 * math.sqrt(p * (1 - p) / len(bands))
+    # entries of one signature are not correlated beyond the binomial spread
+    assert np.std(agree) == pytest.approx(math.sqrt(j * (1 - j) / 112), rel=0.25)
+
+
+def test_polynomial_word_hashes_equal_exactly_for_equal_words(corpus_texts):
+    seen: dict[str, int] = {}
+    for text in [*corpus_texts, "x" * 70_000 + " long " + "y" * 70_000, "  leading  and   trailing  "]:
+        words = normalized_words(text)
+        hashes = polynomial_word_hashes(simplified_codes(text))
+        assert len(hashes) == len(words)
+        for word, h in zip(words, hashes.tolist()):
+            assert seen.setdefault(word, h) == h
+    assert len(set(seen.values())) == len(seen)  # no collisions among the corpus's distinct words
 
 
 def test_lsh_curve_matches_datatrove_comment():
@@ -188,6 +226,9 @@ def test_apply_shard_refuses_documents_it_did_not_index(corpus_texts, tmp_path):
 
 def test_normalisation_follows_datatrove_text_norm():
     assert normalize_text("  Héllo,\tWÖRLD!\n") == "hello world"
+    # the ASCII fast path and the code-point path agree (a non-ASCII space sends text to the latter)
+    for text in ("pi is 3.14, e is 2,718 and 1,000,000 has 7 digits", "v1.2.3.4 a1,2,3b 00.0 0..0 .5 7. x-Y_z"):
+        assert normalize_text(text) == normalize_text(text.replace(" ", "\u2003"))
     assert normalize_text("pi is 3.14, e is 2,718 and 1,000,000 has 7 digits") == "pi is 0 e is 0 and 0 0 has 0 digits"
     assert normalize_text("v1.2.3 — “quoted” (naïve) café's") == "v0 0 quoted naive cafe s"
     assert normalize_text("١٢٣ apples") == "0 apples"  # digits of any script
@@ -205,10 +246,10 @@ def test_short_documents_are_one_shingle_and_normalisation_can_be_turned_off():
     assert has_words.tolist() == [False, False, True]
 
 
-def test_sha1_word_hash_gives_the_same_estimates():
+def test_sha1_and_xxhash_word_hashes_give_the_same_estimates():
     text = " ".join(f"word{i}" for i in range(400))
     other = " ".join(f"word{i}" if i % 50 else "changed" for i in range(400))
-    for cfg in (MinHashConfig(hash="sha1"), MinHashConfig()):
+    for cfg in (MinHashConfig(hash="sha1"), MinHashConfig(hash="xxhash"), MinHashConfig()):
         sig, _ = signatures([text, other], cfg)
         exact = jaccard(shingle_hashes(text, cfg), shingle_hashes(other, cfg))
         assert abs(estimated_jaccard(sig[0], sig[1]) - exact) <= 4 * math.sqrt(exact * (1 - exact) / 112)
