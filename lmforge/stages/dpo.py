@@ -29,6 +29,7 @@ from lmforge.core.run import log, start_run
 from lmforge.data.documents import SkipLog
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.objectives.reference import Reference, completion_logprobs, policy_reference, precompute_logprobs
 from lmforge.peft.lora import LoraConfig
@@ -100,32 +101,56 @@ def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], b
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
 
 
-def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
-                            reference_columns: dict[str, str], needs_reference: bool, stage: str,
-                            read_examples: Callable, measure: Callable | None = None) -> dict:
-    """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result."""
+@dataclass
+class PreferenceRun:
+    """What every preference stage (reward, dpo, kto) sets up before its loop."""
+
+    run_dir: Path
+    device: torch.device
+    precision: str
+    model: torch.nn.Module
+    tok: Tokenizer
+    tok_dir: Path
+    base_dir: Path
+    train_examples: list
+    val_examples: list
+    skipped: SkipLog
+
+
+def start_preference_run(recipe, stage: str, read_examples: Callable) -> PreferenceRun:
+    """The run directory, device and precision, the base model with its chat tokenizer, and the
+    recipe's training and validation examples (bad ones counted in ``skipped``)."""
     if not recipe.data.train:
         raise InputError("data.train is empty: list the JSONL/Parquet files of preference data")
     expand_paths(recipe.data.train, what=f"{stage} training")
     run_dir = start_run(recipe, recipe.run_dir)
-    cfg = recipe.train
-    device = resolve_device(cfg.device)
-    precision = resolve_precision(cfg.precision, device)
-    torch.manual_seed(cfg.seed)
+    device = resolve_device(recipe.train.device)
+    precision = resolve_precision(recipe.train.precision, device)
+    torch.manual_seed(recipe.train.seed)
     model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
-
     d = recipe.data
     skipped = SkipLog()
-    train_examples = read_examples(d.train, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
-                                   skipped=skipped)
+    read = dict(on_bad=d.on_bad, on_too_long=d.on_too_long, skipped=skipped)
+    train_examples = read_examples(d.train, tok, d.max_length, **read)
     if not train_examples:
         raise InputError(f"no usable examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
-    val_examples = read_examples(d.val, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
-                                 skipped=skipped) if d.val else []
-    train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
-    val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
+    val_examples = read_examples(d.val, tok, d.max_length, **read) if d.val else []
     log.info("%s: %d training and %d validation examples; %d skipped or truncated %s", stage, len(train_examples),
              len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
+    return PreferenceRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
+                         skipped)
+
+
+def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
+                            reference_columns: dict[str, str], needs_reference: bool, stage: str,
+                            read_examples: Callable, measure: Callable | None = None) -> dict:
+    """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result."""
+    run = start_preference_run(recipe, stage, read_examples)
+    run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
+    train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
+    cfg, d = recipe.train, recipe.data
+    train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
+    val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
 
     tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
     before = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
@@ -160,9 +185,9 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         val_batches=val_batches,
         # a live reference adds a forward (2N) to the policy's forward and backward (6N) per token
         flops_per_token=per_token * (4 / 3 if reference is not None else 1),
-        tokenizer_dir=tok_dir,
+        tokenizer_dir=run.tok_dir,
     )
-    final = save_finetuned(model, run_dir, tok_dir, base_dir, recipe.lora)
+    final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
     if measure is not None:
         after.update(measure(model, val_rows, cfg.micro_batch_size, device, precision))

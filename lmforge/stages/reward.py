@@ -14,19 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from lmforge.core.io import InputError, atomic_write_json, expand_paths
-from lmforge.core.run import log, start_run
-from lmforge.data.documents import SkipLog
+from lmforge.core.io import atomic_write_json
+from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
 from lmforge.model.reward import RewardModel
 from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
-from lmforge.stages.dpo import PreferenceDataConfig
-from lmforge.train.finetune import load_base, save_finetuned, wrap_lora
-from lmforge.train.loop import TrainConfig, evaluate, resolve_device, resolve_precision, train
+from lmforge.stages.dpo import PreferenceDataConfig, start_preference_run
+from lmforge.train.finetune import save_finetuned, wrap_lora
+from lmforge.train.loop import TrainConfig, evaluate, train
 from lmforge.train.metrics import plot_losses
 
 
@@ -42,24 +39,9 @@ class RewardRecipe:
 
 
 def run_reward(recipe: RewardRecipe) -> dict:
-    if not recipe.data.train:
-        raise InputError("data.train is empty: list the JSONL/Parquet files of preference pairs")
-    expand_paths(recipe.data.train, what="reward-model training")
-    run_dir = start_run(recipe, recipe.run_dir)
-    cfg = recipe.train
-    device = resolve_device(cfg.device)
-    precision = resolve_precision(cfg.precision, device)
-    torch.manual_seed(cfg.seed)
-    backbone, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
-    d = recipe.data
-    skipped = SkipLog()
-    read = dict(on_bad=d.on_bad, on_too_long=d.on_too_long, skipped=skipped)
-    train_pairs = read_preference_pairs(d.train, tok, d.max_length, **read)
-    if not train_pairs:
-        raise InputError(f"no usable pairs in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
-    val_pairs = read_preference_pairs(d.val, tok, d.max_length, **read) if d.val else []
-    log.info("reward: %d training and %d validation pairs; %d skipped or truncated", len(train_pairs),
-             len(val_pairs), skipped.total)
+    run = start_preference_run(recipe, "reward", read_preference_pairs)
+    run_dir, device, precision, backbone, tok = run.run_dir, run.device, run.precision, run.model, run.tok
+    train_pairs, val_pairs, cfg, d = run.train_examples, run.val_examples, recipe.train, recipe.data
     if recipe.lora is not None:
         wrap_lora(backbone, recipe.lora, "reward")
     model = RewardModel(backbone)  # the head is new, so always trainable
@@ -77,12 +59,12 @@ def run_reward(recipe: RewardRecipe) -> dict:
         recipe=recipe,
         val_batches=val_batches,
         flops_per_token=backbone.cfg.flops_per_token(d.max_length),
-        tokenizer_dir=tok_dir,
+        tokenizer_dir=run.tok_dir,
     )
     after = evaluate(model, objective, val_batches(), device, precision, None) if val_batches else {}
-    final = save_finetuned(backbone, run_dir, tok_dir, base_dir, recipe.lora)
+    final = save_finetuned(backbone, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     model.save_head(final)
-    summary.update(train_pairs=len(train_pairs), val_pairs=len(val_pairs), skipped=skipped.to_dict(),
+    summary.update(train_pairs=len(train_pairs), val_pairs=len(val_pairs), skipped=run.skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None)
     atomic_write_json(run_dir / "summary.json", summary)
     if after:

@@ -10,10 +10,8 @@ import torch
 from lmforge.core.config import load_config
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
 from lmforge.data.sft_demo import make_examples
-from lmforge.model.checkpoint import load_model, write_checksums, write_model_files
-from lmforge.model.config import ModelConfig
+from lmforge.model.checkpoint import load_model
 from lmforge.model.reward import load_reward_model
-from lmforge.model.transformer import Transformer
 from lmforge.stages.dpo import DPORecipe, run_dpo
 from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.reward import RewardRecipe, run_reward
@@ -23,16 +21,6 @@ COMMON = ["data.max_length=96", "train.max_steps=4", "train.warmup_steps=0", "tr
           "train.micro_batch_size=4", "train.precision=fp32", "train.eval_every=2", "train.eval_batches=null",
           "train.tensorboard=false", "train.device=cpu"]
 
-
-@pytest.fixture(scope="module")
-def base_checkpoint(tmp_path_factory, small_tokenizer_dir):
-    path = tmp_path_factory.mktemp("base")
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                                    max_seq_len=128))
-    write_model_files(path, model, small_tokenizer_dir)
-    write_checksums(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -7,22 +7,9 @@ from lmforge.core.config import load_config
 from lmforge.core.io import InputError
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import write_demo
-from lmforge.model.checkpoint import load_model, write_checksums, write_model_files
-from lmforge.model.config import ModelConfig
-from lmforge.model.transformer import Transformer
+from lmforge.model.checkpoint import load_model
 from lmforge.stages.sft import SFTRecipe, run_sft
 from lmforge.train.metrics import read_metrics
-
-
-@pytest.fixture(scope="module")
-def base_checkpoint(tmp_path_factory, small_tokenizer_dir):
-    path = tmp_path_factory.mktemp("base")
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                                    max_seq_len=128))
-    write_model_files(path, model, small_tokenizer_dir)
-    write_checksums(path)
-    return path
 
 
 @pytest.fixture(scope="module")
