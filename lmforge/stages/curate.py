@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.core.config import ConfigError, load_config
+from lmforge.core.run import log
 from lmforge.curate.pipeline import CurateConfig, run_curate
 from lmforge.curate.report import report_lines
 
@@ -49,7 +50,11 @@ def run(cfg: Any) -> dict:
 
     if not isinstance(cfg, TrainClassifierConfig):
         raise ConfigError(f"lmforge curate cannot run a {type(cfg).__name__}")
-    return train_classifier(cfg)
+    result = train_classifier(cfg)
+    train, val = result["train"], result["validation"]
+    log.info("train-classifier: %d training examples (accuracy %s), %d held out (accuracy %s) -> %s",
+             train["examples"], train.get("accuracy"), val["examples"], val.get("accuracy"), result["output"])
+    return result
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:

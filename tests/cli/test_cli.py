@@ -65,3 +65,18 @@ def test_a_bad_input_file_is_a_one_line_error_not_a_traceback(tmp_path, small_to
     r = run_cli("prepare", f"data.paths={bad}", f"tokenizer={small_tokenizer_dir}", f"run_dir={tmp_path}/out")
     assert r.returncode == 2
     assert "bad.jsonl:2: malformed JSON" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_curate_train_classifier_trains_from_the_command_line(tmp_path, capfd):
+    import json
+
+    texts = {1: "the cat sat on the mat and read a good book about the sea", 0: "buy cheap pills now click here win"}
+    rows = [{"text": f"{texts[label]} {i}", "label": label} for i in range(30) for label in (0, 1)]
+    data = tmp_path / "labelled.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "classifier"
+    assert main(["curate", "train-classifier", f"data=[{data}]", f"output={out}", "hash_bits=12"]) == 0
+    assert (out / "classifier.npz").is_file()
+    saved = json.loads((out / "classifier.json").read_text())
+    assert saved["validation"]["accuracy"] == 1.0
+    assert "train-classifier: 54 training examples" in capfd.readouterr().err
