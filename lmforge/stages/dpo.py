@@ -231,7 +231,8 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if skipped:
         out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped}")
     if "val_margin" in after:
-        out.append(f"- validation reward margin **{before.get('val_margin', 0):.3f} → {after['val_margin']:.3f}**, "
+        start = round(before.get("val_margin", 0.0), 3) + 0.0  # no "-0.000" at policy == reference
+        out.append(f"- validation reward margin **{start:.3f} → {after['val_margin']:.3f}**, implicit-reward "
                    f"preference accuracy {_pct(before, 'val_accuracy')} → {_pct(after, 'val_accuracy')}")
     if "logp_accuracy" in after:
         out.append(f"- the model's own preference (log-prob of chosen > rejected) on {after['pairs']} held-out pairs: "
