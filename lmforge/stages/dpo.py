@@ -42,7 +42,15 @@ from lmforge.train.finetune import (
     task_files,
     wrap_lora,
 )
-from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, resolve_precision, train
+from lmforge.train.loop import (
+    TrainConfig,
+    accumulation_steps,
+    autocast_context,
+    evaluate,
+    resolve_device,
+    resolve_precision,
+    train,
+)
 from lmforge.train.metrics import plot_losses
 
 
@@ -175,6 +183,8 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     start = evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches) if val_batches else {}
     before.update(start)
     per_token = model.cfg.flops_per_token(d.max_length)
+    # train.batch_tokens counts each example's rows at data.max_length (a pair is two rows)
+    tokens_per_row = d.max_length * (1 if stage == "kto" else 2)
     summary = train(
         model=model,
         objective=objective,
@@ -182,6 +192,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
+        grad_accum=accumulation_steps(cfg, tokens_per_row * cfg.micro_batch_size),
         val_batches=val_batches,
         # a live reference adds a forward (2N) to the policy's forward and backward (6N) per token
         flops_per_token=per_token * (4 / 3 if reference is not None else 1),

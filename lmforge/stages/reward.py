@@ -23,7 +23,7 @@ from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig, start_preference_run
 from lmforge.train.finetune import save_finetuned, wrap_lora
-from lmforge.train.loop import TrainConfig, evaluate, train
+from lmforge.train.loop import TrainConfig, accumulation_steps, evaluate, train
 from lmforge.train.metrics import plot_losses
 
 
@@ -57,6 +57,7 @@ def run_reward(recipe: RewardRecipe) -> dict:
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
+        grad_accum=accumulation_steps(cfg, 2 * d.max_length * cfg.micro_batch_size),  # a pair: two max_length rows
         val_batches=val_batches,
         flops_per_token=backbone.cfg.flops_per_token(d.max_length),
         tokenizer_dir=run.tok_dir,

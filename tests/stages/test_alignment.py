@@ -105,3 +105,14 @@ def test_reward_model_learns_the_pairs_and_reloads_with_its_head(tmp_path, base_
     model = load_reward_model(tmp_path / "rm")
     ids = torch.tensor([[1, 5, 9, 11]])
     assert model(ids).shape == (1,)
+
+
+def test_dpo_gradient_accumulation_equals_one_big_batch(tmp_path, base_checkpoint, data):
+    # batch_tokens counts a pair as two rows of data.max_length: 2 x 96 x 4 x 2 = two micro-batches of 4
+    run_dpo(dpo_recipe(tmp_path / "a", base_checkpoint, data, "train.micro_batch_size=4", "train.batch_tokens=1536",
+                       "train.max_steps=3", "eval.exact_match=false"))
+    run_dpo(dpo_recipe(tmp_path / "b", base_checkpoint, data, "train.micro_batch_size=8", "train.max_steps=3",
+                       "eval.exact_match=false"))
+    a = [r["loss"] for r in read_metrics(tmp_path / "a" / "dpo")]
+    b = [r["loss"] for r in read_metrics(tmp_path / "b" / "dpo")]
+    assert a == pytest.approx(b, rel=1e-5) and len(a) == 3
