@@ -57,17 +57,19 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        # Uninitialised: attention reads only the positions written so far.
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values after the cached ones; return everything cached so far."""
-        end = self.length + k.shape[2]
+        start, end = self.length, self.length + k.shape[2]
         if end > self.k.shape[3]:
             raise ValueError(f"KV cache holds {self.k.shape[3]} positions; {end} requested")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys[:, :, start:] = k
+        values[:, :, start:] = v
+        return keys, values
 
 
 class Attention(nn.Module):

@@ -12,8 +12,10 @@ import torch
 
 from lmforge.model.config import ModelConfig
 from lmforge.model.generate import (
+    FusedTransformer,
     GenerationConfig,
     decode_step,
+    decoding_view,
     generate,
     prefill,
     sample_next_token,
@@ -22,6 +24,7 @@ from lmforge.model.generate import (
 )
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import KVCache, Transformer
+from lmforge.peft.lora import LoraConfig, apply_lora
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,28 +50,32 @@ def full_logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
 # --------------------------------------------------------------------------- cache and padding
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 @torch.no_grad()
-def test_cached_decoding_gives_the_logits_of_a_full_recompute(model):
+def test_cached_decoding_gives_the_logits_of_a_full_recompute(model, fused):
+    net = FusedTransformer(model) if fused else model
     prompt = PROMPTS[0]
-    logits, state = prefill(model, [prompt], max_new_tokens=10)
+    logits, state = prefill(net, [prompt], max_new_tokens=10)
     seq = list(prompt)
     for _ in range(10):
         torch.testing.assert_close(logits[0], full_logits(model, seq), atol=1e-5, rtol=0)
         token = int(logits[0].argmax())
         seq.append(token)
-        logits = decode_step(model, torch.tensor([token]), state)
+        logits = decode_step(net, torch.tensor([token]), state)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 @torch.no_grad()
-def test_each_row_of_a_left_padded_batch_gets_the_logits_of_its_prompt_alone(model):
+def test_each_row_of_a_left_padded_batch_gets_the_logits_of_its_prompt_alone(model, fused):
+    net = FusedTransformer(model) if fused else model
     feed = torch.randint(3, 512, (len(PROMPTS), 8), generator=torch.Generator().manual_seed(0))
-    logits, state = prefill(model, PROMPTS, max_new_tokens=8)
+    logits, state = prefill(net, PROMPTS, max_new_tokens=8)
     assert state.key_mask is not None  # lengths differ, so the batch is padded
     for step in range(8):
         for row, prompt in enumerate(PROMPTS):
             alone = full_logits(model, prompt + feed[row, :step].tolist())
             torch.testing.assert_close(logits[row], alone, atol=1e-5, rtol=0)
-        logits = decode_step(model, feed[:, step], state)
+        logits = decode_step(net, feed[:, step], state)
 
 
 @torch.no_grad()
@@ -123,6 +130,58 @@ def test_bfloat16_generation_runs_and_caches_in_bfloat16(model):
     assert [len(r.tokens) for r in results] == [6, 6, 6]
     _, state = prefill(bf16, PROMPTS, 6)
     assert state.cache.k.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- the fused decoding view
+
+
+VARIANTS = {
+    "llama": {},
+    "qwen-like": dict(qkv_bias=True, qk_norm=True, tie_embeddings=True),
+    "gpt2-like": dict(ffn="gelu", norm="layernorm", qkv_bias=True, out_bias=True, mlp_bias=True, n_kv_heads=4),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@torch.no_grad()
+def test_fused_view_gives_the_logits_of_the_model_for_every_variant(variant):
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(**{**CFG, **VARIANTS[variant]})).eval()
+    for p in model.parameters():  # non-zero biases and norm gains other than 1, so a misplaced one shows
+        if p.ndim == 1:
+            p.add_(0.1 * torch.randn_like(p))
+    fused = FusedTransformer(model)
+    tokens = torch.tensor([PROMPTS[0]])
+    torch.testing.assert_close(fused.lm_head(fused.hidden_states(tokens)), model(tokens), atol=1e-5, rtol=0)
+    logits, state = prefill(fused, [PROMPTS[0]], max_new_tokens=6)
+    seq = list(PROMPTS[0])
+    for _ in range(6):
+        torch.testing.assert_close(logits[0], full_logits(model, seq), atol=1e-5, rtol=0)
+        seq.append(int(logits[0].argmax()))
+        logits = decode_step(fused, torch.tensor([seq[-1]]), state)
+
+
+def test_decoding_view_is_reused_until_a_parameter_changes():
+    torch.manual_seed(2)
+    model = Transformer(ModelConfig(**CFG)).eval()
+    view = decoding_view(model)
+    assert isinstance(view, FusedTransformer) and decoding_view(model) is view
+    before = generate(model, PROMPTS, greedy(8))
+    with torch.no_grad():  # an optimizer step: in place, so the tensors keep their storage
+        for p in model.parameters():
+            p.mul_(1.5)
+    changed = decoding_view(model)
+    assert changed is not view
+    assert [r.tokens for r in generate(model, PROMPTS, greedy(8))] != [r.tokens for r in before]
+    model.to(torch.bfloat16)
+    assert decoding_view(model).head.dtype == torch.bfloat16
+
+
+def test_a_model_with_lora_adapters_generates_through_its_own_modules(model):
+    wrapped = copy.deepcopy(model)
+    apply_lora(wrapped, LoraConfig(r=4))
+    assert decoding_view(wrapped) is wrapped  # the adapters are not folded into a fused copy
+    assert [r.tokens for r in generate(wrapped, PROMPTS, greedy(8))] == [r.tokens for r in generate(model, PROMPTS, greedy(8))]
 
 
 # --------------------------------------------------------------------------- sampling
