@@ -230,6 +230,12 @@ def decoding_view(model: Transformer) -> Transformer | FusedTransformer:
     return cached[1]
 
 
+def release_decoding_view(model: Transformer) -> None:
+    """Drop the cached decoding copy of ``model``'s weights: it costs as much memory as the
+    weights, so a caller that goes back to training the model releases it first."""
+    _fused_views.pop(model, None)
+
+
 # --------------------------------------------------------------------------- prefill and decode
 
 

@@ -19,7 +19,7 @@ from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
-from lmforge.model.generate import GenerationConfig, generate
+from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
@@ -113,6 +113,7 @@ def exact_match_accuracy(model: nn.Module, tok: Tokenizer, prompts: list[list[in
     for i in range(0, len(prompts), 32):
         results = generate(model, prompts[i : i + 32], gen, tok)
         correct += sum(exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32]))
+    release_decoding_view(model)  # training may follow: don't hold a second copy of the weights through it
     model.train(was_training)
     return {"exact_match": correct / len(prompts), "examples": len(prompts)}
 

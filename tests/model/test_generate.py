@@ -283,3 +283,14 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused(model):
 def test_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [[0, 1], []], greedy(4))
+
+
+def test_release_decoding_view_drops_the_cached_copy_of_the_weights():
+    from lmforge.model.generate import _fused_views, release_decoding_view
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, ffn_hidden=64, max_seq_len=32)).eval()
+    generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=2, temperature=0.0, stop_token_ids=[]))
+    assert model in _fused_views
+    release_decoding_view(model)
+    assert model not in _fused_views
