@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
+import re
 import sys
 import types
 from typing import get_type_hints
@@ -19,19 +21,48 @@ from lmforge.core.io import InputError
 from lmforge.core.run import setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
 
+FIELD_LINE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
 
-def recipe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, type, default) for every leaf of a recipe dataclass."""
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The comment written beside (or on the lines just above) each field of a config dataclass
+    and of the dataclasses it inherits from: the source is the documentation of every key."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        above: list[str] = []
+        for line in lines[1:]:
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("# "))
+                continue
+            match = FIELD_LINE.match(line)
+            if match and not stripped.startswith(("def ", "@", "return")):
+                text = match.group(2) or " ".join(above)
+                if text:
+                    comments[match.group(1)] = text.strip()
+            above = []
+    return comments
+
+
+def recipe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, comment) for every leaf of a recipe dataclass."""
     rows = []
     hints = get_type_hints(cls)
     defaults = cls()
+    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         value = getattr(defaults, f.name)
         if dataclasses.is_dataclass(tp):
             rows += recipe_keys(tp, f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", type_name(tp), repr(value)))
+            rows.append((f"{prefix}{f.name}", type_name(tp), repr(value), comments.get(f.name, "")))
     return rows
 
 
@@ -53,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.ModuleType]:
     module = verb.load()
     doc = (module.__doc__ or verb.summary).strip()
-    keys = "\n".join(f"  {k:<34} {t:<18} default {d}" for k, t, d in recipe_keys(module.RECIPE))
+    keys = "\n".join(f"  {k:<34} {t:<18} default {d}" + (f"\n      {c}" if c else "")
+                     for k, t, d, c in recipe_keys(module.RECIPE))
     p = argparse.ArgumentParser(
         prog=f"lmforge {verb.name}",
         description=doc,

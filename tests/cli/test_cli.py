@@ -80,3 +80,12 @@ def test_curate_train_classifier_trains_from_the_command_line(tmp_path, capfd):
     saved = json.loads((out / "classifier.json").read_text())
     assert saved["validation"]["accuracy"] == 1.0
     assert "train-classifier: 54 training examples" in capfd.readouterr().err
+
+
+def test_verb_help_explains_each_key_with_the_comment_beside_its_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["dpo", "--help"])
+    out = capsys.readouterr().out
+    assert "train.lr" in out and "peak learning rate" in out  # TrainConfig, nested
+    assert "keeps DPO from lowering the chosen answer's likelihood" in out  # a comment block above the field
+    assert "dpo | ipo | cdpo | rdpo | hinge" in out  # inherited from PreferenceLossConfig
