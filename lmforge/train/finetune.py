@@ -5,6 +5,7 @@ exact match, and save the result as a plain checkpoint plus a PEFT adapter.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,14 @@ class ExactMatchConfig:
 
 def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int) -> tuple[Transformer, Tokenizer, Path, Path]:
     """The base model, and the run's tokenizer (the base's, with the ChatML template that HF's
-    ``apply_chat_template`` uses): (model, tokenizer, tokenizer_dir, base_dir)."""
+    ``apply_chat_template`` uses): (model, tokenizer, tokenizer_dir, base_dir).
+
+    Fine-tuning runs in one process: under ``torchrun`` every rank would train its own copy
+    into the same run directory, so a world size above 1 is refused."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ConfigError(f"fine-tuning (sft, reward, dpo, kto) runs in one process, but WORLD_SIZE={world_size}: "
+                          f"launch it without torchrun (only `lmforge pretrain` reads a `parallel:` layout so far)")
     model, base_dir = load_model(checkpoint, device=device)
     tok_dir = run_dir / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)

@@ -116,3 +116,12 @@ def test_dpo_gradient_accumulation_equals_one_big_batch(tmp_path, base_checkpoin
     a = [r["loss"] for r in read_metrics(tmp_path / "a" / "dpo")]
     b = [r["loss"] for r in read_metrics(tmp_path / "b" / "dpo")]
     assert a == pytest.approx(b, rel=1e-5) and len(a) == 3
+
+
+def test_fine_tuning_under_torchrun_is_refused_before_any_work(tmp_path, base_checkpoint, data, monkeypatch):
+    from lmforge.core.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2: launch it without torchrun"):
+        run_dpo(dpo_recipe(tmp_path, base_checkpoint, data))
+    assert not (tmp_path / "dpo" / "checkpoints").exists()
