@@ -51,7 +51,7 @@ from lmforge.train.loop import (
     resolve_precision,
     train,
 )
-from lmforge.train.metrics import plot_losses
+from lmforge.train.metrics import loss_curve_lines
 
 
 @dataclass
@@ -251,9 +251,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if after.get("exact_match"):
         out.append(f"- exact match on {after['exact_match']['examples']} tasks: **{_pct(before)} before, "
                    f"{_pct(after)} after**")
-    if plot_losses(stage_dir, plot_path):
-        out += ["", f"![loss curve]({plot_path.name})"]
-    return out
+    return out + loss_curve_lines(stage_dir, plot_path)
 
 
 RECIPE = DPORecipe

@@ -37,7 +37,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, resolve_precision, train
-from lmforge.train.metrics import plot_losses
+from lmforge.train.metrics import loss_curve_lines
 
 
 @dataclass
@@ -202,9 +202,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if res.get("tokens_per_s"):
         mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
         out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")
-    if plot_losses(stage_dir, plot_path, res.get("unigram_entropy")):
-        out += ["", f"![loss curve]({plot_path.name})"]
-    return out
+    return out + loss_curve_lines(stage_dir, plot_path, res.get("unigram_entropy"))
 
 
 RECIPE = PretrainRecipe

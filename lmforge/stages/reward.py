@@ -24,7 +24,7 @@ from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig, start_preference_run
 from lmforge.train.finetune import save_finetuned, wrap_lora
 from lmforge.train.loop import TrainConfig, accumulation_steps, evaluate, train
-from lmforge.train.metrics import plot_losses
+from lmforge.train.metrics import loss_curve_lines
 
 
 @dataclass
@@ -83,9 +83,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
         out.append(f"- held-out pairwise accuracy on {res.get('val_pairs')} pairs: "
                    f"**{100 * before.get('val_accuracy', 0):.1f}% → {100 * after['val_accuracy']:.1f}%**, "
                    f"mean margin {before.get('val_margin', 0):.3f} → {after['val_margin']:.3f}")
-    if plot_losses(stage_dir, plot_path):
-        out += ["", f"![loss curve]({plot_path.name})"]
-    return out
+    return out + loss_curve_lines(stage_dir, plot_path)
 
 
 RECIPE = RewardRecipe

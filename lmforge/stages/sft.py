@@ -37,7 +37,7 @@ from lmforge.train.finetune import (
     wrap_lora,
 )
 from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, train
-from lmforge.train.metrics import plot_losses
+from lmforge.train.metrics import loss_curve_lines
 
 
 @dataclass
@@ -135,9 +135,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if before and after:
         out.append(f"- exact match on {after['examples']} validation tasks: **{100 * before['exact_match']:.1f}% before, "
                    f"{100 * after['exact_match']:.1f}% after**")
-    if plot_losses(stage_dir, plot_path):
-        out += ["", f"![loss curve]({plot_path.name})"]
-    return out
+    return out + loss_curve_lines(stage_dir, plot_path)
 
 
 RECIPE = SFTRecipe

@@ -57,6 +57,11 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> list[str]:
+    """The lifecycle report's lines for a stage's loss curve (plotted into ``out``); none without metrics."""
+    return ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy) else []
+
+
 def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> Path | None:
     """Training and validation loss against step, from the stage's metrics.jsonl."""
     records = read_metrics(stage_dir)
