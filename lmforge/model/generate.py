@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.model.transformer import KVCache, Transformer, apply_rope, rotation_tables
+from lmforge.model.transformer import (
+    KVCache,
+    Transformer,
+    apply_rope,
+    cached_prefix_mask,
+    check_length,
+    rotation_tables,
+)
 
 FinishReason = Literal["stop", "length"]
 
@@ -179,13 +186,11 @@ class FusedTransformer:
         B, T = tokens.shape
         offset = kv_cache.length if kv_cache is not None else 0
         if positions is None:
-            if offset + T > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {offset + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+            check_length(self.cfg, offset, T)
             cos, sin = self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, 1, head_dim)
         else:
             cos, sin = self.cos[positions], self.sin[positions]  # (B, T, 1, head_dim)
-        if attn_mask is None and offset > 0 and T > 1:  # new tokens after a cached prefix: causal, bottom-right aligned
-            attn_mask = torch.ones(T, offset + T, dtype=torch.bool, device=tokens.device).tril(diagonal=offset)
+        attn_mask = cached_prefix_mask(attn_mask, offset, T, tokens.device)
         x = self.embed(tokens)
         for layer, w in enumerate(self.layers):
             x = x + self.attention(layer, self.norm(x, w.attn_norm), cos, sin, attn_mask, kv_cache)

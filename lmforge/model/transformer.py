@@ -47,6 +47,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
 
 
+def check_length(cfg: ModelConfig, offset: int, T: int) -> None:
+    if offset + T > cfg.max_seq_len:
+        raise ValueError(f"sequence of {offset + T} tokens exceeds max_seq_len {cfg.max_seq_len}")
+
+
+def cached_prefix_mask(attn_mask: torch.Tensor | None, offset: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """``attn_mask``, or for several new tokens after ``offset`` cached ones the causal mask
+    aligned bottom-right (SDPA's ``is_causal`` aligns top-left)."""
+    if attn_mask is None and offset > 0 and T > 1:
+        return torch.ones(T, offset + T, dtype=torch.bool, device=device).tril(diagonal=offset)
+    return attn_mask
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer for incremental decoding: (layers, B, kv_heads, max_len, head_dim)."""
@@ -186,14 +199,12 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         offset = kv_cache.length if kv_cache is not None else 0
         if positions is None:
-            if offset + T > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {offset + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+            check_length(self.cfg, offset, T)
             cos, sin = self.rope_cos[offset : offset + T][None], self.rope_sin[offset : offset + T][None]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         cos, sin = rotation_tables(cos, sin)
-        if attn_mask is None and offset > 0 and T > 1:  # new tokens after a cached prefix: causal, bottom-right aligned
-            attn_mask = torch.ones(T, offset + T, dtype=torch.bool, device=tokens.device).tril(diagonal=offset)
+        attn_mask = cached_prefix_mask(attn_mask, offset, T, tokens.device)
         x = self.embed(tokens)
         for block in self.layers:
             x = block(x, cos, sin, attn_mask, kv_cache)
