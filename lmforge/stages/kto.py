@@ -13,6 +13,7 @@ held-out preference pairs (`pairs:`), the model's own pairwise preference before
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,11 +43,15 @@ def run_kto(recipe: KTORecipe) -> dict:
     loss_cfg = KTOLossConfig(recipe.beta, recipe.desirable_weight, recipe.undesirable_weight)
     measure = None
     if recipe.pairs:
+        held_out: dict[str, torch.Tensor] = {}  # the pairs' rows, read and tokenized once for before and after
+
         def measure(model, _val_rows, batch_size, device, precision):
-            tok = Tokenizer.load(recipe.run_dir + "/tokenizer")
-            pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad="skip",
-                                          on_too_long="truncate")
-            return pairwise_preference(model, pair_rows(pairs, tok.pad_id), batch_size, device, precision)
+            if not held_out:
+                tok = Tokenizer.load(Path(recipe.run_dir) / "tokenizer")
+                pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad="skip",
+                                              on_too_long="truncate")
+                held_out.update(pair_rows(pairs, tok.pad_id))
+            return pairwise_preference(model, held_out, batch_size, device, precision)
 
     def rows_for(examples, pad_id, max_length, seed) -> dict[str, torch.Tensor]:
         return unpaired_rows(examples, pad_id, max_length, seed)
