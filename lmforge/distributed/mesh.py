@@ -80,7 +80,7 @@ def stage_layer_ranges(n_layers: int, pp: int) -> list[range]:
     return ranges
 
 
-def check_layout(layout: Layout, cfg: ParallelConfig, model, micro_batch_size: int, tie_embeddings: bool | None = None) -> None:
+def check_layout(layout: Layout, cfg: ParallelConfig, model, micro_batch_size: int) -> None:
     """Every reason this layout cannot train ``model`` (a ModelConfig), in one error."""
     problems = []
     tp, pp = layout.tp, layout.pp
@@ -163,10 +163,6 @@ class ParallelContext:
     @property
     def pp_group(self):
         return self.mesh["pp"].get_group()
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.layout.pp - 1
 
     def all_reduce_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel ranks (in place, returned for convenience)."""

@@ -51,8 +51,7 @@ def memory_plans(recipe: PlanRecipe) -> tuple[str, dict[bool, MemoryPlan]]:
     return f"{layout} ({layout.world_size} devices), {precision}", plans
 
 
-def format_plan(recipe: PlanRecipe) -> str:
-    layout, plans = memory_plans(recipe)
+def format_plan(recipe: PlanRecipe, layout: str, plans: dict) -> str:
     plain, ac = plans[False], plans[True]
     stage = f", pipeline stage {plain.stage} ({plain.detail['layers']} layers)" if recipe.parallel.pp > 1 else ""
     lines = [
@@ -71,8 +70,8 @@ def format_plan(recipe: PlanRecipe) -> str:
 
 
 def run_plan(recipe: PlanRecipe) -> dict:
-    print(format_plan(recipe))
-    _, plans = memory_plans(recipe)
+    layout, plans = memory_plans(recipe)
+    print(format_plan(recipe, layout, plans))
     return {("with_ac" if ac else "without_ac"): dataclasses.asdict(plan) for ac, plan in plans.items()}
 
 

@@ -32,6 +32,7 @@ from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, 
 from lmforge.model.checkpoint import (
     WEIGHTS,
     load_weights,
+    read_weights,
     verify_checksums,
     write_checksums,
     write_model_config,
@@ -100,8 +101,6 @@ def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.op
 
     A sharded (DCP) checkpoint loads into any layout, a single process included;
     ``sharded_model`` (a parallelized model) needs one."""
-    from safetensors.torch import load_file
-
     verify_checksums(ckpt)
     device = next(model.parameters()).device
     if is_sharded_checkpoint(ckpt):
@@ -110,7 +109,7 @@ def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.op
         raise InputError(f"{ckpt}: written by a single-process run, which a distributed run cannot resume; "
                          "resume it in one process, or start over with train.resume=never")
     else:
-        load_weights(model, load_file(str(ckpt / "model.safetensors"), device=str(device)), where=str(ckpt))
+        load_weights(model, read_weights(ckpt, device), where=str(ckpt))
         optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER, map_location=device, weights_only=True))
     rng = torch.load(ckpt / RNG, weights_only=True)
     torch.set_rng_state(rng["torch"])
