@@ -96,38 +96,33 @@ class PreferenceObjective:
         n_chosen, n_rejected = n_tokens.chunk(2)
         avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
         metrics: dict[str, torch.Tensor] = {}
+        chosen_nll = -chosen.sum() / n_chosen.sum().clamp(min=1)  # token mean over the micro-batch, as TRL
         if cfg.needs_reference:
             ref_chosen, ref_rejected = self.reference_logprobs(batch, input_ids, labels, attention_mask)
             if cfg.loss == "ipo":  # TRL: the log-ratios are length-normalised for IPO
-                losses, reward_c, reward_r = dpo_loss(avg_chosen, avg_rejected, ref_chosen / n_chosen.clamp(min=1),
-                                                      ref_rejected / n_rejected.clamp(min=1), cfg.beta, "ipo")
-                reward_c = cfg.beta * (chosen - ref_chosen).detach()
-                reward_r = cfg.beta * (rejected - ref_rejected).detach()
+                losses = dpo_loss(avg_chosen, avg_rejected, ref_chosen / n_chosen.clamp(min=1),
+                                  ref_rejected / n_rejected.clamp(min=1), cfg.beta, "ipo")[0]
             else:
-                losses, reward_c, reward_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta,
-                                                      DPO_TYPES[cfg.loss], cfg.label_smoothing)
+                losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, DPO_TYPES[cfg.loss],
+                                  cfg.label_smoothing)[0]
+            reward_c, reward_r = cfg.beta * (chosen - ref_chosen).detach(), cfg.beta * (rejected - ref_rejected).detach()
             metrics["kl"] = ((chosen - ref_chosen) + (rejected - ref_rejected)).detach().sum() / 2
-            if cfg.sft_weight:  # token mean over the micro-batch's chosen completions, as TRL's "sft" loss
-                nll = -chosen.sum() / n_chosen.sum().clamp(min=1)
-                losses = losses + cfg.sft_weight * nll
-                metrics["nll"] = nll.detach() * len(chosen)
+            if cfg.sft_weight:  # TRL's "sft" loss on the chosen completions
+                losses = losses + cfg.sft_weight * chosen_nll
+                metrics["nll"] = chosen_nll.detach() * len(chosen)
         elif cfg.loss == "simpo":
             losses, reward_c, reward_r = simpo_loss(avg_chosen, avg_rejected, cfg.beta, cfg.simpo_gamma,
                                                     cfg.label_smoothing)
-        else:
+        elif cfg.loss == "cpo":  # NLL over the chosen completion
+            losses, reward_c, reward_r = cpo_loss(chosen, rejected, chosen_nll, cfg.beta, cfg.cpo_alpha,
+                                                  cfg.label_smoothing)
+            metrics["nll"] = chosen_nll.detach() * len(chosen)
+        else:  # ORPO: TRL's NLL covers the chosen prompt *and* completion (trl PR #1516)
             half = input_ids.shape[0] // 2
-            if cfg.loss == "orpo":  # TRL's ORPO: NLL over the chosen prompt *and* completion (trl PR #1516)
-                mask = attention_mask[:half] if attention_mask is not None else torch.ones_like(input_ids[:half])
-                nll_labels = input_ids[:half].masked_fill(mask == 0, -100)
-            else:  # CPO: NLL over the chosen completion
-                nll_labels = labels[:half]
-            nll_logps, nll_tokens = sequence_logprobs(logits[:half], nll_labels)
-            nll = -nll_logps.sum() / nll_tokens.sum().clamp(min=1)  # token mean over the micro-batch, as TRL
-            if cfg.loss == "orpo":
-                losses, reward_c, reward_r = orpo_loss(avg_chosen, avg_rejected, nll, cfg.beta)
-            else:
-                losses, reward_c, reward_r = cpo_loss(chosen, rejected, nll, cfg.beta, cfg.cpo_alpha,
-                                                      cfg.label_smoothing)
+            mask = attention_mask[:half] if attention_mask is not None else torch.ones_like(input_ids[:half])
+            nll_logps, nll_tokens = sequence_logprobs(logits[:half], input_ids[:half].masked_fill(mask == 0, -100))
+            nll = -nll_logps.sum() / nll_tokens.sum().clamp(min=1)
+            losses, reward_c, reward_r = orpo_loss(avg_chosen, avg_rejected, nll, cfg.beta)
             metrics["nll"] = nll.detach() * half
         margin = reward_c - reward_r
         metrics.update(reward_chosen=reward_c.sum(), reward_rejected=reward_r.sum(), margin=margin.sum(),

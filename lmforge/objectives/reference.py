@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lmforge.model.reward import model_inputs
+from lmforge.model.reward import is_left_padded, model_inputs
 from lmforge.objectives.preference import sequence_logprobs
 from lmforge.peft.lora import disable_adapters, lora_modules
 
@@ -99,5 +99,5 @@ def trim_padding(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: 
     keep = min(T, math.ceil(n / multiple_of) * multiple_of)
     if keep == T:
         return input_ids, labels, attention_mask
-    cols = slice(T - keep, T) if bool((attention_mask[:, 0] == 0).any()) else slice(0, keep)
+    cols = slice(T - keep, T) if is_left_padded(attention_mask) else slice(0, keep)
     return input_ids[:, cols], labels[:, cols], attention_mask[:, cols]
