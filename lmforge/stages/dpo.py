@@ -151,7 +151,8 @@ def start_preference_run(recipe, stage: str, read_examples: Callable) -> Prefere
 
 def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
                             reference_columns: dict[str, str], needs_reference: bool, stage: str,
-                            read_examples: Callable, measure: Callable | None = None) -> dict:
+                            read_examples: Callable, rows_per_example: int, loss_name: str,
+                            measure: Callable | None = None) -> dict:
     """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result."""
     run = start_preference_run(recipe, stage, read_examples)
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
@@ -184,7 +185,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     before.update(start)
     per_token = model.cfg.flops_per_token(d.max_length)
     # train.batch_tokens counts each example's rows at data.max_length (a pair is two rows)
-    tokens_per_row = d.max_length * (1 if stage == "kto" else 2)
+    tokens_per_row = d.max_length * rows_per_example
     summary = train(
         model=model,
         objective=objective,
@@ -205,7 +206,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None,
-                   loss=getattr(recipe, "loss", stage))
+                   loss=loss_name)
     atomic_write_json(run_dir / "summary.json", summary)
     log.info("%s: after training %s; model in %s", stage, after, final)
     return summary
@@ -222,6 +223,8 @@ def run_dpo(recipe: DPORecipe) -> dict:
         needs_reference=loss_cfg.needs_reference,
         stage="dpo",
         read_examples=read_preference_pairs,
+        rows_per_example=2,  # chosen and rejected
+        loss_name=recipe.loss,
         measure=lambda model, rows, *args: pairwise_preference(model, rows, *args) if rows is not None else {},
     )
 

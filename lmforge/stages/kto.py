@@ -53,17 +53,16 @@ def run_kto(recipe: KTORecipe) -> dict:
                 held_out.update(pair_rows(pairs, tok.pad_id))
             return pairwise_preference(model, held_out, batch_size, device, precision)
 
-    def rows_for(examples, pad_id, max_length, seed) -> dict[str, torch.Tensor]:
-        return unpaired_rows(examples, pad_id, max_length, seed)
-
     return run_preference_training(
         recipe,
         objective_for=lambda reference: KTOObjective(loss_cfg, reference),
-        rows_for=rows_for,
+        rows_for=unpaired_rows,
         reference_columns={"": "ref_logps", "kl_": "ref_kl_logps"},
         needs_reference=True,
         stage="kto",
         read_examples=read_unpaired_examples,
+        rows_per_example=1,
+        loss_name="kto",
         measure=measure,
     )
 
