@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from lmforge.core.io import atomic_write_bytes, atomic_write_text
+from lmforge.core.io import atomic_write_npy, atomic_write_text
 from lmforge.curate.base import Document, PoolMap
 
 ROW = np.dtype([("hash", "<u8"), ("doc", "<u4"), ("unit", "<u4")])
@@ -76,7 +76,7 @@ class ExactDedup:
         table = np.array(rows, dtype=ROW)
         buckets = table["hash"] % self.cfg.num_buckets
         for b in range(self.cfg.num_buckets):
-            _save(work_dir / "index" / f"b{b:04d}" / f"s{shard:06d}.npy", table[buckets == b])
+            atomic_write_npy(work_dir / "index" / f"b{b:04d}" / f"s{shard:06d}.npy", table[buckets == b])
         if self.cfg.unit == "document":
             atomic_write_text(work_dir / "ids" / f"s{shard:06d}.json", json.dumps([d.id for d in docs]))
 
@@ -112,14 +112,6 @@ class ExactDedup:
         return decisions
 
 
-def _save(path: Path, array: np.ndarray) -> None:
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, array)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 def resolve_bucket(work_dir: Path, num_shards: int, bucket: int) -> int:
     """Mark every row of one bucket whose hash appeared earlier; returns the number of duplicates."""
     parts, shards = [], []
@@ -142,5 +134,5 @@ def resolve_bucket(work_dir: Path, num_shards: int, bucket: int) -> int:
     out["first_shard"], out["first_doc"] = shard[origin][dup], rows["doc"][origin][dup]
     dup_shard = shard[dup]
     for s in range(num_shards):
-        _save(work_dir / "dups" / f"b{bucket:04d}" / f"s{s:06d}.npy", out[dup_shard == s])
+        atomic_write_npy(work_dir / "dups" / f"b{bucket:04d}" / f"s{s:06d}.npy", out[dup_shard == s])
     return len(out)

@@ -52,8 +52,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 import unicodedata
 from dataclasses import dataclass
 from functools import cache, partial
@@ -63,7 +61,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from lmforge.core.io import atomic_write_text
+from lmforge.core.io import atomic_write_npy, atomic_write_text
 from lmforge.curate.base import Document, PoolMap
 
 _MAX_UINT32 = np.uint32(0xFFFFFFFF)
@@ -466,19 +464,6 @@ def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
 # work_dir/summary.json                   counts
 
 
-def save_array(path: Path, array: np.ndarray) -> None:
-    """``np.save`` so that readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _bucket_keys(rows: np.ndarray) -> np.ndarray:
     """A uniform 64-bit key per bucket signature, so a bucket can be split into equal hash ranges."""
     acc = rows[:, 0].copy()
@@ -507,7 +492,7 @@ class MinHashDedup:
             band = sigs[:, bucket * r : (bucket + 1) * r]
             table = np.column_stack([_bucket_keys(band), band, index]) if len(index) else np.empty((0, r + 2), np.uint64)
             order = np.lexsort(table.T[::-1])  # rows in lexicographic order: key first, doc index last
-            save_array(work_dir / "sigs" / f"b{bucket:03d}" / f"s{shard:06d}.npy", table[order])
+            atomic_write_npy(work_dir / "sigs" / f"b{bucket:03d}" / f"s{shard:06d}.npy", table[order])
         atomic_write_text(work_dir / "ids" / f"s{shard:06d}.json", json.dumps([d.id for d in docs], ensure_ascii=False))
 
     # -- stages 2 and 3: candidate pairs per bucket, then one union-find
@@ -604,7 +589,7 @@ def bucket_pairs(work_dir: str, num_shards: int, max_rows: int, bucket: int) -> 
         same = np.all(rows[1:, :-1] == rows[:-1, :-1], axis=1)
         out.append(np.column_stack([rows[:-1, -1][same], rows[1:, -1][same]]))
     pairs = np.concatenate(out) if out else np.empty((0, 2), np.uint64)
-    save_array(Path(work_dir) / "pairs" / f"b{bucket:03d}.npy", pairs.astype(np.uint64))
+    atomic_write_npy(Path(work_dir) / "pairs" / f"b{bucket:03d}.npy", pairs.astype(np.uint64))
     return len(pairs)
 
 

@@ -24,9 +24,9 @@ from typing import Literal
 
 import numpy as np
 
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths, read_json
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json, atomic_write_npy, expand_paths, read_json
 from lmforge.curate.base import Document, PoolMap
-from lmforge.curate.minhash import combine_ngrams, document_words, save_array, word_hashes
+from lmforge.curate.minhash import combine_ngrams, document_words, word_hashes
 
 CLASSIFIER_WEIGHTS = "classifier.npz"
 CLASSIFIER_CONFIG = "classifier.json"
@@ -255,7 +255,7 @@ class _ScoreCut:
 
     def index_shard(self, shard: int, docs: list[Document], work_dir: Path) -> None:
         scores = self.score_documents(docs) if docs else np.empty(0)
-        save_array(Path(work_dir) / "scores" / f"s{shard:06d}.npy", np.asarray(scores, dtype=np.float64))
+        atomic_write_npy(Path(work_dir) / "scores" / f"s{shard:06d}.npy", np.asarray(scores, dtype=np.float64))
 
     def resolve(self, work_dir: Path, num_shards: int, pool_map: PoolMap) -> None:
         work_dir = Path(work_dir)

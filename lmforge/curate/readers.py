@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 from lmforge.core.io import InputError, expand_paths
 from lmforge.curate.base import Document
-from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, jsonl_records, open_binary
+from lmforge.data import documents
+from lmforge.data.documents import BadRecord, jsonl_records, open_binary
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".arc.gz")
 HTML_SUFFIXES = (".html", ".htm", ".xhtml")
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 WARC_RECORD_TYPES = ("warcinfo", "response", "resource", "request", "metadata", "revisit", "conversion", "continuation")
 Format = Literal["auto", "warc", "html", "jsonl", "parquet", "text"]
@@ -67,11 +67,7 @@ def file_format(path: Path, configured: str) -> str:
         return "warc"
     if name.endswith(HTML_SUFFIXES):
         return "html"
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    return "text"
+    return documents.file_format(path)  # jsonl, parquet or text, as `lmforge prepare` decides
 
 
 def input_files(cfg: InputsConfig) -> list[Path]:
