@@ -171,12 +171,34 @@ def train_step(
     Each micro-batch's summed loss is divided by the target count of the whole step, so
     accumulating k micro-batches gives the same update as one batch k times larger.
     ``forward_loss`` replaces ``objective(model, batch)``, e.g. with its compiled form.
-    With ``parallel`` the step is one of a distributed run (see ``_parallel_train_step``).
+    With ``parallel`` the step is one of a distributed run (see ``parallel_backward``).
     """
     if parallel is not None:
-        return _parallel_train_step(model, objective, micro_batches, optimizer, scaler, params, precision, grad_clip,
-                                    forward_loss, parallel, pipeline)
-    device = params[0].device
+        loss_total, n_targets, metric_sums = parallel_backward(model, objective, micro_batches, precision, parallel,
+                                                               pipeline, forward_loss, scaler)
+    else:
+        loss_total, n_targets, metric_sums = local_backward(model, objective, micro_batches, precision, params[0].device,
+                                                            forward_loss, scaler)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if parallel is not None:
+        grad_norm = clip_grad_norm_(params, grad_clip, parallel)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if scaler is not None:
+        scaler.step(optimizer)  # skipped when the scaled gradients overflowed
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
+
+
+def local_backward(model, objective, micro_batches, precision: str, device: torch.device,
+                   forward_loss: Callable | None = None,
+                   scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, int, dict]:
+    """Forward and backward of one step's micro-batches in one process: the mean loss per
+    target, the target count and the objective's metric sums."""
     n_targets = sum(objective.num_targets(b) for b in micro_batches)
     loss_total = torch.zeros((), device=device)
     metric_sums: dict[str, torch.Tensor] = {}
@@ -189,16 +211,7 @@ def train_step(
         loss_total += loss.detach()
         for name, value in getattr(out, "metrics", {}).items():
             metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().float()
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    if scaler is not None:
-        scaler.step(optimizer)  # skipped when the scaled gradients overflowed
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
+    return loss_total, n_targets, metric_sums
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -248,23 +261,6 @@ def parallel_backward(model, objective, micro_batches, precision, parallel: Para
     for value in metric_sums.values():
         parallel.all_reduce_dp(value)
     return loss_total, n_targets, metric_sums
-
-
-def _parallel_train_step(model, objective, micro_batches, optimizer, scaler, params, precision, grad_clip,
-                         forward_loss, parallel: ParallelContext, pipeline: PipelineRunner | None) -> StepResult:
-    """``train_step`` on one rank of a distributed run; the loss and metrics are global means."""
-    loss_total, n_targets, metric_sums = parallel_backward(model, objective, micro_batches, precision, parallel,
-                                                           pipeline, forward_loss, scaler)
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(params, grad_clip, parallel)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
 
 
 @torch.no_grad()
