@@ -94,14 +94,22 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
 
-    loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train")
-    grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len)
+    token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
+    return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes)
+
+
+def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.nn.Module, cfg: TrainConfig,
+                    run_dir: Path, token_bytes: torch.Tensor, ctx: ParallelContext | None = None,
+                    pipeline: PipelineRunner | None = None) -> dict:
+    """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``."""
+    rank, dp = (ctx.dp_rank, ctx.layout.dp) if ctx is not None else (0, 1)
+    flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
+    loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
+    grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)
     first = recipe.data.datasets[0]
     val_cfg = LoaderConfig(datasets=[first], seq_len=recipe.data.seq_len, bos_aligned=recipe.data.bos_aligned,
                            shuffle=False, seed=recipe.data.seed)
     has_val = manifests[0]["splits"]["val"]["n_tokens"] > recipe.data.seq_len
-    token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
-
     summary = train(
         model=model,
         objective=CausalLMObjective(token_bytes),
@@ -110,17 +118,23 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         run_dir=run_dir,
         recipe=recipe,
         grad_accum=grad_accum,
-        val_batches=(lambda: TokenLoader(val_cfg, cfg.micro_batch_size, split="val", loop=False)) if has_val else None,
+        val_batches=(lambda: TokenLoader(val_cfg, cfg.micro_batch_size, split="val", loop=False, rank=rank,
+                                         world_size=dp)) if has_val else None,
         flops_per_token=flops_per_token,
         tokenizer_dir=recipe.tokenizer,
+        parallel=ctx,
+        pipeline=pipeline,
     )
-    entropy = unigram_entropy(first.path, recipe.model.vocab_size)
-    summary.update(params=n_params, flops_per_token=flops_per_token, unigram_entropy=entropy,
-                   tokens_per_step=grad_accum * cfg.micro_batch_size * recipe.data.seq_len)
-    atomic_write_json(run_dir / "summary.json", summary)
-    if "val_loss" in summary:
-        log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",
-                 summary["val_loss"], summary.get("val_bpb", float("nan")), entropy, math.exp(summary["val_loss"]))
+    summary.update(params=recipe.model.num_params(), flops_per_token=flops_per_token,
+                   tokens_per_step=grad_accum * cfg.micro_batch_size * recipe.data.seq_len * dp)
+    if ctx is not None:
+        summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
+    if ctx is None or ctx.is_logging_rank:
+        summary["unigram_entropy"] = entropy = unigram_entropy(first.path, recipe.model.vocab_size)
+        atomic_write_json(run_dir / "summary.json", summary)
+        if "val_loss" in summary:
+            log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",
+                     summary["val_loss"], summary.get("val_bpb", float("nan")), entropy, math.exp(summary["val_loss"]))
     return summary
 
 
@@ -156,35 +170,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
                                       split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss,
                                       count_bytes=lambda targets: int(token_bytes[targets.cpu()].sum()))
 
-        loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train", rank=ctx.dp_rank, world_size=layout.dp)
-        grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=layout.dp)
-        first = recipe.data.datasets[0]
-        val_cfg = LoaderConfig(datasets=[first], seq_len=recipe.data.seq_len, bos_aligned=recipe.data.bos_aligned,
-                               shuffle=False, seed=recipe.data.seed)
-        has_val = manifests[0]["splits"]["val"]["n_tokens"] > recipe.data.seq_len
-        summary = train(
-            model=model,
-            objective=CausalLMObjective(token_bytes),
-            train_batches=loader,
-            cfg=cfg,
-            run_dir=run_dir,
-            recipe=recipe,
-            grad_accum=grad_accum,
-            val_batches=(lambda: TokenLoader(val_cfg, cfg.micro_batch_size, split="val", loop=False,
-                                             rank=ctx.dp_rank, world_size=layout.dp)) if has_val else None,
-            flops_per_token=flops_per_token,
-            tokenizer_dir=recipe.tokenizer,
-            parallel=ctx,
-            pipeline=pipeline,
-        )
-        summary.update(params=recipe.model.num_params(), flops_per_token=flops_per_token, world_size=layout.world_size,
-                       layout=str(layout), tokens_per_step=grad_accum * cfg.micro_batch_size * recipe.data.seq_len * layout.dp)
-        if ctx.is_logging_rank:
-            summary["unigram_entropy"] = unigram_entropy(first.path, recipe.model.vocab_size)
-            atomic_write_json(run_dir / "summary.json", summary)
-            if "val_loss" in summary:
-                log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f",
-                         summary["val_loss"], summary.get("val_bpb", float("nan")), summary["unigram_entropy"])
+        summary = train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline)
         dist.barrier()
         return summary
     finally:
