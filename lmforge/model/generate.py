@@ -31,6 +31,7 @@ from lmforge.model.transformer import (
     apply_rope,
     cached_prefix_mask,
     check_length,
+    positions_and_mask,
     rotation_tables,
 )
 
@@ -283,11 +284,8 @@ def prefill(model: Transformer | FusedTransformer, prompts: Sequence[Sequence[in
         pads = (T - lengths)[:, None]  # (B, 1)
         slots = torch.arange(total, device=param.device)[None]  # (1, total)
         real = slots >= pads  # (B, total): padding slots are False, every slot after the prompt True
-        positions = (slots[:, :T] - pads).clamp(min=0)
-        # A padding query sees only itself: a row with no visible key would give NaN attention.
-        causal = torch.ones(T, T, dtype=torch.bool, device=param.device).tril()
-        mask = causal & (real[:, None, :T] | torch.eye(T, dtype=torch.bool, device=param.device))
-        hidden = model.hidden_states(tokens, positions=positions, attn_mask=mask[:, None], kv_cache=cache)
+        positions, mask = positions_and_mask(real[:, :T])
+        hidden = model.hidden_states(tokens, positions=positions, attn_mask=mask, kv_cache=cache)
         state = DecodeState(cache, next_positions=lengths[:, None].clone(), key_mask=real[:, None, None, :])
     return model.lm_head(hidden[:, -1]), state
 

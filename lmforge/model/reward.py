@@ -18,25 +18,9 @@ from torch import nn
 
 from lmforge.core.io import InputError
 from lmforge.model.checkpoint import load_model
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, positions_and_mask
 
 HEAD_FILE = "reward_head.safetensors"
-
-
-def positions_and_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE positions counted from each row's first real token, and the (B, 1, T, T) boolean
-    attention mask (causal, real keys only) for left- or right-padded rows.
-
-    A padding query may attend to itself, so its softmax has a key and never yields NaN;
-    its output is never read.
-    """
-    real = attention_mask.bool()
-    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-    T = attention_mask.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    mask = causal & real[:, None, :]
-    mask = mask | torch.eye(T, dtype=torch.bool, device=attention_mask.device)
-    return positions, mask[:, None]
 
 
 def last_token_index(tokens: torch.Tensor, pad_id: int | None = None) -> torch.Tensor:

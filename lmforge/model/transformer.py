@@ -60,6 +60,22 @@ def cached_prefix_mask(attn_mask: torch.Tensor | None, offset: int, T: int, devi
     return attn_mask
 
 
+def positions_and_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE positions counted from each row's first real token, and the (B, 1, T, T) boolean
+    attention mask (causal, real keys only) for left- or right-padded rows.
+
+    A padding query may attend to itself, so its softmax has a key and never yields NaN;
+    its output is never read.
+    """
+    real = attention_mask.bool()
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    mask = causal & real[:, None, :]
+    mask = mask | torch.eye(T, dtype=torch.bool, device=attention_mask.device)
+    return positions, mask[:, None]
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer for incremental decoding: (layers, B, kv_heads, max_len, head_dim)."""
