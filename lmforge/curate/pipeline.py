@@ -127,13 +127,14 @@ def _fingerprints(cfg: CurateConfig, shards: list[list[Piece]], segments: list[S
     return out
 
 
-def _fresh(directory: Path, fingerprint: str) -> None:
-    """Empty ``directory`` unless it holds work of this fingerprint."""
+def _fresh(directory: Path, fingerprint: str, clear: tuple[Path, ...] = ()) -> None:
+    """Empty ``directory`` (and the ``clear`` directories that hold its results) unless it holds
+    work of this fingerprint; the stamp is written last, so a crash leaves nothing stale."""
     stamp = directory / "FINGERPRINT"
     if stamp.exists() and stamp.read_text() == fingerprint:
         return
-    if directory.exists():
-        shutil.rmtree(directory)
+    for d in (*clear, directory):
+        shutil.rmtree(d, ignore_errors=True)
     directory.mkdir(parents=True)
     stamp.write_text(fingerprint)
 
@@ -454,12 +455,7 @@ def run_curate(cfg: CurateConfig) -> dict:
             if seg == 0:
                 n_input = sum(r["in"] for r in results)
         final_fp = _digest(fingerprints[-1], cfg.output_format)
-        stamp = run_dir / "work" / "final" / "FINGERPRINT"
-        if not (stamp.exists() and stamp.read_text() == final_fp):
-            for d in ("output", "rejects", "work/final"):
-                shutil.rmtree(run_dir / d, ignore_errors=True)
-            (run_dir / "work" / "final").mkdir(parents=True)
-            stamp.write_text(final_fp)
+        _fresh(run_dir / "work" / "final", final_fp, clear=(run_dir / "output", run_dir / "rejects"))
         parts = run_tasks(pool, partial(finalize_shard, job), list(range(n)), "write output")
         skipped += sum(p["skipped"] for p in parts)
         ran += sum(not p["skipped"] for p in parts)
