@@ -60,23 +60,37 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 @contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory that replaces ``path`` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    os.chmod(tmp, 0o777 & ~_UMASK)
+    tmp = temporary_directory(path)
     try:
         yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
+        replace_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def temporary_directory(path: str | Path) -> Path:
+    """A new empty sibling of ``path`` (hidden, with the usual permissions) to fill and then
+    move into place with ``replace_directory``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700
+    return tmp
+
+
+def replace_directory(tmp: str | Path, path: str | Path) -> None:
+    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first and removed after,
+    so ``path`` is always either the old directory or the new one."""
+    tmp, path = Path(tmp), Path(path)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(path)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import tempfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.core.config import save_config
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json, replace_directory, temporary_directory
 from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, read_model_state, save_sharded
 from lmforge.model.checkpoint import (
     WEIGHTS,
@@ -150,14 +149,7 @@ class PendingCheckpoint:
             atomic_write_json(self.tmp / TRAINER_STATE, f["trainer_state"])
             save_config(f["recipe"], self.tmp)
             write_checksums(self.tmp)
-            if self.target.exists():
-                old = self.target.with_name(f".{self.target.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                self.target.rename(old)
-                self.tmp.rename(self.target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                self.tmp.rename(self.target)
+            replace_directory(self.tmp, self.target)
             prune_checkpoints(self.target.parent.parent, f["keep"])
         dist.barrier()
         return self.target
@@ -181,8 +173,7 @@ def save_sharded_training_checkpoint(
     target = checkpoint_dir(run_dir, step)
     name = [None]
     if dist.get_rank() == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        name = [tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)]
+        name = [str(temporary_directory(target))]
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     future = save_sharded(tmp, model, optimizer, async_group)

@@ -150,6 +150,9 @@ def test_sharded_checkpoints_hold_shards_per_rank_and_export_to_safetensors(runs
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json", "rng.pt", "model.json",
             "checksums.json"} <= files
     assert "model.safetensors" not in files  # only the last checkpoint gathers the weights
+    plain = tmp_path / "plain"
+    plain.mkdir()  # a checkpoint gets the permissions of any new directory, not mkdtemp's 0700
+    assert early.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
     # any checkpoint loads as a model in one process, from its shards
     model, _ = load_model(early)
     sharded = read_model_state(early)
