@@ -7,21 +7,26 @@ A missing or unreadable file is an ``InputError`` naming it.
 
 Sharding: every file's records are numbered; the records of all inputs, in order, are cut
 into shards of ``records_per_shard`` (a large WARC becomes several shards, small HTML
-files are grouped). ``records_per_shard: 0`` makes one shard per file.
+files are grouped). ``records_per_shard: 0`` makes one shard per file. The counting pass
+notes where each piece's first record begins, so a shard seeks there instead of reading the
+records before it: reading a file cut into K shards costs one pass, not K.
 """
 
 from __future__ import annotations
 
+import json
 import zlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.io import InputError, expand_paths
 from lmforge.curate.base import Document
 from lmforge.data import documents
-from lmforge.data.documents import BadRecord, jsonl_records, open_binary
+from lmforge.data.documents import BadRecord, open_binary
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".arc.gz")
 HTML_SUFFIXES = (".html", ".htm", ".xhtml")
@@ -51,12 +56,17 @@ class InputsConfig:
 
 @dataclass
 class Piece:
-    """Records ``[start, stop)`` of one file (record = WARC record of a kept type, JSONL line, Parquet row)."""
+    """Records ``[start, stop)`` of one file (record = WARC record of a kept type, JSONL line, Parquet row).
+
+    ``offset`` is where record ``start`` begins, when the counting pass could tell: a byte offset
+    in the WARC file, or in the (decompressed) JSONL text. ``None``: read from the file's top.
+    """
 
     path: str
     format: str
     start: int
     stop: int
+    offset: int | None = None
 
 
 def file_format(path: Path, configured: str) -> str:
@@ -91,26 +101,36 @@ def input_files(cfg: InputsConfig) -> list[Path]:
     return files
 
 
-def count_records(path: Path, fmt: str, cfg: InputsConfig) -> int:
+def count_records(path: Path, fmt: str, cfg: InputsConfig,
+                  starts: Callable[[int], bool] = lambda index: False) -> tuple[int, dict[int, int]]:
+    """The number of records in a file, and the offsets of the records ``starts`` picks that a reader can seek to."""
     if fmt == "warc":
-        return sum(1 for _ in _warc_records(path, cfg))
+        n, picked = 0, {}
+        for n, item in enumerate(_warc_records(path, cfg), start=1):
+            if item.record is not None and starts(n - 1):  # not the damaged tail: no record to seek to
+                picked[n - 1] = (item.offset, item.record.record_id)
+        return n, {i: offset for i, (offset, record_id) in picked.items() if _warc_resumes_at(path, offset, record_id)}
     if fmt == "jsonl":
-        n = 0
+        n = position = 0
+        offsets = {}
         with open_binary(path) as f:
             try:
-                for _ in f:
+                for line in f:
+                    if starts(n):
+                        offsets[n] = position
                     n += 1
+                    position += len(line)
             except (OSError, EOFError, zlib.error) as exc:
                 raise InputError(f"{path}: unreadable after line {n}: {exc}") from exc
-        return n
+        return n, offsets
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         try:
-            return pq.ParquetFile(path).metadata.num_rows
+            return pq.ParquetFile(path).metadata.num_rows, {}
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
-    return 1
+    return 1, {}
 
 
 def plan_shards(cfg: InputsConfig) -> list[list[Piece]]:
@@ -121,15 +141,15 @@ def plan_shards(cfg: InputsConfig) -> list[list[Piece]]:
     for path in input_files(cfg):
         fmt = file_format(path, cfg.format)
         if cfg.records_per_shard == 0:
-            shards.append([Piece(str(path), fmt, 0, count_records(path, fmt, cfg) if fmt == "warc" else 1 << 62)])
+            shards.append([Piece(str(path), fmt, 0, count_records(path, fmt, cfg)[0] if fmt == "warc" else 1 << 62)])
             continue
-        n = count_records(path, fmt, cfg)
+        n, offsets = count_records(path, fmt, cfg, _piece_starts(room, cfg.records_per_shard))
         start = 0
         while start < n or (n == 0 and start == 0):
             take = min(room, n - start)
             # the last piece of a file reads to its end, so trailing damage is seen by one shard
             stop = start + take if start + take < n else 1 << 62
-            current.append(Piece(str(path), fmt, start, stop))
+            current.append(Piece(str(path), fmt, start, stop, offsets.get(start)))
             start += max(take, 1)
             room -= take
             if room == 0:
@@ -140,12 +160,18 @@ def plan_shards(cfg: InputsConfig) -> list[list[Piece]]:
     return shards
 
 
+def _piece_starts(first: int, every: int) -> Callable[[int], bool]:
+    """Whether record ``i`` of a file starts a piece: the first piece fills the current shard's
+    remaining ``first`` records, the next ones ``every`` records each."""
+    return lambda i: i == 0 or (i >= first and (i - first) % every == 0)
+
+
 def read_piece(piece: Piece, cfg: InputsConfig) -> Iterator[tuple[Document, str | None]]:
     path = Path(piece.path)
     if piece.format == "warc":
-        yield from read_warc(path, cfg, piece.start, piece.stop)
+        yield from read_warc(path, cfg, piece.start, piece.stop, piece.offset)
     elif piece.format == "jsonl":
-        yield from read_jsonl(path, cfg, piece.start, piece.stop)
+        yield from read_jsonl(path, cfg, piece.start, piece.stop, piece.offset)
     elif piece.format == "parquet":
         yield from read_parquet(path, cfg, piece.start, piece.stop)
     elif piece.start == 0:
@@ -163,8 +189,8 @@ class _WarcItem:
     problem: str | None = None
 
 
-def _warc_records(path: Path, cfg: InputsConfig) -> Iterator[_WarcItem]:
-    """Records of the kept types with their payloads, then one item per damaged tail.
+def _warc_records(path: Path, cfg: InputsConfig, origin: int = 0) -> Iterator[_WarcItem]:
+    """Records of the kept types with their payloads, from byte ``origin`` on, then one item per damaged tail.
 
     fastwarc stops quietly at a truncated gzip member, so after the last record the
     reader checks that the file ends where that record ends; anything left is reported.
@@ -176,6 +202,7 @@ def _warc_records(path: Path, cfg: InputsConfig) -> Iterator[_WarcItem]:
     pending: _WarcItem | None = None  # the last record is held back until the file's end is checked
     try:
         with open(path, "rb") as f:
+            f.seek(origin)
             for record in ArchiveIterator(f, parse_http=True):
                 last_offset = record.stream_pos
                 if pending is not None:
@@ -190,7 +217,7 @@ def _warc_records(path: Path, cfg: InputsConfig) -> Iterator[_WarcItem]:
                 pending = _WarcItem(record, payload, record.stream_pos, problem)
     except OSError as exc:
         raise InputError(f"{path}: cannot read WARC: {exc.strerror or exc}") from exc
-    tail = _damaged_tail(path, last_offset)
+    tail = _damaged_tail(path, last_offset, origin)
     if pending is not None and tail is not None and tail[0] == pending.offset:
         pending.problem = pending.problem or tail[1]  # the last record itself is cut short
         tail = None
@@ -200,10 +227,10 @@ def _warc_records(path: Path, cfg: InputsConfig) -> Iterator[_WarcItem]:
         yield _WarcItem(None, b"", tail[0], tail[1])
 
 
-def _damaged_tail(path: Path, last_offset: int | None) -> tuple[int, str] | None:
-    """(offset, reason) when bytes after the last parsed record hold no complete record."""
+def _damaged_tail(path: Path, last_offset: int | None, origin: int = 0) -> tuple[int, str] | None:
+    """(offset, reason) when bytes after the last record parsed from ``origin`` hold no complete record."""
     size = path.stat().st_size
-    start = last_offset or 0
+    start = last_offset if last_offset is not None else origin
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read()
@@ -227,8 +254,28 @@ def _damaged_tail(path: Path, last_offset: int | None) -> tuple[int, str] | None
             return end, f"truncated-record: {len(rest)} unparsed bytes at byte {end}"
         return None
     if last_offset is None and data.strip():
-        return 0, "truncated-record: no WARC record could be parsed"
+        return origin, "truncated-record: no WARC record could be parsed"
     return None
+
+
+def _warc_resumes_at(path: Path, offset: int, record_id: str | None) -> bool:
+    """Whether parsing from byte ``offset`` starts with the record counted there.
+
+    True for an uncompressed WARC and for a .warc.gz written one gzip member per record (the
+    standard layout). Inside a gzip member holding several records, fastwarc's ``stream_pos``
+    is only how far its decompressor had got, and such a piece is read from the file's top.
+    """
+    from fastwarc.warc import ArchiveIterator
+
+    if record_id is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            record = next(iter(ArchiveIterator(f, parse_http=False)), None)
+            return record is not None and record.stream_pos == offset and record.record_id == record_id
+    except OSError:
+        return False
 
 
 def _decode(payload: bytes, charset: str | None) -> tuple[str | None, str | None]:
@@ -244,8 +291,10 @@ def _decode(payload: bytes, charset: str | None) -> tuple[str | None, str | None
     return None, error
 
 
-def read_warc(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
-    for index, item in enumerate(_warc_records(path, cfg)):
+def read_warc(path: Path, cfg: InputsConfig, start: int, stop: int,
+              offset: int | None = None) -> Iterator[tuple[Document, str | None]]:
+    """Kept records ``[start, stop)``; with ``offset`` (where record ``start`` begins) parsing starts there."""
+    for index, item in enumerate(_warc_records(path, cfg, offset or 0), start=0 if offset is None else start):
         if index < start:
             continue
         if index >= stop:
@@ -289,25 +338,54 @@ def read_whole_file(path: Path, fmt: str) -> Iterator[tuple[Document, str | None
     yield Document(str(path), text if text is not None else data.decode("utf-8", "replace"), meta), problem
 
 
-def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
-    """Each JSON line is a document; fields other than text and id become metadata."""
-    lines = jsonl_records(path)
-    index = -1
+def _jsonl_lines(path: Path, start: int, offset: int | None) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, raw line) for lines ``start + 1`` on.
+
+    With ``offset`` the file is seeked there: a real seek for a plain file, while a gzip file
+    decompresses and discards what comes before (still a pass over it, but without splitting
+    or parsing lines). Without it the first ``start`` lines are counted off unparsed.
+    """
+    with open_binary(path) as f:
+        if offset is not None:
+            f.seek(offset)
+        else:
+            deque(islice(f, start), maxlen=0)
+        yield from enumerate(f, start=start + 1)
+
+
+def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
+               offset: int | None = None) -> Iterator[tuple[Document, str | None]]:
+    """Each JSON line is a document; fields other than text and id become metadata.
+
+    Lines ``[start, stop)`` are read; ``offset`` is where line ``start`` begins in the (decompressed) text.
+    A line is parsed as ``documents.jsonl_records`` parses it.
+    """
+    lines = _jsonl_lines(path, start, offset)
+    lineno = start
     while True:
         try:
-            where, record = next(lines)
+            lineno, raw = next(lines)
         except StopIteration:
             return
         except (OSError, EOFError, zlib.error) as exc:
             doc = Document(f"{path.name}:damaged", "", {"source": str(path)})
-            yield doc, f"unreadable-file: {path} is damaged after line {index + 1}: {exc}"
+            yield doc, f"unreadable-file: {path} is damaged after line {lineno}: {exc}"
             return
-        index = int(where.rsplit(":", 1)[1]) - 1
-        if index < start:
-            continue
-        if index >= stop:
+        if lineno > stop:
             return
-        fallback_id = f"{path.name}:{index + 1}"
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            record: Any = BadRecord("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
+        else:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                record = BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+        fallback_id = f"{path.name}:{lineno}"
         if isinstance(record, BadRecord):
             yield Document(fallback_id, "", {"source": str(path)}), f"{record.reason.replace('_', '-')}: {where}: {record.detail}"
             continue

@@ -1,11 +1,13 @@
+import gzip
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fastwarc.warc import ArchiveIterator
 
 from lmforge.core.io import InputError
-from lmforge.curate.readers import InputsConfig, plan_shards, read_piece
+from lmforge.curate.readers import InputsConfig, Piece, plan_shards, read_piece
 from tests.curate.warc_fixtures import PROSE, html_record, write_warc
 
 
@@ -82,3 +84,102 @@ def test_jsonl_shards_by_line_cover_every_line_once(tmp_path):
     cfg = InputsConfig(paths=[str(path)], records_per_shard=4)
     assert len(plan_shards(cfg)) == 3
     assert [d.id for d, _ in read_all(cfg)] == [str(i) for i in range(10)]
+
+
+def _jsonl_with_every_kind_of_line(path, n, gzip_it):
+    """n lines: documents with and without ids, a blank line, malformed JSON, invalid UTF-8, a non-object,
+    a record without text, and a last line with no newline."""
+    lines = []
+    for i in range(n):
+        kind = i % 8
+        lines.append([json.dumps({"id": f"{path.stem}-{i}", "text": f"t{i}", "n": i}).encode(),
+                      json.dumps({"text": f"no id {i}"}).encode(), b"  ", b'{"text": "cut',
+                      b'{"text": "caf\xe9"}', b"[1, 2]", json.dumps({"body": i}).encode(), b"null"][kind])
+    data = b"\n".join(lines)  # no newline after the last line
+    path.write_bytes(gzip.compress(data) if gzip_it else data)
+    return path
+
+
+def _items(pairs):
+    return [(d.id, d.text, d.metadata, reason) for d, reason in pairs]
+
+
+@pytest.mark.parametrize("gzip_it", [False, True])
+def test_jsonl_shards_read_the_same_documents_ids_and_problems_as_the_whole_file(tmp_path, gzip_it):
+    suffix = ".jsonl.gz" if gzip_it else ".jsonl"
+    small = _jsonl_with_every_kind_of_line(tmp_path / f"small{suffix}", 3, gzip_it)
+    big = _jsonl_with_every_kind_of_line(tmp_path / f"big{suffix}", 45, gzip_it)
+    cfg = InputsConfig(paths=[str(small), str(big)], records_per_shard=7)  # big's first piece fills a shard's rest
+    pieces = [p for shard in plan_shards(cfg) for p in shard if p.path == str(big)]
+    assert len(pieces) == 7 and all(p.offset is not None for p in pieces)
+    whole = [item for path in (small, big) for item in read_piece(Piece(str(path), "jsonl", 0, 1 << 62), cfg)]
+    assert _items(read_all(cfg)) == _items(whole)
+    reasons = {r.split(":")[0] for _, r in whole if r}
+    assert reasons == {"malformed-json", "invalid-utf8", "not-an-object", "missing-text"}
+    assert f"{big.name}:2" in [d.id for d, _ in whole]  # the fallback id names the line
+
+
+@pytest.mark.parametrize("gzip_it", [False, True])
+def test_a_jsonl_shard_parses_only_its_own_lines(tmp_path, gzip_it, monkeypatch):
+    path = tmp_path / ("d.jsonl.gz" if gzip_it else "d.jsonl")
+    data = "".join(json.dumps({"id": str(i), "text": f"t{i}"}) + "\n" for i in range(12)).encode()
+    path.write_bytes(gzip.compress(data) if gzip_it else data)
+    cfg = InputsConfig(paths=[str(path)], records_per_shard=4)
+    second = plan_shards(cfg)[1]
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda s, *a, **kw: parsed.append(s) or loads(s, *a, **kw))
+    assert [d.id for p in second for d, _ in read_piece(p, cfg)] == ["4", "5", "6", "7"]
+    assert len(parsed) == 4
+
+
+def _warc_layout(tmp_path, layout, damage):
+    records = [html_record(f"https://x.org/{i}", PROSE["en"] * (1 + i % 3)) for i in range(6)]
+    records[2] = ("https://x.org/latin", "<p>caf\xe9</p>".encode("latin-1"), "text/html; charset=utf-8")
+    if layout == "one-member.warc.gz":  # the whole file one gzip stream: stream_pos is no place to seek to
+        path = write_warc(tmp_path / "a.warc", records, gzip=False)
+        path = path.rename(tmp_path / layout)
+        path.write_bytes(gzip.compress(path.read_bytes()))
+    else:
+        path = write_warc(tmp_path / f"a.{layout}", records, gzip=layout.endswith(".gz"))
+    data = path.read_bytes()
+    if damage == "truncated":  # the last record cut short
+        path.write_bytes(data[:-200])
+    elif damage == "cut-off-record-more":  # a 7th record, too short to have an id or (.gz) to be parsed at all
+        with open(path, "rb") as f:
+            last = [r.stream_pos for r in ArchiveIterator(f)][-1]
+        path.write_bytes(data + data[last:last + 30])
+    return path
+
+
+@pytest.mark.parametrize("layout, damage", [
+    ("warc", None), ("warc", "truncated"), ("warc", "cut-off-record-more"),
+    ("warc.gz", None), ("warc.gz", "truncated"), ("warc.gz", "cut-off-record-more"),
+    ("one-member.warc.gz", None),
+])
+def test_warc_shards_read_the_same_documents_ids_and_problems_as_the_whole_file(tmp_path, layout, damage):
+    path = _warc_layout(tmp_path, layout, damage)
+    cfg = InputsConfig(paths=[str(path)], records_per_shard=2)
+    pieces = [p for shard in plan_shards(cfg) for p in shard]
+    whole = list(read_piece(Piece(str(path), "warc", 0, 1 << 62), cfg))
+    assert len(pieces) == (len(whole) + 1) // 2 >= 3
+    assert _items(read_all(cfg)) == _items(whole)
+    truncated = damage == "truncated" or (damage == "cut-off-record-more" and layout == "warc.gz")
+    assert [r.split(":")[0] for _, r in whole if r] == ["undecodable-payload"] + ["truncated-record"] * truncated
+    # pieces start at records 0, 2, 4 (and 6, the cut-off record, which is read from the file's top)
+    seekable = [p.offset is not None for p in pieces]
+    assert seekable[:3] == [layout != "one-member.warc.gz"] * 3
+    assert seekable[3:] == ([False] if damage == "cut-off-record-more" else [])
+
+
+@pytest.mark.parametrize("gzip_it", [False, True])
+def test_a_warc_shard_seeks_past_the_records_before_it(tmp_path, gzip_it):
+    path = write_warc(tmp_path / ("a.warc.gz" if gzip_it else "a.warc"),
+                      [html_record(f"https://x.org/{i}", PROSE["en"]) for i in range(9)], gzip=gzip_it)
+    cfg = InputsConfig(paths=[str(path)], records_per_shard=3)
+    (piece,) = plan_shards(cfg)[1]
+    with open(path, "rb") as f:
+        cut = [r.stream_pos for r in ArchiveIterator(f)][4]  # after the warcinfo record and records 0-2
+    data = path.read_bytes()
+    path.write_bytes(b"x" * cut + data[cut:])  # the first shard's records, unreadable now
+    assert [d.metadata["url"] for d, _ in read_piece(piece, cfg)] == [f"https://x.org/{i}" for i in (3, 4, 5)]
