@@ -14,7 +14,6 @@ records before it: reading a file cut into K shards costs one pass, not K.
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from typing import Any, Literal
 from lmforge.core.io import InputError, expand_paths
 from lmforge.curate.base import Document
 from lmforge.data import documents
-from lmforge.data.documents import BadRecord, open_binary
+from lmforge.data.documents import BLANK, BadRecord, open_binary, parse_jsonl_line
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".arc.gz")
 HTML_SUFFIXES = (".html", ".htm", ".xhtml")
@@ -358,7 +357,6 @@ def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
     """Each JSON line is a document; fields other than text and id become metadata.
 
     Lines ``[start, stop)`` are read; ``offset`` is where line ``start`` begins in the (decompressed) text.
-    A line is parsed as ``documents.jsonl_records`` parses it.
     """
     lines = _jsonl_lines(path, start, offset)
     lineno = start
@@ -373,18 +371,10 @@ def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
             return
         if lineno > stop:
             return
+        record = parse_jsonl_line(raw)
+        if record is BLANK:
+            continue
         where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            record: Any = BadRecord("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
-        else:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                record = BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
         fallback_id = f"{path.name}:{lineno}"
         if isinstance(record, BadRecord):
             yield Document(fallback_id, "", {"source": str(path)}), f"{record.reason.replace('_', '-')}: {where}: {record.detail}"

@@ -125,18 +125,26 @@ def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``."""
     with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield where, BadRecord("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield where, BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+            record = parse_jsonl_line(raw)
+            if record is not BLANK:
+                yield f"{path}:{lineno}", record
+
+
+BLANK = object()  # what ``parse_jsonl_line`` returns for a blank line
+
+
+def parse_jsonl_line(raw: bytes) -> Any:
+    """One JSONL line's value; ``BLANK`` for a blank line; a ``BadRecord`` for invalid UTF-8 or JSON."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BadRecord("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line")
+    if not line.strip():
+        return BLANK
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        return BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
 
 
 def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
