@@ -75,7 +75,13 @@ def verify_checksums(directory: str | Path) -> None:
     path = directory / CHECKSUMS
     if not path.is_file():
         raise InputError(f"{directory}: incomplete checkpoint (no {CHECKSUMS})")
-    for name, digest in json.loads(path.read_text()).items():
+    try:
+        checksums = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: unreadable ({exc}); the checkpoint is truncated or corrupted") from exc
+    if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
+        raise InputError(f"{path}: not a mapping of file name to sha256; the checkpoint is corrupted")
+    for name, digest in checksums.items():
         f = directory / name
         if not f.is_file():
             raise InputError(f"{f}: missing from checkpoint")
@@ -152,6 +158,12 @@ def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str)
     output_key = prefix + "lm_head.weight"
     if core.cfg.tie_embeddings:
         state = {k: v for k, v in state.items() if k != output_key}
+    own = model.state_dict()
+    mismatched = [f"{k} {tuple(v.shape)} (the model has {tuple(own[k].shape)})"
+                  for k, v in state.items() if k in own and v.shape != own[k].shape]
+    if mismatched:
+        raise InputError(f"{where}: weights do not match the model config: {', '.join(mismatched[:3])}"
+                         + (f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""))
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed_missing = {output_key} if core.cfg.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,9 +84,34 @@ def _py_random_state() -> list:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the ``keep`` (>= 1) newest checkpoints, by step."""
     ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
-    for old in ckpts[: max(0, len(ckpts) - keep)]:
+    for old in ckpts[: max(0, len(ckpts) - max(keep, 1))]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside_later_checkpoints(run_dir: Path, step: int) -> Path | None:
+    """Move checkpoints of ``run_dir`` past ``step`` into ``checkpoints.superseded-<time>/``.
+
+    A run that starts over (``train.resume=never``) or from an earlier checkpoint begins a new
+    history; checkpoints of the old one past its start would otherwise outrank its own (pruning
+    and ``resume=auto`` go by step). They are kept, not deleted: return where they went.
+    """
+    later = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if _step_of(p) > step]
+    if not later:
+        return None
+    aside = Path(run_dir) / f"checkpoints.superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
 
 
 @dataclass
@@ -108,7 +134,10 @@ def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.op
         raise InputError(f"{ckpt}: written by a single-process run, which a distributed run cannot resume; "
                          "resume it in one process, or start over with train.resume=never")
     else:
-        load_weights(model, read_weights(ckpt, device), where=str(ckpt))
+        try:
+            load_weights(model, read_weights(ckpt, device), where=str(ckpt))
+        except InputError as exc:
+            raise InputError(f"{exc}; to train a different model, use a new run_dir or train.resume=never") from exc
         optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER, map_location=device, weights_only=True))
     rng = torch.load(ckpt / RNG, weights_only=True)
     torch.set_rng_state(rng["torch"])

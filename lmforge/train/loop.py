@@ -23,11 +23,13 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
 
+from lmforge.core.config import to_dict
 from lmforge.core.io import InputError
 from lmforge.core.run import log, progress_bar
 from lmforge.distributed.clip import clip_grad_norm_
@@ -39,6 +41,7 @@ from lmforge.train.checkpoint import (
     load_training_checkpoint,
     save_sharded_training_checkpoint,
     save_training_checkpoint,
+    set_aside_later_checkpoints,
 )
 from lmforge.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from lmforge.train.optim import build_adamw, lr_at
@@ -84,6 +87,8 @@ class TrainConfig:
             raise ValueError("max_steps and micro_batch_size must be positive")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 (the final checkpoint is always kept), got {self.keep_checkpoints}")
 
 
 class Objective(Protocol):
@@ -94,9 +99,19 @@ class Objective(Protocol):
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: the first GPU if there is one, else the CPU; a GPU asked for must be there."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InputError(f"device {name!r} is not a device (use auto, cpu, cuda or cuda:N): {exc}") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device {name!r}: this PyTorch ({torch.__version__}) sees no CUDA GPU; use device=auto or cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise InputError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return device
 
 
 def accumulation_steps(cfg: TrainConfig, tokens_per_micro_batch: int, world_size: int = 1) -> int:
@@ -377,6 +392,15 @@ def train(
             scaler.load_state_dict(state.trainer_state["scaler"])
         start_step, tokens_seen = state.step, state.trainer_state.get("tokens_seen", 0)
         log.info("resuming from %s (step %d)", ckpt, start_step)
+        if logging_rank:
+            _log_recipe_changes(ckpt, recipe)
+    if parallel is None or dist.get_rank() == 0:
+        aside = set_aside_later_checkpoints(run_dir, start_step)
+        if aside is not None:
+            log.warning("checkpoints past step %d of an earlier run (train.resume=%s) moved to %s",
+                        start_step, cfg.resume, aside)
+    if parallel is not None:
+        dist.barrier()
     metrics = (MetricsLogger(run_dir, cfg.tensorboard, resume_step=start_step if ckpt is not None else None)
                if logging_rank else _NoMetrics())
     peak = peak_flops(device, DTYPES[precision]) if flops_per_token and logging_rank else None
@@ -481,6 +505,28 @@ def train(
         **{k: v for k, v in record.items() if k.startswith("val_")},
     )
     return summary
+
+
+def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:
+    """Warn about each setting that differs from the recipe the checkpoint was written with."""
+    saved_path = ckpt / "config.yaml"
+    if recipe is None or not saved_path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    for key, (before, now) in _differences(saved, to_dict(recipe)).items():
+        log.warning("resuming with a changed setting: %s was %r, now %r", key, before, now)
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = {}
+        for key in dict.fromkeys([*a, *b]):
+            out.update(_differences(a.get(key), b.get(key), f"{prefix}{key}."))
+        return out
+    return {} if a == b else {prefix.rstrip("."): (a, b)}
 
 
 class _NoMetrics:

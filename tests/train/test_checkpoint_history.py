@@ -1,0 +1,86 @@
+"""A run's checkpoints stay one history: starting over or from an earlier checkpoint sets the
+later ones aside instead of letting them outrank (or prune) the new run's; damaged or
+mismatched checkpoints are refused with a message that names them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lmforge.core.config import ConfigError
+from lmforge.core.io import InputError
+from lmforge.model.checkpoint import latest_valid_checkpoint, load_model, verify_checksums
+from lmforge.stages.pretrain import run_pretrain
+from lmforge.train.loop import resolve_device
+
+
+def names(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_corrupt_checksums_file_is_an_input_error_and_resume_skips_it(make_recipe, tmp_path):
+    run_pretrain(make_recipe())
+    newest = tmp_path / "run" / "checkpoints" / "step_00000008"
+    (newest / "checksums.json").write_text('{"model.safe')  # cut short
+    with pytest.raises(InputError, match="checksums.json: unreadable"):
+        verify_checksums(newest)
+    assert latest_valid_checkpoint(tmp_path / "run").name == "step_00000004"
+    _, used = load_model(tmp_path / "run")  # what generate and export do with a run directory
+    assert used.name == "step_00000004"
+    summary = run_pretrain(make_recipe())
+    assert summary["start_step"] == 4 and summary["step"] == 8
+
+
+def test_starting_over_sets_the_old_runs_checkpoints_aside(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 6, "train.checkpoint_every": 2}))
+    assert names(tmp_path / "run" / "checkpoints") == ["step_00000004", "step_00000006"]
+    summary = run_pretrain(make_recipe(**{"train.max_steps": 2, "train.resume": "never", "train.keep_checkpoints": 2}))
+    # the new run's own checkpoint survives pruning and is the one a later resume or export finds
+    assert names(tmp_path / "run" / "checkpoints") == ["step_00000002"]
+    assert summary["checkpoint"].endswith("step_00000002")
+    assert latest_valid_checkpoint(tmp_path / "run").name == "step_00000002"
+    [aside] = (tmp_path / "run").glob("checkpoints.superseded-*")
+    assert names(aside) == ["step_00000004", "step_00000006"]  # kept, not deleted
+
+
+def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 8, "train.checkpoint_every": 2, "train.keep_checkpoints": 4}))
+    earlier = tmp_path / "run" / "checkpoints" / "step_00000004"
+    summary = run_pretrain(make_recipe(**{"train.max_steps": 6, "train.resume": str(earlier),
+                                          "train.checkpoint_every": 2, "train.keep_checkpoints": 1}))
+    assert summary["start_step"] == 4 and summary["checkpoint"].endswith("step_00000006")
+    assert names(tmp_path / "run" / "checkpoints") == ["step_00000006"]
+    [aside] = (tmp_path / "run").glob("checkpoints.superseded-*")
+    assert names(aside) == ["step_00000006", "step_00000008"]
+
+
+def test_keep_checkpoints_must_keep_at_least_one(make_recipe):
+    with pytest.raises(ConfigError, match="keep_checkpoints must be at least 1"):
+        make_recipe(**{"train.keep_checkpoints": 0})
+
+
+def test_resuming_into_a_different_model_names_the_checkpoint_and_the_way_out(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 4}))
+    with pytest.raises(InputError, match=r"step_00000004: weights do not match the model config: .*\(the model has .*"
+                                         r"train\.resume=never"):
+        run_pretrain(make_recipe(**{"train.max_steps": 8, "model.d_model": 64}))
+
+
+def test_resuming_with_changed_settings_warns_about_each(make_recipe, caplog):
+    run_pretrain(make_recipe(**{"train.max_steps": 4}))
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        run_pretrain(make_recipe(**{"train.max_steps": 8, "train.micro_batch_size": 2}))
+    changed = [r.getMessage() for r in caplog.records if "changed setting" in r.getMessage()]
+    assert any("train.micro_batch_size was 4, now 2" in m for m in changed)
+    assert any("train.max_steps was 4, now 8" in m for m in changed)
+    assert not any("train.lr" in m for m in changed)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_asking_for_a_gpu_on_a_machine_without_one_is_a_clear_error():
+    with pytest.raises(InputError, match="sees no CUDA GPU; use device=auto or cpu"):
+        resolve_device("cuda")
+    with pytest.raises(InputError, match="is not a device"):
+        resolve_device("gpu0")
