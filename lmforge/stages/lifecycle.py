@@ -1,8 +1,10 @@
 """Run a lifecycle: a list of stages (verb + recipe + overrides) in order, each reading what
 the previous ones wrote, then write report.md with every stage's results and the loss
-curve. A stage whose outputs are complete for the same resolved config is skipped, so a
-rerun after an interruption continues where it stopped; change a stage's recipe and it
-(and every stage after it) runs again.
+curve. A stage is skipped when its marker says it completed with the same resolved config,
+the files its config names (inputs, walked when folders) have the same sizes and times, and
+its own outputs are still as it left them; so a rerun after an interruption continues where
+it stopped. Change a stage's recipe or inputs, or damage its outputs, and it (and every stage
+after it) runs again.
 
   lmforge run recipes/demo/lifecycle.yaml
   lmforge run recipes/demo/lifecycle.yaml force=true      # rerun every stage
@@ -10,6 +12,7 @@ rerun after an interruption continues where it stopped; change a stage's recipe 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import shutil
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.core.config import ConfigError, dump_config, load_config
+from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
 from lmforge.core.io import atomic_write_json, atomic_write_text
 from lmforge.core.run import log, start_run
 from lmforge.stages import VERBS_BY_NAME
@@ -79,16 +82,19 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
         if stage_dir.resolve() == run_dir.resolve():
             raise ConfigError(f"stage {name!r}: its run_dir must differ from the lifecycle's run_dir {run_dir}")
         digest = hashlib.sha256(dump_config(cfg).encode()).hexdigest()
+        inputs = inventory_digest(named_paths(cfg), exclude=[stage_dir])
         marker = stage_dir / MARKER
-        done = json.loads(marker.read_text()) if marker.exists() else None
-        if done and done.get("config_sha256") == digest and not upstream_ran and not recipe.force:
+        done = read_marker(marker)
+        stale = done is not None and staleness(done, digest, inputs, stage_dir)
+        if done is not None and not stale and not upstream_ran and not recipe.force:
             log.info("== %s (%s): complete, skipped (outputs in %s)", name, spec.verb, stage_dir)
             results.append({**done, "status": "skipped"})
             continue
-        if done:
-            # Complete outputs of another config (or of stale inputs): start the stage afresh rather
-            # than resume from them. Outputs without a marker are an interrupted run and are resumed.
-            log.info("== %s (%s): outputs in %s are stale; removing them", name, spec.verb, stage_dir)
+        if done is not None:
+            # Complete outputs of another config, of other inputs or damaged since: start the stage
+            # afresh rather than resume from them. Outputs without a marker are an interrupted run and are resumed.
+            why = stale or ("an earlier stage ran again" if upstream_ran else "force=true")
+            log.info("== %s (%s): outputs in %s are stale (%s); removing them", name, spec.verb, stage_dir, why)
             shutil.rmtree(stage_dir)
         log.info("== %s (%s)", name, spec.verb)
         t0 = time.perf_counter()
@@ -98,10 +104,12 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
             "verb": spec.verb,
             "run_dir": str(stage_dir),
             "config_sha256": digest,
+            "inputs_sha256": inputs,
             "seconds": round(time.perf_counter() - t0, 2),
             "result": _jsonable(result),
         }
         stage_dir.mkdir(parents=True, exist_ok=True)
+        entry["outputs_sha256"] = inventory_digest([stage_dir], exclude=[marker])
         atomic_write_json(marker, entry)
         results.append({**entry, "status": "ran"})
         upstream_ran = True
@@ -109,6 +117,65 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
     write_report(run_dir, results)
     log.info("report: %s", run_dir / "report.md")
     return results
+
+
+# --------------------------------------------------------------------------- is a stage complete?
+
+
+def read_marker(marker: Path) -> dict | None:
+    try:
+        done = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # a damaged marker: the stage is treated as stale
+    return done if isinstance(done, dict) else {}
+
+
+def staleness(done: dict, config_digest: str, inputs_digest: str, stage_dir: Path) -> str | None:
+    """Why a completed stage's outputs no longer stand, or None when they do."""
+    if done.get("config_sha256") != config_digest:
+        return "its config changed"
+    if done.get("inputs_sha256") != inputs_digest:
+        return "files its config names changed"
+    if done.get("outputs_sha256") != inventory_digest([stage_dir], exclude=[stage_dir / MARKER]):
+        return "its outputs were changed or removed"
+    return None
+
+
+def named_paths(cfg: Any) -> list[Path]:
+    """Existing files and folders named by the string values of a config (globs expanded), except ``run_dir``."""
+    found: list[Path] = []
+
+    def visit(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, k)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v, key)
+        elif isinstance(value, str) and value and key != "run_dir":
+            matches = sorted(glob.glob(value, recursive=True)) if glob.has_magic(value) else [value]
+            found.extend(Path(m) for m in matches if Path(m).exists())
+
+    visit(to_dict(cfg), "")
+    return found
+
+
+def inventory_digest(paths: list[Path], exclude: list[Path]) -> str:
+    """sha256 of (path, size, mtime) of every file under ``paths``, leaving out ``exclude``
+    and everything under them: cheap (one ``stat`` per file) and changes when a file does."""
+    skip = [p.resolve() for p in exclude]
+    entries = []
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for f in files:
+            resolved = f.resolve()
+            if f.name == MARKER or any(resolved == s or s in resolved.parents for s in skip):
+                continue
+            st = f.stat()
+            entries.append((str(resolved), st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- report

@@ -65,3 +65,18 @@ def test_a_bad_later_stage_fails_before_any_stage_runs(lifecycle, tmp_path):
 def test_unknown_verb_is_named():
     with pytest.raises(ConfigError, match="unknown verb 'pretrian'"):
         run_lifecycle(load_config(LifecycleRecipe, None, ["stages=[{name: x, verb: pretrian}]"]))
+
+
+def test_a_stage_whose_outputs_were_removed_or_whose_inputs_changed_runs_again(lifecycle, tmp_path, corpus_jsonl):
+    run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    import shutil
+
+    shutil.rmtree(tmp_path / "pretrain" / "checkpoints")  # the marker alone no longer vouches for the stage
+    again = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [r["status"] for r in again] == ["skipped", "skipped", "ran"]
+    assert (tmp_path / "pretrain" / "checkpoints" / "step_00000004").is_dir()
+    with open(corpus_jsonl, "a") as f:  # the raw corpus the tokenizer and prepare stages read
+        f.write(json.dumps({"id": "new", "text": "One more document about the sea and the sky."}) + "\n")
+    changed = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [r["status"] for r in changed] == ["ran", "ran", "ran"]
+    assert [r["status"] for r in run_lifecycle(load_config(LifecycleRecipe, lifecycle))] == ["skipped"] * 3
