@@ -39,28 +39,41 @@ def lr_at(
     min_lr_ratio: float = 0.1,
     decay_fraction: float = 0.2,
 ) -> float:
-    """Learning rate for optimizer step ``step`` (0-based).
+    """Learning rate of the optimizer step taken after ``step`` steps have run.
 
-    - ``cosine``: linear warm-up to ``peak``, then cosine decay to ``min_lr_ratio * peak``
-      at ``max_steps`` (Loshchilov & Hutter 2017; the Chinchilla/Llama recipe).
-    - ``wsd``: warm-up, stable at ``peak``, then linear decay to the minimum over the
-      last ``decay_fraction`` of the steps (warmup-stable-decay, Hu et al. 2024, MiniCPM).
-    - ``constant``: warm-up, then ``peak``.
+    The loop calls ``lr_at(step)`` for ``step = 0 .. max_steps - 1``; the step it takes is
+    number ``n = step + 1`` (1-based, the ``step`` that metrics.jsonl records), so the
+    first step runs at ``lr_at(0)`` and the last at ``lr_at(max_steps - 1)``. With
+    ``W = warmup_steps``, ``T = max_steps``, ``min = min_lr_ratio * peak``:
+
+    - warm-up, ``n <= W``: ``peak * n / W``, so step ``W`` is the first at ``peak``.
+    - ``cosine``, ``W < n <= T``: ``min + (peak - min) * (1 + cos(pi * (n - W) / (T - W))) / 2``
+      (Loshchilov & Hutter 2017; the Chinchilla/Llama recipe).
+    - ``wsd``: ``peak`` up to step ``S = T - D``, then ``min + (peak - min) * (T - n) / D`` over
+      the last ``D = max(1, round(decay_fraction * T))`` steps (warmup-stable-decay, Hu et al.
+      2024, MiniCPM); when warm-up and decay would overlap, the decay starts after warm-up.
+    - ``constant``: ``peak`` after warm-up.
+
+    Every decay step that runs is below ``peak`` and step ``T``, the last, is exactly at
+    ``min``. This is nanoGPT's ``get_lr(it)`` with ``it = n`` (its loop runs
+    ``it = 0 .. max_iters``, one step more than asked, the last at ``min_lr``) without its
+    extra step 0; torchtitan's decay, ``(n - S) / (D + 1)``, stops one step short of the
+    minimum. The rate is a pure function of the step, so a resumed run follows the same
+    schedule.
     """
+    n = step + 1
     minimum = peak * min_lr_ratio
-    if warmup_steps > 0 and step < warmup_steps:
-        return peak * (step + 1) / warmup_steps
+    if warmup_steps > 0 and n <= warmup_steps:
+        return peak * n / warmup_steps
     if schedule == "constant":
         return peak
     if schedule == "cosine":
-        span = max(1, max_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
+        progress = min(1.0, (n - warmup_steps) / max(1, max_steps - warmup_steps))
         return minimum + 0.5 * (peak - minimum) * (1.0 + math.cos(math.pi * progress))
     if schedule == "wsd":
-        decay_steps = max(1, round(decay_fraction * max_steps))
-        decay_start = max_steps - decay_steps
-        if step < decay_start:
+        decay_start = max(warmup_steps, max_steps - max(1, round(decay_fraction * max_steps)))
+        if n <= decay_start:
             return peak
-        progress = min(1.0, (step - decay_start) / decay_steps)
-        return peak + (minimum - peak) * progress
+        remaining = max(0, max_steps - n) / max(1, max_steps - decay_start)
+        return minimum + (peak - minimum) * remaining
     raise ValueError(f"unknown schedule {schedule!r}; use cosine, wsd or constant")

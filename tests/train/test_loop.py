@@ -86,9 +86,21 @@ def test_metrics_record_every_step_with_the_promised_fields(make_recipe, tmp_pat
 def test_learning_rate_follows_warmup_then_cosine(make_recipe, tmp_path):
     run_pretrain(make_recipe(**{"train.max_steps": 10, "train.warmup_steps": 2}))
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
-    assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3)
-    assert lrs[-1] == pytest.approx(3e-4 + 0.5 * 2.7e-3 * (1 + math.cos(math.pi * 7 / 8)))
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    # step n (1-based, as logged): warm-up 3e-3 * n / 2, then cosine over steps 3..10 to 10% on step 10
+    expected = [1.5e-3, 3e-3] + [3e-4 + 0.5 * 2.7e-3 * (1 + math.cos(math.pi * (n - 2) / 8)) for n in range(3, 11)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert lrs[-1] == 3e-3 * 0.1
+
+
+def test_learning_rate_follows_warmup_stable_decay_to_the_minimum_on_the_last_step(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.max_steps": 10, "train.warmup_steps": 2, "train.schedule": "wsd",
+                                "train.decay_fraction": 0.2}))
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 11))
+    # warm-up on steps 1-2, stable on 3-8, the decay's 0.2 * 10 = 2 steps (9, 10) below peak, ending at 10%
+    expected = [1.5e-3, 3e-3] + [3e-3] * 6 + [3e-4 + 2.7e-3 * 1 / 2, 3e-4]
+    assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-12)
+    assert records[-1]["lr"] == 3e-3 * 0.1
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -24,17 +24,51 @@ def test_adamw_defaults_match_the_issue():
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
 
 
-def test_cosine_warms_up_linearly_and_ends_at_ten_percent():
-    kw = dict(peak=1.0, max_steps=100, warmup_steps=10, schedule="cosine")
-    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
-    assert lr_at(55, **kw) == pytest.approx(0.55)  # halfway through the decay
-    assert lr_at(100, **kw) == pytest.approx(0.1) and lr_at(99, **kw) > 0.1
+def lrs_of_a_run(**kw) -> list[float]:
+    """The rate of each step a run of ``max_steps`` takes: the loop calls lr_at(0) .. lr_at(max_steps - 1)."""
+    return [lr_at(step, **kw) for step in range(kw["max_steps"])]
 
 
-def test_wsd_holds_then_decays_over_the_last_fraction():
-    kw = dict(peak=1.0, max_steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
-    assert lr_at(50, **kw) == 1.0 and lr_at(79, **kw) == 1.0
-    assert lr_at(90, **kw) == pytest.approx(0.55) and lr_at(100, **kw) == pytest.approx(0.1)
+def test_cosine_warms_up_to_peak_at_the_warmup_step_and_ends_at_ten_percent_on_the_last_step():
+    lrs = lrs_of_a_run(peak=1.0, max_steps=100, warmup_steps=10, schedule="cosine")
+    assert lrs[0] == pytest.approx(0.1)  # step 1 of 10 of the warm-up
+    assert lrs[9] == 1.0 and lrs[10] < 1.0  # step 10 ends the warm-up at peak; decay begins on step 11
+    assert lrs[54] == pytest.approx(0.55)  # step 55: halfway through the 90 decay steps
+    assert lrs[-1] == 1.0 * 0.1  # step 100, the last that runs, is exactly at the minimum
+    assert min(lrs[10:-1]) > 0.1
+    assert all(a > b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_wsd_decays_below_peak_on_exactly_the_last_fraction_of_the_steps():
+    lrs = lrs_of_a_run(peak=1.0, max_steps=100, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == 1.0
+    assert lrs[10:80] == [1.0] * 70  # steps 11..80 are stable
+    assert all(lr < 1.0 for lr in lrs[80:]) and len(lrs[80:]) == 20  # steps 81..100 decay
+    assert lrs[80] == pytest.approx(0.1 + 0.9 * 19 / 20) and lrs[89] == pytest.approx(0.55)
+    assert lrs[-1] == 1.0 * 0.1
+
+
+def test_wsd_of_ten_steps_decays_over_the_last_two_to_the_minimum():
+    lrs = lrs_of_a_run(peak=3e-4, max_steps=10, warmup_steps=0, schedule="wsd", decay_fraction=0.2)
+    assert lrs[:8] == [3e-4] * 8
+    assert lrs[8] == pytest.approx(3e-4 * 0.55) and lrs[9] == 3e-4 * 0.1
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_the_last_step_runs_at_min_lr_ratio_times_peak(schedule):
+    kw = dict(peak=2e-3, max_steps=37, warmup_steps=5, schedule=schedule, min_lr_ratio=0.05, decay_fraction=0.3)
+    lrs = lrs_of_a_run(**kw)
+    assert lrs[4] == 2e-3 and lrs[-1] == 2e-3 * 0.05 and min(lrs[5:-1]) > 2e-3 * 0.05
+
+
+def test_wsd_decay_overlapping_the_warmup_starts_after_it():
+    lrs = lrs_of_a_run(peak=1.0, max_steps=10, warmup_steps=8, schedule="wsd", decay_fraction=0.5)
+    assert lrs[7] == 1.0 and lrs[8] == pytest.approx(0.55) and lrs[9] == 1.0 * 0.1
+
+
+def test_constant_holds_peak_after_warmup():
+    lrs = lrs_of_a_run(peak=1.0, max_steps=6, warmup_steps=2, schedule="constant")
+    assert lrs == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def test_unknown_schedule_is_an_error():
