@@ -1,5 +1,6 @@
 """Continue prompts with a trained checkpoint: greedy (temperature=0) or sampled with
-temperature, top-k and top-p, stopping at end of text, a stop string or max_new_tokens.
+temperature, top-k and top-p, stopping at end of text (or the stop_token_ids given), a stop
+string or max_new_tokens.
 All prompts decode together as one batch with a KV cache. Prints each prompt with its
 completion; with run_dir set, also writes generations.jsonl there. checkpoint is a
 checkpoint directory or a run directory (its newest valid checkpoint).
@@ -39,6 +40,7 @@ class GenerateRecipe:
     top_k: int = 0  # 0 = off
     top_p: float = 0.95  # nucleus; 1 = off
     stop: list[str] = field(default_factory=list)  # cut the completion before the first of these
+    stop_token_ids: list[int] | None = None  # stop at any of these token ids; null = the tokenizer's end of text; [] = never early
     seed: int | None = 0  # same seed, same prompts -> same completions; null = unseeded
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"  # auto = cuda when available, else cpu
@@ -69,12 +71,16 @@ def run_generate(recipe: GenerateRecipe) -> list[dict]:
         config = GenerationConfig(
             max_new_tokens=recipe.max_new_tokens, temperature=recipe.temperature, top_k=recipe.top_k,
             top_p=recipe.top_p, stop=list(recipe.stop), seed=recipe.seed,
+            stop_token_ids=list(recipe.stop_token_ids) if recipe.stop_token_ids is not None else None,
         )
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     model, ckpt = load_model(recipe.checkpoint, device=resolve_device(recipe.device))
     model.to(DTYPES[recipe.dtype]).eval()
     tokenizer = Tokenizer.load(ckpt)
+    bad = [t for t in recipe.stop_token_ids or [] if not 0 <= t < model.cfg.vocab_size]
+    if bad:
+        raise InputError(f"stop_token_ids {bad} are outside the vocabulary [0, {model.cfg.vocab_size})")
     prompt_ids = [([tokenizer.bos_id] if recipe.add_bos else []) + tokenizer.encode(p) for p in recipe.prompts]
     for text, ids in zip(recipe.prompts, prompt_ids):
         if not ids:

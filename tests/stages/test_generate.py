@@ -70,3 +70,15 @@ def test_missing_checkpoint_exits_2_with_a_clear_message(tmp_path, capsys):
 def test_prompt_longer_than_the_context_exits_2(checkpoint, capsys):
     assert main(["generate", f"checkpoint={checkpoint}", "max_new_tokens=200", "--prompt", "hi"]) == 2
     assert "max_seq_len 128" in capsys.readouterr().err
+
+
+def test_stop_token_ids_end_a_completion_at_the_first_one(checkpoint, capsys):
+    base = dict(checkpoint=str(checkpoint), prompts=["To be"], max_new_tokens=12, temperature=0.0)
+    (free,) = run_generate(GenerateRecipe(**base, stop_token_ids=[]))
+    assert free["finish_reason"] == "length" and len(free["tokens"]) == 12
+    stop_at = free["tokens"][5]
+    first = free["tokens"].index(stop_at)
+    (stopped,) = run_generate(GenerateRecipe(**base, stop_token_ids=[stop_at]))
+    assert stopped["finish_reason"] == "stop" and stopped["tokens"] == free["tokens"][:first]
+    code = main(["generate", f"checkpoint={checkpoint}", "stop_token_ids=[100000]", "max_new_tokens=2"])
+    assert code == 2 and "outside the vocabulary" in capsys.readouterr().err
