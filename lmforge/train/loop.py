@@ -14,6 +14,7 @@ schedule in place of forward/backward, only rank 0 logs, and checkpoints are sha
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.model.checkpoint import latest_valid_checkpoint
 from lmforge.train.checkpoint import (
+    TRAINER_STATE,
     PendingCheckpoint,
     load_training_checkpoint,
     save_sharded_training_checkpoint,
@@ -360,7 +362,6 @@ def train(
     """
     run_dir = Path(run_dir)
     device = parallel.device if parallel is not None else next(model.parameters()).device
-    precision = resolve_precision(cfg.precision, device)
     forward_loss = compile_objective(objective) if cfg.compile and parallel is None else objective
     logging_rank = parallel is None or parallel.is_logging_rank
     world_size = parallel.layout.world_size if parallel is not None else 1
@@ -370,7 +371,6 @@ def train(
     eval_batches = -(-cfg.eval_batches // dp) if cfg.eval_batches is not None else None
     pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     params = [p for p in model.parameters() if p.requires_grad]
 
     start_step, tokens_seen = 0, 0
@@ -385,6 +385,10 @@ def train(
         ckpt = Path(cfg.resume)
         if not ckpt.is_dir():
             raise InputError(f"train.resume: checkpoint {ckpt} not found (use auto, never or a checkpoint directory)")
+    # precision=auto measures this machine; a resumed run keeps the choice it started with
+    precision = (_saved_precision(ckpt) if ckpt is not None and cfg.precision == "auto" else None) \
+        or resolve_precision(cfg.precision, device)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     if ckpt is not None:
         state = load_training_checkpoint(ckpt, model, optimizer, sharded_model=parallel is not None)
         train_batches.load_state_dict(state.trainer_state["loader"])
@@ -406,7 +410,7 @@ def train(
     peak = peak_flops(device, DTYPES[precision]) if flops_per_token and logging_rank else None
 
     def trainer_state() -> dict:
-        return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(),
+        return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(), "precision": precision,
                 "scaler": scaler.state_dict() if scaler is not None else None}
 
     def checkpoint(step: int, final: bool = False) -> Path:
@@ -505,6 +509,15 @@ def train(
         **{k: v for k, v in record.items() if k.startswith("val_")},
     )
     return summary
+
+
+def _saved_precision(ckpt: Path) -> str | None:
+    """The precision a checkpoint's run trained in (None for checkpoints that did not record it)."""
+    try:
+        saved = json.loads((ckpt / TRAINER_STATE).read_text()).get("precision")
+    except (OSError, ValueError):
+        return None  # load_training_checkpoint reports the damage
+    return saved if saved in DTYPES else None
 
 
 def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:
