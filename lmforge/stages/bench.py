@@ -1,10 +1,15 @@
-"""Measure this machine. `lmforge bench peak` times square matmuls in each dtype and caches
-the best FLOP/s per dtype, which MFU is then measured against (GPU peaks come from a
-table of data-sheet figures unless --measure is given). Run it on an idle machine: other
-work running at the same time lowers the figure.
+"""Measure this machine. `lmforge bench peak` gives the matmul peak FLOP/s per dtype that
+MFU is measured against. A CPU, or a GPU missing from the data-sheet table, is timed on
+square matmuls and the best rate is cached. A GPU in the table uses its data-sheet figure
+(printed here) unless `measure=true` is given: then it is timed too, and the measured
+figure is cached and used instead. A cached figure is only ever raised: a rerun keeps the
+higher of the new measurement and the cached one, since a peak is the best the hardware
+reaches and other work running at the same time only lowers it. Run it on an idle
+machine; delete the cache file (LMFORGE_CACHE/peak_flops.json) to start over.
 
   lmforge bench peak                 # fp32 and bf16 on the default device
   lmforge bench peak dtypes=[float32,bfloat16,float16] seconds=5
+  lmforge bench peak measure=true    # on a GPU: measure, and use that instead of the data sheet
 """
 
 from __future__ import annotations
@@ -18,16 +23,29 @@ import torch
 from lmforge.core.config import load_config
 from lmforge.core.run import log
 from lmforge.train.loop import resolve_device
-from lmforge.train.metrics import datasheet_peak, measure_matmul_peak, store_peak
+from lmforge.train.metrics import cached_peak, datasheet_peak, measure_matmul_peak, peak_cache_path, store_peak
+
+PEAK_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
 class BenchRecipe:
     what: Literal["peak"] = "peak"
     device: str = "auto"
-    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # any of float32, bfloat16, float16
     size: int = 2048  # n of the n x n matmul
     seconds: float = 3.0  # per dtype; the best rate observed is kept
+    measure: bool = False  # a GPU in the data-sheet table: time it and use the measured figure for MFU
+
+    def __post_init__(self) -> None:
+        allowed = ", ".join(PEAK_DTYPES)
+        if not self.dtypes:
+            raise ValueError(f"dtypes is empty: give one or more of {allowed}")
+        unknown = [name for name in self.dtypes if name not in PEAK_DTYPES]
+        if unknown:
+            raise ValueError(f"dtypes: unknown dtype {unknown[0]!r}; choose from {allowed}")
+        if self.size < 1 or self.seconds <= 0:
+            raise ValueError(f"size and seconds must be positive, got size={self.size}, seconds={self.seconds}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,20 +56,29 @@ def recipe_from_args(args: argparse.Namespace) -> BenchRecipe:
     return load_config(BenchRecipe, None, [f"what={args.what}", *args.overrides])
 
 
-def run(recipe: BenchRecipe) -> dict:
+def run(recipe: BenchRecipe) -> dict[str, float]:
+    """The peak FLOP/s per dtype that MFU will now be measured against on this device."""
     device = resolve_device(recipe.device)
     results = {}
+    measured_any = False
     for name in recipe.dtypes:
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {name!r}")
-        value = measure_matmul_peak(device, dtype, n=recipe.size, seconds=recipe.seconds)
-        path = store_peak(device, dtype, value)
-        results[name] = value
         sheet = datasheet_peak(device, name)
-        extra = f" (data sheet {sheet / 1e12:.0f} TFLOP/s)" if sheet else ""
-        print(f"{device.type} {name:<9} {value / 1e9:10.1f} GFLOP/s{extra}")
-    log.info("cached in %s", path)
+        if sheet is not None and not recipe.measure:
+            cached = cached_peak(device, name)
+            results[name] = cached if cached is not None else sheet
+            note = (f"(cached measurement; data sheet {sheet / 1e9:.1f})" if cached is not None
+                    else "(data sheet; measure=true times this GPU)")
+            print(f"{device.type} {name:<9} {results[name] / 1e9:10.1f} GFLOP/s {note}")
+            continue
+        value = measure_matmul_peak(device, getattr(torch, name), n=recipe.size, seconds=recipe.seconds)
+        results[name] = store_peak(device, getattr(torch, name), value)
+        measured_any = True
+        note = f" (measured now {value / 1e9:.1f}; the higher cached figure is kept)" if results[name] > value else ""
+        if sheet is not None:
+            note += f" (data sheet {sheet / 1e9:.1f})"
+        print(f"{device.type} {name:<9} {results[name] / 1e9:10.1f} GFLOP/s{note}")
+    if measured_any:
+        log.info("cached in %s", peak_cache_path())
     return results
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 
 METRICS_FILE = "metrics.jsonl"
@@ -122,6 +123,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LMFORGE_CACHE", Path.home() / ".cache" / "lmforge"))
 
 
+def peak_cache_path() -> Path:
+    """``{machine key: {dtype name: FLOP/s}}``, written by `lmforge bench peak`."""
+    return cache_dir() / "peak_flops.json"
+
+
 def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
@@ -148,29 +154,42 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048,
     return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True, quick: bool = False) -> float | None:
-    """Peak FLOP/s of ``device`` at ``dtype``: a GPU data-sheet figure, or this CPU's cached measurement."""
-    name = str(dtype).removeprefix("torch.")
-    if device.type == "cuda" and (sheet := datasheet_peak(device, name)) is not None:
-        return sheet
-    path = cache_dir() / "peak_flops.json"
+def cached_peak(device: torch.device, dtype_name: str) -> float | None:
+    """The figure `lmforge bench peak` measured and cached for this machine at ``dtype_name``, else None."""
+    path = peak_cache_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
-    key = machine_key(device)
-    if name in cache.get(key, {}):
-        return cache[key][name]
+    return cache.get(machine_key(device), {}).get(dtype_name)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True, quick: bool = False) -> float | None:
+    """Peak FLOP/s of ``device`` at ``dtype``, the denominator of MFU.
+
+    In order: the figure `lmforge bench peak` measured and cached for this machine (for a
+    GPU only when run with ``measure=true``), a known GPU's data-sheet figure, else a short
+    measurement now (or None when ``measure_if_missing`` is false).
+    """
+    name = str(dtype).removeprefix("torch.")
+    if (cached := cached_peak(device, name)) is not None:
+        return cached
+    if (sheet := datasheet_peak(device, name)) is not None:
+        return sheet
     if not measure_if_missing:
         return None
     # Not cached: a busy machine would make a quick measurement too low for good.
     if not quick:
         log.info("no cached %s peak for this machine: measuring for 1 s (run `lmforge bench peak` on an idle "
-                 "machine to measure properly and cache it in %s)", name, path)
+                 "machine to measure properly and cache it in %s)", name, peak_cache_path())
     return measure_matmul_peak(device, dtype, n=1024 if quick else 2048, seconds=0.3 if quick else 1.0)
 
 
-def store_peak(device: torch.device, dtype: torch.dtype, value: float) -> Path:
-    path = cache_dir() / "peak_flops.json"
+def store_peak(device: torch.device, dtype: torch.dtype, value: float) -> float:
+    """Cache a measured peak for this machine, keeping the higher of it and the figure already
+    cached: a peak is the best rate the hardware reaches, and a rerun on a busier machine
+    measures less, not a lower peak. Returns the figure kept. (Delete the cache file to start over.)"""
+    path = peak_cache_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
-    cache.setdefault(machine_key(device), {})[str(dtype).removeprefix("torch.")] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cache, indent=2))
-    return path
+    peaks = cache.setdefault(machine_key(device), {})
+    name = str(dtype).removeprefix("torch.")
+    peaks[name] = max(value, peaks.get(name, 0.0))
+    atomic_write_json(path, cache)
+    return peaks[name]
