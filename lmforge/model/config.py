@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 
@@ -26,6 +26,11 @@ class ModelConfig:
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's RoPE scaling, set by the four keys below
+    rope_factor: float = 1.0  # long wavelengths are stretched by this factor (Llama 3.1/3.2: 8 or 32)
+    rope_low_freq_factor: float = 1.0  # wavelengths above rope_original_max_seq_len / this are fully stretched
+    rope_high_freq_factor: float = 4.0  # wavelengths below rope_original_max_seq_len / this are kept
+    rope_original_max_seq_len: int | None = None  # the context the model was pretrained at (Llama 3: 8192)
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
@@ -49,6 +54,35 @@ class ModelConfig:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.d_model if self.ffn == "gelu" else 64 * -(-(8 * self.d_model // 3) // 64)
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        params = {
+            "rope_factor": self.rope_factor,
+            "rope_low_freq_factor": self.rope_low_freq_factor,
+            "rope_high_freq_factor": self.rope_high_freq_factor,
+            "rope_original_max_seq_len": self.rope_original_max_seq_len,
+        }
+        if self.rope_scaling == "none":
+            defaults = {f.name: f.default for f in fields(self) if f.name in params}
+            changed = [f"{k}={v}" for k, v in params.items() if v != defaults[k]]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set but rope_scaling is 'none'; set rope_scaling: llama3 or remove them")
+            return
+        if self.rope_scaling != "llama3":
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not supported; choose 'none' or 'llama3'")
+        if self.rope_original_max_seq_len is None or self.rope_original_max_seq_len <= 0:
+            raise ValueError(
+                f"rope_scaling llama3 needs rope_original_max_seq_len, the pretraining context "
+                f"(a positive integer, 8192 for Llama 3.1/3.2), got {self.rope_original_max_seq_len}"
+            )
+        if self.rope_factor < 1.0:
+            raise ValueError(f"rope_factor {self.rope_factor} must be >= 1 (1 leaves RoPE unchanged)")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"rope_low_freq_factor {self.rope_low_freq_factor} and rope_high_freq_factor {self.rope_high_freq_factor} "
+                "must satisfy 0 < low < high (Llama 3.1/3.2: 1 and 4)"
+            )
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ModelConfig:

@@ -143,9 +143,10 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers < 5 reads rope_theta, transformers >= 5 rope_parameters
+        # transformers < 5 reads rope_theta (and rope_scaling), transformers >= 5 rope_parameters
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **_rope_scaling_keys(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "attention_dropout": 0.0,
@@ -173,11 +174,63 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
     )
 
 
+def _rope_scaling_keys(cfg: ModelConfig) -> dict:
+    """``rope_scaling`` (transformers < 5, and Meta's own configs) and ``rope_parameters``
+    (transformers >= 5) for a model with RoPE scaling; nothing for plain RoPE."""
+    if cfg.rope_scaling == "none":
+        return {}
+    scaling = {
+        "rope_type": cfg.rope_scaling,
+        "factor": cfg.rope_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+    }
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
+
+
+def _rope_fields(config: dict, max_position_embeddings: int, where: str) -> dict:
+    """The ModelConfig rope_* fields of a config.json; unsupported RoPE types are an ``InputError``.
+
+    transformers >= 5 writes ``rope_parameters``; older versions and Meta's configs write
+    ``rope_scaling`` beside a top-level ``rope_theta``. Where both are present
+    ``rope_scaling`` wins, as in transformers 5's ``convert_rope_params_to_dict``.
+    """
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise InputError(f"{where}: rope_scaling/rope_parameters must be a mapping, got {rope!r}")
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    theta = rope.get("rope_theta") or config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    if rope_type == "default":
+        return {"rope_theta": float(theta)}
+    if rope_type != "llama3":
+        raise InputError(
+            f"{where}: RoPE scaling {rope_type!r} is not supported; lmforge implements plain RoPE (rope_type 'default') "
+            "and Llama 3.1's scaling (rope_type 'llama3')"
+        )
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rope.get(k) is None]
+    if missing:
+        raise InputError(f"{where}: RoPE scaling 'llama3' needs {', '.join(missing)}")
+    original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings") or max_position_embeddings
+    try:
+        return {
+            "rope_theta": float(theta),
+            "rope_scaling": "llama3",
+            "rope_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_seq_len": int(original),
+        }
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{where}: RoPE scaling 'llama3' has a non-numeric parameter in {rope}: {exc}") from exc
+
+
 def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
     """The ``ModelConfig`` of a Llama, Mistral, Qwen2 or Qwen3 ``config.json``.
 
-    Anything our model would compute differently is an ``InputError`` (RoPE scaling,
-    partial rotary, activations other than SiLU, quantized weights). A sliding attention
+    Plain RoPE and Llama 3.1's ``llama3`` RoPE scaling are read; anything else our model
+    would compute differently is an ``InputError`` (other RoPE scaling types, partial
+    rotary, activations other than SiLU, quantized weights). A sliding attention
     window shorter than ``max_position_embeddings`` only matters for longer sequences,
     so ``max_seq_len`` is capped at the window, which keeps every result exact.
     """
@@ -194,15 +247,9 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         raise InputError(f"{where}: hidden_act {act!r} is not supported; lmforge's SwiGLU MLP uses silu")
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise InputError(f"{where}: partial_rotary_factor {config['partial_rotary_factor']} is not supported; RoPE must cover the whole head")
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise InputError(f"{where}: RoPE scaling {rope_type!r} is not supported; lmforge implements plain RoPE (rope_type 'default')")
-    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-
     n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
     max_seq_len = config.get("max_position_embeddings", 2048)
+    rope = _rope_fields(config, max_seq_len, where)
     window = _sliding_window(config, model_type, n_layers)
     if window is not None and window < max_seq_len:
         log.warning(
@@ -227,7 +274,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
             ffn_hidden=config["intermediate_size"],
             norm="rmsnorm",
             norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            **rope,
             max_seq_len=max_seq_len,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",

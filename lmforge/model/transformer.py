@@ -24,10 +24,41 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, head_dim / 2), in float32 (Su et al. 2021, eq. 34)."""
+    """cos and sin of shape (max_seq_len, head_dim / 2), in float32 (Su et al. 2021, eq. 34).
+
+    The angle of position p in pair i is p·f_i with f_i = theta^(-2i/head_dim), rescaled
+    by ``llama3_inv_freq`` when ``cfg.rope_scaling`` is ``"llama3"``.
+    """
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
+    if cfg.rope_scaling == "llama3":
+        inv_freq = llama3_inv_freq(
+            inv_freq, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len
+        )
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_seq_len: int) -> torch.Tensor:
+    """RoPE frequencies stretched for a longer context, as in Meta's Llama 3.1 release
+    (``apply_scaling`` in meta-llama/llama-models; transformers' ``_compute_llama3_parameters``).
+
+    With wavelength λ = 2π / f, L = ``original_max_seq_len``, λ_lo = L / low_freq_factor and
+    λ_hi = L / high_freq_factor (λ_hi < λ_lo)::
+
+        f' = f / factor                    if λ > λ_lo   (long wavelengths: interpolated)
+        f' = f                             if λ < λ_hi   (short wavelengths: kept)
+        f' = (1 - s) f / factor + s f      otherwise, s = (L / λ - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+    The operations follow transformers' order, so the tables match its float32 values.
+    """
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from lmforge.model.hf import (
     state_dict_to_hf,
     to_hf_name,
 )
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, rope_tables
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: the reference these tests compare against)
@@ -118,8 +118,14 @@ def test_unknown_names_raise_key_error():
 
 @pytest.mark.parametrize(
     "fields",
-    [dict(n_kv_heads=2, tie_embeddings=True), dict(qkv_bias=True), dict(qk_norm=True, head_dim=32), dict(qkv_bias=True, out_bias=True, mlp_bias=True)],
-    ids=["llama", "qwen2", "qwen3", "llama-biases"],
+    [
+        dict(n_kv_heads=2, tie_embeddings=True),
+        dict(qkv_bias=True),
+        dict(qk_norm=True, head_dim=32),
+        dict(qkv_bias=True, out_bias=True, mlp_bias=True),
+        dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=16),
+    ],
+    ids=["llama", "qwen2", "qwen3", "llama-biases", "llama3-rope"],
 )
 def test_config_round_trips_through_config_json(fields):
     cfg = ModelConfig(**TINY, **fields)
@@ -159,12 +165,14 @@ def _llama_json(**extra) -> dict:
         (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'.*LlamaForCausalLM"),
         (dict(architectures=["LlamaForSequenceClassification"]), "architectures"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "RoPE scaling 'llama3'"),
-        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "RoPE scaling 'linear'"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}), "RoPE scaling 'yarn' is not supported"),
+        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "RoPE scaling 'linear' is not supported"),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE scaling 'dynamic' is not supported"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "'llama3' needs low_freq_factor, high_freq_factor"),
         (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantized"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     ],
-    ids=["arch", "head", "act", "rope-llama3", "rope-linear", "quantized", "partial-rope"],
+    ids=["arch", "head", "act", "rope-yarn", "rope-linear", "rope-dynamic", "rope-llama3-incomplete", "quantized", "partial-rope"],
 )
 def test_unsupported_configs_raise_input_error(extra, message):
     with pytest.raises(InputError, match=message):
@@ -180,3 +188,91 @@ def test_sliding_window_shorter_than_context_caps_max_seq_len():
     assert model_config_from_hf({**qwen2, "use_sliding_window": False}).max_seq_len == 64
     assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1}).max_seq_len == 16
     assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 2}).max_seq_len == 64
+
+
+# --------------------------------------------------------------------------- Llama 3.1 RoPE scaling
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# head_dim 16, theta 5e4: RoPE wavelengths 6.3, 24, 94, ... tokens, so with an original context of 64
+# the pairs fall in all three bands (kept < 16 <= smoothed <= 64 < divided by the factor).
+SCALED = dict(
+    TINY, max_seq_len=256, n_kv_heads=2,
+    rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=64,
+)
+
+
+def test_llama3_rope_scaling_changes_the_tables_in_all_three_bands():
+    scaled, plain = ModelConfig(**SCALED), ModelConfig(**{**SCALED, "rope_scaling": "none", "rope_factor": 1.0, "rope_original_max_seq_len": None})
+    (cos, sin), (cos0, sin0) = rope_tables(scaled), rope_tables(plain)
+    inv_freq, inv_freq0 = torch.atan2(sin[1], cos[1]), torch.atan2(sin0[1], cos0[1])  # the angle at position 1
+    ratio = inv_freq / inv_freq0
+    assert ratio[0] == 1.0  # wavelength 6.3 < 64 / 4: kept
+    assert 1 / 8 < ratio[1] < 1.0  # wavelength 24: between the bands, smoothed
+    torch.testing.assert_close(ratio[2:], torch.full_like(ratio[2:], 1 / 8))  # wavelength > 64: divided by 8
+    assert not torch.allclose(cos, cos0)
+
+
+def test_logits_match_llama_for_causal_lm_with_llama3_rope_scaling():
+    cfg = ModelConfig(**SCALED)
+    ours = randomized(cfg)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=50000.0, rms_norm_eps=1e-5,
+        rope_scaling=dict(LLAMA3_ROPE), attn_implementation="eager",
+    )
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, atol=1e-5, rtol=0)
+        # the check can fail: the same weights without the scaling compute something else
+        plain = randomized(ModelConfig(**{**SCALED, "rope_scaling": "none", "rope_factor": 1.0, "rope_original_max_seq_len": None}))
+        assert (plain(tokens) - theirs(tokens).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # transformers >= 5 writes rope_parameters
+        lambda: transformers.LlamaConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256, rope_theta=50000.0, rope_scaling=dict(LLAMA3_ROPE),
+        ).to_dict(),
+        # Meta's Llama-3.x config.json (transformers < 5): rope_scaling beside a top-level rope_theta
+        lambda: {**_llama_json(max_position_embeddings=256, rope_theta=50000.0, rope_scaling=dict(LLAMA3_ROPE)), "rope_parameters": None},
+    ],
+    ids=["rope_parameters", "rope_scaling"],
+)
+def test_llama3_rope_scaling_is_read_from_either_spelling(config):
+    cfg = model_config_from_hf(config())
+    assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_factor) == ("llama3", 50000.0, 8.0)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len) == (1.0, 4.0, 64)
+
+
+def test_llama3_rope_scaling_is_written_for_both_transformers_generations():
+    config = hf_config_dict(ModelConfig(**SCALED))
+    assert config["rope_scaling"] == LLAMA3_ROPE
+    assert config["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 50000.0}
+    assert "rope_scaling" not in hf_config_dict(ModelConfig(**TINY))
+
+
+@torch.no_grad()
+def test_cached_decoding_of_a_scaled_model_gives_the_logits_of_a_full_recompute():
+    """generate.py's decoding view reads the model's RoPE tables, so the scaling reaches it."""
+    from lmforge.model.generate import GenerationConfig, decode_step, decoding_view, generate, prefill
+
+    model = randomized(ModelConfig(**SCALED))
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 90)]
+    net = decoding_view(model)
+    assert net is not model  # the fused view, not the modules
+    logits, state = prefill(net, prompts, max_new_tokens=8)
+    seqs = [list(p) for p in prompts]
+    for _ in range(8):
+        for row, seq in enumerate(seqs):
+            torch.testing.assert_close(logits[row], model(torch.tensor([seq]))[0, -1], atol=1e-5, rtol=0)
+        next_tokens = logits.argmax(-1)
+        for seq, token in zip(seqs, next_tokens.tolist()):
+            seq.append(token)
+        logits = decode_step(net, next_tokens, state)
+    out = generate(model, prompts, GenerationConfig(max_new_tokens=8, temperature=0.0, stop_token_ids=[]))
+    assert [g.tokens for g in out] == [seq[len(p):] for seq, p in zip(seqs, prompts)]

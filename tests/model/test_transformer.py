@@ -93,3 +93,35 @@ def test_invalid_shapes_are_rejected():
     with pytest.raises(ValueError, match="unknown model preset"):
         ModelConfig.from_preset("gpt5")
     assert set(PRESETS) >= {"tiny", "gpt2-124m", "smollm2-135m", "llama3-1b"}
+
+
+def test_rope_scaling_settings_are_validated():
+    llama3 = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=32)
+    assert small(**llama3).rope_high_freq_factor == 4.0  # Meta's band edges are the defaults
+    with pytest.raises(ValueError, match="rope_factor=8.0 set but rope_scaling is 'none'"):
+        small(rope_factor=8.0)
+    with pytest.raises(ValueError, match="needs rope_original_max_seq_len"):
+        small(rope_scaling="llama3", rope_factor=8.0)
+    with pytest.raises(ValueError, match="rope_factor 0.5 must be >= 1"):
+        small(**{**llama3, "rope_factor": 0.5})
+    with pytest.raises(ValueError, match="0 < low < high"):
+        small(**llama3, rope_low_freq_factor=4.0)
+    with pytest.raises(ValueError, match="rope_scaling 'yarn' is not supported"):
+        small(rope_scaling="yarn")
+
+
+def test_recipe_sets_rope_scaling_and_old_model_json_loads_without_it(tmp_path):
+    import dataclasses
+    import json
+
+    from lmforge.core.config import load_config
+    from lmforge.model.checkpoint import load_model_config
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    keys = ["model.preset=tiny", "model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_original_max_seq_len=256"]
+    recipe = load_config(PretrainRecipe, None, keys)
+    assert (recipe.model.rope_scaling, recipe.model.rope_factor, recipe.model.rope_original_max_seq_len) == ("llama3", 8.0, 256)
+
+    old = {k: v for k, v in dataclasses.asdict(small()).items() if not k.startswith("rope_") or k == "rope_theta"}
+    (tmp_path / "model.json").write_text(json.dumps(old))  # written before RoPE scaling existed
+    assert load_model_config(tmp_path) == small()

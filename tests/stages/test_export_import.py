@@ -225,6 +225,41 @@ def test_import_without_safetensors_weights_is_a_clear_error(tmp_path, vocab_siz
         run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_import_of_llama3_rope_scaling_gives_identical_logits(tmp_path, vocab_size):
+    config = small_hf_config("llama", vocab_size, max_position_embeddings=256, rope_scaling=dict(LLAMA3_ROPE))
+    theirs = hf_folder(tmp_path / "hf", config)
+    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert (ours.cfg.rope_scaling, ours.cfg.rope_factor, ours.cfg.rope_original_max_seq_len) == ("llama3", 8.0, 64)
+    x = tokens(vocab_size, length=200)  # far past the original 64 positions
+    torch.testing.assert_close(our_logits(ours, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
+
+
+def test_export_of_llama3_rope_scaling_loads_in_transformers_with_identical_logits(tmp_path, vocab_size):
+    cfg = tiny(vocab_size, n_kv_heads=2, max_seq_len=256, rope_theta=50000.0, rope_scaling="llama3", rope_factor=8.0,
+               rope_original_max_seq_len=64)
+    ours = save_checkpoint(tmp_path / "ckpt", cfg, None)
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert theirs.config.rope_parameters == {**LLAMA3_ROPE, "rope_theta": 50000.0}
+    x = tokens(vocab_size, length=200)
+    torch.testing.assert_close(hf_logits(theirs, x), our_logits(ours, x), atol=1e-5, rtol=0)
+    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "back")))
+    assert load_model(tmp_path / "back")[0].cfg == cfg
+
+
+def test_import_of_unsupported_rope_scaling_names_the_type(tmp_path, vocab_size):
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    hf_folder(tmp_path / "hf", small_hf_config("llama", vocab_size, rope_scaling=rope))
+    with pytest.raises(InputError, match=r"hf/config.json: RoPE scaling 'yarn' is not supported"):
+        run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
+    assert not (tmp_path / "ckpt").exists()
+
+
 # --------------------------------------------------------------------------- CLI
 
 
