@@ -10,13 +10,15 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 import sys
+import textwrap
 import types
-from typing import get_type_hints
+from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from lmforge import __version__
-from lmforge.core.config import ConfigError, dump_config, load_config, type_name
+from lmforge.core.config import ConfigError, dump_config, load_config, parse_scalar, type_name
 from lmforge.core.io import InputError
 from lmforge.core.run import setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
@@ -50,20 +52,161 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def recipe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, comment) for every leaf of a recipe dataclass."""
-    rows = []
+class RecipeKey(NamedTuple):
+    """One row of a verb's key table."""
+
+    key: str  # dotted from the recipe's top; an entry of a list of mappings is named alone
+    type: str
+    default: str  # as the help shows it: "default 0.1", "required", "default None (derived: 6)"
+    comment: str
+    depth: int  # 1 for the keys of a list's entries, shown indented under the list
+    value: Any  # the default itself, for the example override
+
+
+def declared_default(f: dataclasses.Field) -> Any:
+    """The default written in the dataclass, before ``__post_init__`` fills anything in."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def optional_dataclass(tp: Any) -> type | None:
+    """``X`` for a ``X | None`` field whose ``X`` is a dataclass (a section that is off until set)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def list_entry_dataclass(tp: Any) -> type | None:
+    """``X`` for a ``list[X]`` field whose entries are dataclasses."""
+    args = get_args(tp)
+    if get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def short_repr(value: Any, limit: int = 150) -> str:
+    """``repr(value)``, cut at a word boundary to at most ``limit`` characters."""
+    return textwrap.shorten(repr(value), limit, placeholder=" ...")
+
+
+def recipe_keys(cls: type, defaults: Any = None, prefix: str = "", depth: int = 0) -> list[RecipeKey]:
+    """A row for every key of a recipe dataclass, nested sections flattened to dotted keys.
+
+    ``defaults`` is the instance the enclosing recipe builds (its default factory may set
+    other values than ``cls()``). A field whose ``__post_init__`` fills in the default from
+    other fields (``n_kv_heads: None`` becomes ``n_heads``) shows its declared default marked
+    "derived", so a computed value is not read as a fixed one.
+    """
+    try:
+        fresh = cls()
+    except (TypeError, ValueError):  # entries of a list may have required fields
+        fresh = None
+    if defaults is None:
+        defaults = fresh
     hints = get_type_hints(cls)
-    defaults = cls()
     comments = field_comments(cls)
+    rows = []
     for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
         tp = hints[f.name]
-        value = getattr(defaults, f.name)
+        key = f"{prefix}{f.name}"
+        declared = declared_default(f)
+        value = declared if defaults is None else getattr(defaults, f.name)
+        comment = comments.get(f.name, "")
         if dataclasses.is_dataclass(tp):
-            rows += recipe_keys(tp, f"{prefix}{f.name}.")
+            rows += recipe_keys(tp, value, f"{key}.", depth)
+            continue
+        if declared is dataclasses.MISSING:
+            rows.append(RecipeKey(key, type_name(tp), "required", comment, depth, None))
+            continue
+        if fresh is not None and declared != getattr(fresh, f.name):
+            resolved = f": {value!r}" if isinstance(value, (int, float, str)) else ""
+            shown = f"default {short_repr(declared)} (derived{resolved})"
+            value = declared
         else:
-            rows.append((f"{prefix}{f.name}", type_name(tp), repr(value), comments.get(f.name, "")))
+            shown = f"default {short_repr(value)}"
+        if (entry := list_entry_dataclass(tp)) is not None:
+            names = ", ".join(g.name for g in dataclasses.fields(entry) if g.init)
+            rows.append(RecipeKey(key, f"list of {{{names}}}", shown, comment, depth, value))
+            rows += recipe_keys(entry, None, "", depth + 1)
+        elif (section := optional_dataclass(tp)) is not None:
+            if value is None:
+                shown += f"; the {key}.* keys below turn it on"
+            else:
+                shown = f"default the {key}.* keys below; null turns it off"
+            rows.append(RecipeKey(key, type_name(tp), shown, comment, depth, None))
+            rows += recipe_keys(section, value, f"{key}.", depth)
+        else:
+            rows.append(RecipeKey(key, type_name(tp), shown, comment, depth, value))
     return rows
+
+
+HELP_WIDTH = 100
+
+
+def key_table(rows: list[RecipeKey]) -> str:
+    """The rows as columns of key, type and default, each key's comment on the lines below.
+
+    A type too long for its column wraps within it and a default too long for its column
+    gets a line of its own, so the columns stay aligned and no line is wider than HELP_WIDTH.
+    """
+    key_width = min(max(len(r.key) + 2 * r.depth for r in rows) + 2, 36)
+    type_width = max(min(max(len(r.type) for r in rows) + 2, HELP_WIDTH - 2 - key_width - 28), 20)
+    default_width = HELP_WIDTH - 2 - key_width - type_width
+    lines = []
+    for r in rows:
+        indent = "  " * r.depth
+        name = indent + r.key
+        below = " " * 6 + indent
+        types_ = textwrap.wrap(r.type, type_width - 2, break_long_words=False, break_on_hyphens=False) or [""]
+        beside = r.default if len(r.default) <= default_width else ""
+        if len(name) >= key_width:
+            lines.append(f"  {name}")
+            name = ""
+        for i, type_part in enumerate(types_):
+            key_part, default_part = (name, beside) if i == 0 else ("", "")
+            lines.append(f"  {key_part:<{key_width}}{type_part:<{type_width}}{default_part}".rstrip())
+        if not beside:
+            lines += textwrap.wrap(r.default, HELP_WIDTH, initial_indent=below, subsequent_indent=below + "  ")
+        if r.comment:
+            lines += textwrap.wrap(r.comment, HELP_WIDTH, initial_indent=below, subsequent_indent=below)
+    return "\n".join(lines)
+
+
+def override_text(value: Any) -> str:
+    """``value`` as it would be written after ``key=`` on the command line."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, str) and value and parse_scalar(value) == value and " " not in value:
+        return value
+    return json.dumps(value)
+
+
+def example_override(rows: list[RecipeKey]) -> str:
+    """A ``key=value`` from this verb's own recipe, at its default, for the overrides' help.
+
+    A number if the recipe has one (a dotted key first, to show the nesting), else a flag,
+    a choice, a string.
+    """
+    keys = [r for r in rows if r.depth == 0 and isinstance(r.value, (bool, int, float, str))]
+    if not keys:
+        return "key=value"
+
+    def rank(r: RecipeKey) -> tuple[int, bool]:
+        if isinstance(r.value, bool):
+            kind = 1
+        elif isinstance(r.value, (int, float)):
+            kind = 0
+        else:
+            kind = 2 if r.type.startswith("one of") else 3
+        return kind, "." not in r.key
+
+    best = min(keys, key=rank)
+    return f"{best.key}={override_text(best.value)}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,19 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
 def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.ModuleType]:
     module = verb.load()
     doc = (module.__doc__ or verb.summary).strip()
-    keys = "\n".join(f"  {k:<34} {t:<18} default {d}" + (f"\n      {c}" if c else "")
-                     for k, t, d, c in recipe_keys(module.RECIPE))
+    rows = recipe_keys(module.RECIPE)
     p = argparse.ArgumentParser(
         prog=f"lmforge {verb.name}",
         description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"recipe keys (set in the YAML recipe or as key=value overrides):\n{keys}",
+        epilog=f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}",
     )
     if hasattr(module, "add_arguments"):
         module.add_arguments(p)
     else:
         p.add_argument("recipe", nargs="?", help="YAML recipe (optional: defaults plus overrides also work)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=3e-4")
+    example = example_override(rows).replace("%", "%%")  # argparse formats help with %
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help=f"overrides of the recipe keys below, e.g. {example}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p, module
 

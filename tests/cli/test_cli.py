@@ -1,10 +1,13 @@
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from lmforge.cli.main import VERBS, main
+from lmforge.cli.main import VERBS, VERBS_BY_NAME, main, recipe_keys
+from lmforge.core.config import load_config
 
 
 def run_cli(*args, cwd=None):
@@ -85,7 +88,83 @@ def test_curate_train_classifier_trains_from_the_command_line(tmp_path, capfd):
 def test_verb_help_explains_each_key_with_the_comment_beside_its_field(capsys):
     with pytest.raises(SystemExit):
         main(["dpo", "--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # a long comment wraps over lines
     assert "train.lr" in out and "peak learning rate" in out  # TrainConfig, nested
     assert "keeps DPO from lowering the chosen answer's likelihood" in out  # a comment block above the field
     assert "dpo | ipo | cdpo | rdpo | hinge" in out  # inherited from PreferenceLossConfig
+
+
+def verb_help(verb, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([verb, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def key_line(out, key):
+    """The table row of ``key`` (its first line)."""
+    return next(line for line in out.splitlines() if re.match(rf"^\s+{re.escape(key)}\s", line))
+
+
+@pytest.mark.parametrize("verb", [v.name for v in VERBS])
+def test_the_override_example_is_a_key_of_the_verbs_own_recipe(verb, capsys):
+    out = " ".join(verb_help(verb, capsys).split())
+    example = re.search(r"overrides of the recipe keys below, e\.g\. (\S+)", out).group(1)
+    recipe = VERBS_BY_NAME[verb].load().RECIPE
+    assert example.partition("=")[0] in [row.key for row in recipe_keys(recipe)]
+    load_config(recipe, None, [example])  # and it parses as an override
+
+
+def test_run_help_shows_the_keys_of_a_stage_entry(capsys):
+    out = verb_help("run", capsys)
+    assert "list of {name, verb, recipe, overrides}" in out
+    assert "a list of a mapping" not in out
+    for key, type_ in [("name", "str"), ("verb", "str"), ("recipe", "str or null"), ("overrides", "a list of str")]:
+        assert re.search(rf"^ {{4}}{key}\s+{type_}\s+default", out, re.M), key
+    assert "any `lmforge` verb with a recipe" in out  # an entry key's comment
+
+
+def test_pretrain_help_shows_the_path_and_weight_of_each_dataset(capsys):
+    out = verb_help("pretrain", capsys)
+    assert "list of {path, weight}" in key_line(out, "data.datasets")
+    assert "required" in key_line(out, "path") and "default 1.0" in key_line(out, "weight")
+
+
+@pytest.mark.parametrize("key", ["model.n_kv_heads", "model.head_dim", "model.ffn_hidden"])
+def test_a_default_filled_in_from_other_keys_is_shown_as_derived(key, capsys):
+    line = key_line(verb_help("pretrain", capsys), key)
+    assert "default None (derived" in line
+    assert not re.search(r"default \d", line)
+
+
+def test_any_field_whose_post_init_fills_its_default_is_marked_derived():
+    @dataclasses.dataclass
+    class Shape:
+        width: int = 8
+        height: int = 0  # 0 = width
+
+        def __post_init__(self):
+            self.height = self.height or self.width
+
+    rows = {row.key: row for row in recipe_keys(Shape)}
+    assert rows["width"].default == "default 8"
+    assert rows["height"].default == "default 0 (derived: 8)" and rows["height"].comment == "0 = width"
+
+
+def test_nested_defaults_come_from_the_recipe_not_the_section_class(capsys):
+    out = verb_help("sft", capsys)
+    assert "default 0.0001" in key_line(out, "train.lr")  # SFTRecipe's TrainConfig(lr=1e-4), not 3e-4
+
+
+def test_an_optional_section_lists_the_keys_that_turn_it_on(capsys):
+    out = verb_help("sft", capsys)
+    assert "default 8" in key_line(out, "lora.r") and "lora.use_dora" in out
+
+
+@pytest.mark.parametrize("verb", ["pretrain", "dpo", "curate", "export"])
+def test_the_key_table_keeps_its_columns_within_100_characters(verb, capsys):
+    table = verb_help(verb, capsys).partition("recipe keys")[2].splitlines()[1:]
+    assert all(len(line) <= 100 for line in table)
+    rows = [line for line in table if re.match(r"^  \S", line) and re.search(r" (default|required)\b", line)]
+    columns = {re.search(r" (default|required)\b", line).start() for line in rows}
+    assert len(rows) > 3 and len(columns) == 1  # a long `one of ...` type does not push its default right
