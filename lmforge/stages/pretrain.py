@@ -6,8 +6,9 @@ that resume exactly (train.resume=auto).
 
   lmforge pretrain recipes/demo/pretrain.yaml model.n_layers=4 train.max_steps=200
 
-The same recipe runs distributed under torchrun (gloo on CPUs, NCCL on GPUs) with the
-layout in parallel: (FSDP2/HSDP, tensor and pipeline parallel; see docs/distributed.md):
+The same recipe runs distributed under torchrun (gloo on CPUs, NCCL on GPUs), with the
+layout set in its `parallel:` section (FSDP2/HSDP, tensor and pipeline parallel; see
+docs/distributed.md):
 
   torchrun --nproc_per_node=8 -m lmforge pretrain recipes/distributed/fsdp_tp.yaml
 """

@@ -2,10 +2,10 @@
 pre-training with a masked objective. Reads TRL's formats from JSONL or Parquet:
 conversational `messages` (system/user/assistant turns) or `prompt`/`completion`, renders
 ChatML, trains on assistant tokens only (end-of-turn included) and packs several
-examples per row without cross-attention. Full fine-tuning, or LoRA/DoRA with `lora:` (QLoRA
-with `lora.quantize_base=true`: the adapted linears are stored in NF4).
-Reports validation loss and, for examples whose last turn is the assistant's answer,
-greedy exact-match accuracy before and after training.
+examples per row without cross-attention. Full fine-tuning, or LoRA/DoRA with `lora:`
+(QLoRA with `lora.quantize_base=true`: the adapted linears are stored in NF4). Reports
+validation loss and, for examples whose last turn is the assistant's answer, greedy
+exact-match accuracy before and after training.
 
   lmforge sft recipes/demo/sft.yaml
   lmforge sft recipes/demo/sft.yaml lora.r=16 lora.alpha=32 train.lr=1e-3
