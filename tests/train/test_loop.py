@@ -1,15 +1,18 @@
+import copy
 import json
 import math
 
 import pytest
 import torch
+from torch import nn
 
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.objectives.clm import CausalLMObjective, LossOutput
+from lmforge.objectives.clm import CausalLMObjective, LossOutput, causal_lm_loss
 from lmforge.stages.pretrain import run_pretrain
 from lmforge.train.loop import TrainConfig, evaluate, train
-from lmforge.train.metrics import read_metrics
+from lmforge.train.metrics import read_metrics, store_peak
+from lmforge.train.optim import build_adamw
 
 
 def losses(run_dir):
@@ -187,3 +190,169 @@ def test_objective_metrics_are_logged_as_means_per_target_over_accumulated_micro
     batches = [torch.randint(0, 50, (3, 9))]
     result = evaluate(model, WithMetrics(), iter(batches), torch.device("cpu"), "fp32", None)
     assert result["val_first_token"] == pytest.approx(float(batches[0][:, 0].float().mean()))
+
+
+def test_train_config_defaults_are_the_issues_optimizer_settings():
+    cfg = TrainConfig()
+    assert (cfg.beta1, cfg.beta2) == (0.9, 0.95) and cfg.eps == 1e-8 and cfg.weight_decay == 0.1
+    assert cfg.grad_clip == 1.0 and cfg.min_lr_ratio == 0.1
+
+
+MARK = 49  # a batch whose first token is MARK gets an infinite gradient from OverflowingObjective
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
+
+
+class IndexedBatches:
+    """Batch i is a fixed function of i, so a resumed run sees the same batches; the batches
+    numbered in ``marked`` (0-based) start with MARK."""
+
+    def __init__(self, marked: tuple[int, ...] = ()):
+        self.i, self.marked = 0, marked
+
+    def batch(self, i: int) -> torch.Tensor:
+        b = torch.randint(0, MARK, (2, 9), generator=torch.Generator().manual_seed(i))
+        if i in self.marked:
+            b[0, 0] = MARK
+        return b
+
+    def __next__(self) -> torch.Tensor:
+        self.i += 1
+        return self.batch(self.i - 1)
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+
+
+class ScaledObjective(CausalLMObjective):
+    """The causal LM loss of step k times ``scales[k]``: gradients far above the clipping norm."""
+
+    def __init__(self, scales: list[float]):
+        super().__init__()
+        self.scales = list(scales)
+
+    def __call__(self, model, batch):
+        out = super().__call__(model, batch)
+        return LossOutput(out.loss_sum * self.scales.pop(0), out.n_targets)
+
+
+def test_gradients_are_clipped_to_norm_one_and_the_logged_norm_is_the_one_before_clipping(tmp_path):
+    model = tiny_model()
+    initial = copy.deepcopy(model)
+    scales = [1000.0, 3.0]  # a different clipping factor on each step: Adam's update then depends on clipping
+    cfg = TrainConfig(max_steps=2, warmup_steps=0, schedule="constant", lr=1e-2, precision="fp32", tensorboard=False,
+                      device="cpu")
+    batches = IndexedBatches()
+    train(model=model, objective=ScaledObjective(scales), train_batches=batches, cfg=cfg, run_dir=tmp_path, recipe=cfg)
+    logged = [r["grad_norm"] for r in read_metrics(tmp_path)]
+
+    def reference(max_norm: float) -> tuple[nn.Module, list[float]]:
+        """Two plain AdamW steps with torch's clip_grad_norm_ at ``max_norm``."""
+        ref = copy.deepcopy(initial)
+        opt = build_adamw(ref, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+        norms = []
+        for i, scale in enumerate(scales):
+            b = batches.batch(i)
+            loss = causal_lm_loss(ref(b[:, :-1]), b[:, 1:]) * scale / b[:, 1:].numel()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+            opt.step()
+            opt.zero_grad()
+        return ref, norms
+
+    clipped, norms = reference(1.0)
+    unclipped, _ = reference(float("inf"))
+    assert min(norms) > 1 and logged == pytest.approx(norms, rel=1e-5)  # both steps are clipped
+    gap_to_unclipped = 0.0
+    for (name, p), q, u in zip(model.named_parameters(), clipped.parameters(), unclipped.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+        gap_to_unclipped = max(gap_to_unclipped, float((p - u).detach().abs().max()))
+    assert gap_to_unclipped > 1e-3  # without clipping the parameters would visibly differ
+
+
+def test_mfu_is_model_flops_per_second_over_the_cached_peak(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+    store_peak(torch.device("cpu"), torch.float32, 7e9)  # the peak the loop must divide by
+    model = tiny_model()
+    flops_per_token = model.cfg.flops_per_token(8)
+    cfg = TrainConfig(max_steps=3, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu")
+    (tmp_path / "run").mkdir()
+    summary = train(model=model, objective=CausalLMObjective(), train_batches=IndexedBatches(), cfg=cfg,
+                    run_dir=tmp_path / "run", recipe=cfg, flops_per_token=flops_per_token)
+    records = read_metrics(tmp_path / "run")
+    assert [r["tokens"] for r in records] == [16, 32, 48]  # 2 windows of 8 targets per step
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(16 / r["step_s"], rel=1e-9)
+        assert r["mfu"] == pytest.approx(flops_per_token * r["tokens_per_s"] / 7e9, rel=1e-9)
+    assert summary["mfu"] == pytest.approx((records[1]["mfu"] + records[2]["mfu"]) / 2)  # the first step is warm-up
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """Zero in the forward pass, an infinite gradient in the backward pass: an overflow on demand."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full(ctx.shape, float("inf"), dtype=grad.dtype, device=grad.device)
+
+
+class OverflowingObjective(CausalLMObjective):
+    """The causal LM loss; on a batch starting with MARK the embedding also gets an infinite gradient."""
+
+    def __call__(self, model, batch):
+        out = super().__call__(model, batch)
+        if int(batch[0, 0]) == MARK:
+            out.loss_sum = out.loss_sum + InfiniteGradient.apply(model.embed.weight)
+        return out
+
+
+def train_fp16(run_dir, max_steps: int = 4, **overrides) -> dict:
+    """fp16 training whose step 2 overflows; a checkpoint after every step."""
+    run_dir.mkdir(exist_ok=True)
+    cfg = TrainConfig(max_steps=max_steps, warmup_steps=0, precision="fp16", lr=1e-2, tensorboard=False, device="cpu",
+                      checkpoint_every=1, keep_checkpoints=10, **overrides)
+    return train(model=tiny_model(), objective=OverflowingObjective(), train_batches=IndexedBatches(marked=(1,)),
+                 cfg=cfg, run_dir=run_dir, recipe=cfg)
+
+
+def after_step(run_dir, step: int) -> tuple[dict, dict]:
+    """The scaler state and the weights a run's checkpoint holds after ``step``."""
+    from safetensors.torch import load_file
+
+    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    return json.loads((ckpt / "trainer_state.json").read_text())["scaler"], load_file(str(ckpt / "model.safetensors"))
+
+
+def test_fp16_uses_dynamic_loss_scaling_and_skips_a_step_with_infinite_gradients(tmp_path):
+    train_fp16(tmp_path)
+    scaler1, weights1 = after_step(tmp_path, 1)
+    scaler2, weights2 = after_step(tmp_path, 2)
+    initial = tiny_model().state_dict()
+    assert scaler1["scale"] == 2.0**16  # GradScaler's initial scale; step 1 did not overflow
+    assert any(not torch.equal(weights1[k], initial[k]) for k in weights1)  # and was applied
+    assert scaler2["scale"] == scaler1["scale"] / 2  # step 2 overflowed: the scale is halved...
+    assert all(torch.equal(weights2[k], weights1[k]) for k in weights1)  # ...and the update skipped
+    assert not math.isfinite(read_metrics(tmp_path)[1]["grad_norm"])
+    assert math.isfinite(read_metrics(tmp_path)[1]["loss"])
+
+
+def test_fp16_loss_scale_is_restored_exactly_on_resume(tmp_path):
+    train_fp16(tmp_path / "full")
+    train_fp16(tmp_path / "half", stop_at_step=3)
+    train_fp16(tmp_path / "half")  # resume=auto from step 3, after the overflow halved the scale
+    for step in (3, 4):
+        (full_scaler, full_weights), (half_scaler, half_weights) = after_step(tmp_path / "full", step), after_step(
+            tmp_path / "half", step)
+        assert half_scaler == full_scaler and full_scaler["scale"] == 2.0**15
+        assert all(torch.equal(half_weights[k], full_weights[k]) for k in full_weights)
+    assert losses(tmp_path / "half") == losses(tmp_path / "full")

@@ -1,8 +1,8 @@
 import pytest
-import torch
 
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
+from lmforge.train.loop import TrainConfig
 from lmforge.train.optim import build_adamw, lr_at, param_groups
 
 
@@ -18,9 +18,23 @@ def test_weight_decay_applies_to_matrices_only():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-def test_adamw_defaults_match_the_issue():
-    model = torch.nn.Linear(4, 4)
-    opt = build_adamw(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_adamw_of_the_default_config_decays_exactly_the_weight_matrices_of_a_transformer(tie_embeddings):
+    cfg = TrainConfig()
+    model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, ffn_hidden=32, norm="layernorm",
+                                    qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=tie_embeddings,
+                                    max_seq_len=16))
+    opt = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay_of = {names[id(p)]: group["weight_decay"] for group in opt.param_groups for p in group["params"]}
+    assert sorted(decay_of) == sorted(names.values())  # every parameter once
+    matrices = {n for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight"}
+    assert {n for n, wd in decay_of.items() if wd == 0.1} == matrices
+    assert {n for n, wd in decay_of.items() if wd != 0.1} == set(names.values()) - matrices
+    assert set(decay_of.values()) == {0.1, 0.0}
+    assert {"embed.weight", "norm.weight", "norm.bias", "layers.0.attn_norm.bias", "layers.1.mlp.w2.bias"} <= (
+        set(names.values()) - matrices)
+    assert ("lm_head.weight" in matrices) == (not tie_embeddings)  # an untied head is a linear layer's matrix
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
 
 
