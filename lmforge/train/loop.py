@@ -89,6 +89,8 @@ class TrainConfig:
             raise ValueError("max_steps and micro_batch_size must be positive")
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 (the final checkpoint is always kept), got {self.keep_checkpoints}")
 

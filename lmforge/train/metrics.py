@@ -34,7 +34,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                # the steps after the checkpoint a run resumes from (all, for a fresh run) are logged
+                # again: readers drop the old events for them
+                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
             except ImportError:
                 log.info("tensorboard is not installed; metrics go to %s only", self.path)
 

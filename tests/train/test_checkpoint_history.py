@@ -97,3 +97,20 @@ def test_a_resumed_auto_precision_run_keeps_the_precision_it_started_with(make_r
     assert resumed["start_step"] == 4 and resumed["precision"] == "bf16"
     fresh = run_pretrain(make_recipe(tmp_path / "fresh", **{"train.max_steps": 2, "train.precision": "auto"}))
     assert fresh["precision"] == "fp32"
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume_and_after_starting_over(make_recipe, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def loss_steps() -> list[int]:
+        events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+        events.Reload()
+        return [e.step for e in events.Scalars("loss")]
+
+    run_pretrain(make_recipe(**{"train.max_steps": 6, "train.tensorboard": True, "train.stop_at_step": 4,
+                                "train.checkpoint_every": 2}))
+    (tmp_path / "run" / "checkpoints" / "step_00000004").rename(tmp_path / "step_4")  # resume from step 2
+    run_pretrain(make_recipe(**{"train.max_steps": 6, "train.tensorboard": True, "train.checkpoint_every": 2}))
+    assert loss_steps() == [1, 2, 3, 4, 5, 6]
+    run_pretrain(make_recipe(**{"train.max_steps": 3, "train.tensorboard": True, "train.resume": "never"}))
+    assert loss_steps() == [1, 2, 3]
