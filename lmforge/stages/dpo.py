@@ -46,9 +46,10 @@ from lmforge.train.loop import (
     TrainConfig,
     accumulation_steps,
     autocast_context,
+    choose_precision,
     evaluate,
     resolve_device,
-    resolve_precision,
+    resume_checkpoint,
     train,
 )
 from lmforge.train.metrics import loss_curve_lines
@@ -133,7 +134,7 @@ def start_preference_run(recipe, stage: str, read_examples: Callable) -> Prefere
     expand_paths(recipe.data.train, what=f"{stage} training")
     run_dir = start_run(recipe, recipe.run_dir)
     device = resolve_device(recipe.train.device)
-    precision = resolve_precision(recipe.train.precision, device)
+    precision = choose_precision(recipe.train, resume_checkpoint(recipe.train, run_dir), device)
     torch.manual_seed(recipe.train.seed)
     model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
     d = recipe.data

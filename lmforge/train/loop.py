@@ -376,20 +376,12 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
 
     start_step, tokens_seen = 0, 0
-    ckpt = None
-    if cfg.resume == "auto":
-        ckpt = latest_valid_checkpoint(run_dir)
-        if parallel is not None:  # every rank resumes from the one rank 0 found
-            found = [str(ckpt) if ckpt is not None else None]
-            dist.broadcast_object_list(found, src=0)
-            ckpt = Path(found[0]) if found[0] is not None else None
-    elif cfg.resume != "never":
-        ckpt = Path(cfg.resume)
-        if not ckpt.is_dir():
-            raise InputError(f"train.resume: checkpoint {ckpt} not found (use auto, never or a checkpoint directory)")
-    # precision=auto measures this machine; a resumed run keeps the choice it started with
-    precision = (_saved_precision(ckpt) if ckpt is not None and cfg.precision == "auto" else None) \
-        or resolve_precision(cfg.precision, device)
+    ckpt = resume_checkpoint(cfg, run_dir)
+    if parallel is not None and cfg.resume == "auto":  # every rank resumes from the one rank 0 found
+        found = [str(ckpt) if ckpt is not None else None]
+        dist.broadcast_object_list(found, src=0)
+        ckpt = Path(found[0]) if found[0] is not None else None
+    precision = choose_precision(cfg, ckpt, device)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     if ckpt is not None:
         state = load_training_checkpoint(ckpt, model, optimizer, sharded_model=parallel is not None)
@@ -513,13 +505,30 @@ def train(
     return summary
 
 
-def _saved_precision(ckpt: Path) -> str | None:
-    """The precision a checkpoint's run trained in (None for checkpoints that did not record it)."""
-    try:
-        saved = json.loads((ckpt / TRAINER_STATE).read_text()).get("precision")
-    except (OSError, ValueError):
-        return None  # load_training_checkpoint reports the damage
-    return saved if saved in DTYPES else None
+def resume_checkpoint(cfg: TrainConfig, run_dir: str | Path) -> Path | None:
+    """The checkpoint ``train.resume`` names: the newest valid one of ``run_dir`` (auto), none
+    (never), or the directory given."""
+    if cfg.resume == "auto":
+        return latest_valid_checkpoint(run_dir)
+    if cfg.resume == "never":
+        return None
+    ckpt = Path(cfg.resume)
+    if not ckpt.is_dir():
+        raise InputError(f"train.resume: checkpoint {ckpt} not found (use auto, never or a checkpoint directory)")
+    return ckpt
+
+
+def choose_precision(cfg: TrainConfig, ckpt: Path | None, device: torch.device) -> str:
+    """``train.precision``; for ``auto``, the precision ``ckpt``'s run recorded (a resumed run
+    keeps its choice), else what ``resolve_precision`` picks for this machine."""
+    if cfg.precision == "auto" and ckpt is not None:
+        try:
+            saved = json.loads((ckpt / TRAINER_STATE).read_text()).get("precision")
+        except (OSError, ValueError):
+            saved = None  # load_training_checkpoint reports the damage
+        if saved in DTYPES:
+            return saved
+    return resolve_precision(cfg.precision, device)
 
 
 def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:
