@@ -29,7 +29,7 @@ PoolMap = Callable[[Callable[[Any], Any], Iterable[Any]], list]
 
 @dataclass
 class Document:
-    id: str  # unique within the run (the WARC record id, file path, or JSONL id)
+    id: str  # the WARC record id, file path, or JSONL id; may repeat across inputs, so steps decide by position
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)  # url, source, language, scores, cluster, ...
 

@@ -12,7 +12,8 @@ candidate pair when every hash of some bucket agrees, which happens with probabi
 With datatrove's defaults (5-grams, b = 14, r = 8) the curve's midpoint is
 (1/b)^(1/r) ≈ 0.72 and P(candidate | s = 0.8) ≈ 0.92. Candidate pairs are joined into
 clusters by union-find and one document per cluster is kept: the first in
-(shard, index) order.
+(shard, index) order. The decision is by that position alone, never by document id: ids
+repeat across inputs (per-file JSONL ids, ``name:line`` for files sharing a basename).
 
 The work is staged like datatrove's four MinHash steps so that no process holds the
 corpus: ``index_shard`` writes each shard's signatures, one sorted file per bucket;
@@ -460,7 +461,8 @@ def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
 # work_dir/ids/s{shard}.json              document ids of the shard, in order
 # work_dir/sigs/b{bucket}/s{shard}.npy    (n, r + 2) uint64 rows [key, hash_1..hash_r, doc index], sorted
 # work_dir/pairs/b{bucket}.npy            (m, 2) uint64 candidate pairs of global ids (shard << 32 | index)
-# work_dir/clusters/s{shard}.json         members of clusters of size > 1: index, kept id, cluster size
+# work_dir/clusters/s{shard}.json         members of clusters of size > 1: index, whether it is the one kept
+#                                         (the cluster's first global id), the kept document's id, cluster size
 # work_dir/summary.json                   counts
 
 
@@ -509,8 +511,9 @@ class MinHashDedup:
             root_shard, root_index = int(root >> 32), int(root & 0xFFFFFFFF)
             if root_shard not in ids_cache:
                 ids_cache[root_shard] = _read_ids(work_dir, root_shard)
-            entry = by_shard.setdefault(shard, {"index": [], "kept": [], "size": []})
+            entry = by_shard.setdefault(shard, {"index": [], "keep": [], "kept": [], "size": []})
             entry["index"].append(index)
+            entry["keep"].append(bool(gid == root))  # by position: ids need not be unique across inputs
             entry["kept"].append(ids_cache[root_shard][root_index])
             entry["size"].append(int(size))
         clusters_dir = work_dir / "clusters"
@@ -537,11 +540,11 @@ class MinHashDedup:
         if not path.is_file():
             return decisions
         entry = json.loads(path.read_text(encoding="utf-8"))
-        for index, kept, size in zip(entry["index"], entry["kept"], entry["size"]):
+        for index, keep, kept, size in zip(entry["index"], entry["keep"], entry["kept"], entry["size"]):
             doc = docs[index]
             doc.metadata["dup_cluster"] = kept
             doc.metadata["dup_cluster_size"] = size
-            if doc.id != kept:
+            if not keep:
                 decisions[index] = f"near-duplicate of {kept}"
         return decisions
 

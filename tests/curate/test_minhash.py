@@ -215,6 +215,16 @@ def test_one_document_per_cluster_is_kept_the_first_in_order(corpus_texts, tmp_p
     assert "dup_cluster" not in by_id["empty"].metadata  # no words, no signature
 
 
+def test_colliding_ids_do_not_keep_duplicates_the_first_position_is_kept(corpus_texts, tmp_path):
+    # two inputs with per-file ids "1" and "2": the copies in the second shard carry the same ids
+    a, b = corpus_texts[0], corpus_texts[1]
+    docs = [Document("1", a), Document("2", b), Document("1", a), Document("2", b), Document("1", a)]
+    decisions = run_staged(docs, [2, 3], tmp_path, MinHashConfig())
+    assert decisions == [None, None, "near-duplicate of 1", "near-duplicate of 2", "near-duplicate of 1"]
+    assert [(d.metadata["dup_cluster"], d.metadata["dup_cluster_size"]) for d in docs] == \
+        [("1", 3), ("2", 2), ("1", 3), ("2", 2), ("1", 3)]
+
+
 def test_apply_shard_refuses_documents_it_did_not_index(corpus_texts, tmp_path):
     docs = [Document(f"d{i}", t) for i, t in enumerate(corpus_texts[:5])]
     step = MinHashDedup(MinHashConfig())

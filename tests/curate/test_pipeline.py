@@ -132,3 +132,25 @@ def test_missing_input_is_an_input_error(tmp_path):
     cfg = CurateConfig(run_dir=str(tmp_path / "r"), inputs=InputsConfig(paths=[str(tmp_path / "none.jsonl")]))
     with pytest.raises(InputError, match="none.jsonl"):
         run_curate(cfg)
+
+
+def test_minhash_removes_copies_whose_ids_collide_across_inputs(tmp_path):
+    # FineWeb-like layout: dumps holding files of the same name, with ids "1", "2" in each file,
+    # or none, when the fallback ids part.jsonl:<line> collide
+    texts = [PROSE["en"], PROSE["fr"]]
+    only_unnamed = " ".join(f"token{i}" for i in range(60))
+    for dump, with_ids in (("dump-a", True), ("dump-b", True), ("dump-c", False), ("dump-d", False)):
+        (tmp_path / dump).mkdir()
+        lines = [{"id": str(i + 1), "text": t} for i, t in enumerate(texts)] if with_ids else \
+            [{"text": t} for t in [only_unnamed, *texts]]
+        (tmp_path / dump / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = CurateConfig(run_dir=str(tmp_path / "run"), inputs=InputsConfig(paths=[str(tmp_path / "dump-*/part.jsonl")]),
+                       steps=[{"type": "minhash"}], workers=1, output_format="jsonl")
+    stats = run_curate(cfg)
+    kept = [json.loads(line) for p in sorted((tmp_path / "run" / "output").iterdir()) for line in p.open()]
+    assert [(r["id"], r["metadata"]["source"], r["metadata"]["dup_cluster"], r["metadata"]["dup_cluster_size"])
+            for r in kept] == [("1", str(tmp_path / "dump-a" / "part.jsonl"), "1", 4),
+                               ("2", str(tmp_path / "dump-a" / "part.jsonl"), "2", 4),
+                               ("part.jsonl:1", str(tmp_path / "dump-c" / "part.jsonl"), "part.jsonl:1", 2)]
+    assert stats["kept"] == 3 and stats["stages"]["minhash"]["reasons"] == {"near-duplicate": 7}
+    assert stats["dup_cluster_sizes"] == {2: 1, 4: 2}
