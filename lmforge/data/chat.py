@@ -87,8 +87,12 @@ def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = False,
     return segments
 
 
-def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool = False) -> tuple[list[int], list[int]]:
-    """``[BOS] + encode(text) (+ [EOS])`` and labels: a token is trained if it overlaps a trained span."""
+def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool = False,
+                      add_bos: bool = True) -> tuple[list[int], list[int]]:
+    """``[BOS] + encode(text) (+ [EOS])`` and labels: a token is trained if it overlaps a trained span.
+
+    ``add_bos=False`` tokenizes a piece to be appended to another (a preference completion).
+    """
     text = "".join(s for s, _ in segments)
     trained = bytearray(len(text))
     pos = 0
@@ -97,8 +101,8 @@ def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool
             trained[pos : pos + len(s)] = b"\x01" * len(s)
         pos += len(s)
     enc = tok.hf.encode(text, add_special_tokens=False)
-    ids = [tok.bos_id, *enc.ids]
-    labels = [IGNORE_INDEX]
+    ids = [tok.bos_id, *enc.ids] if add_bos else list(enc.ids)
+    labels = [IGNORE_INDEX] if add_bos else []
     for idx, (start, end) in zip(enc.ids, enc.offsets):
         labels.append(idx if any(trained[start:end]) else IGNORE_INDEX)
     if add_eos:

@@ -8,10 +8,13 @@ JSONL or Parquet, as TRL defines them:
   are the prompt.
 * unpaired (KTO): ``{"prompt", "completion", "label"}`` with a boolean ``label`` (desirable).
 
-A completion is tokenized as SFT's prompt-completion pair (``lmforge.data.chat``): one BOS,
+A completion is laid out as SFT's prompt-completion pair (``lmforge.data.chat``): one BOS,
 the prompt (ChatML with the generation prompt when conversational), the completion, and
-EOS after a plain-string completion. Labels are -100 on the prompt, so
-``sequence_logprobs`` scores exactly the completion's tokens.
+EOS after a plain-string completion. Unlike SFT, which tokenizes the joined text (as TRL's
+SFTTrainer does), the prompt and each completion are tokenized apart and concatenated (TRL's
+DPO/KTO ``tokenize_row``), so chosen, rejected and KTO's mismatched rows share exactly the
+same prompt tokens. Labels are -100 on the prompt, so ``sequence_logprobs`` scores exactly
+the completion's tokens.
 
 A bad record (chosen identical to rejected, an empty completion, a label that is not a
 boolean, a prompt that leaves no room for a completion within ``max_length``) is an
@@ -35,6 +38,7 @@ from lmforge.data.chat import (
     ExampleError,
     OnBad,
     OnTooLong,
+    Segment,
     example_segments,
     read_sft_records,
     tokenize_segments,
@@ -90,6 +94,49 @@ def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, lis
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def completion_segments(prompt: Any, completion: Any, what: str) -> tuple[list[Segment], list[Segment], bool]:
+    """(prompt segments, completion segments, whether EOS is appended) of a validated record.
+
+    The prompt ends where training starts: after the plain prompt, or after the generation
+    prompt ``<|im_start|>assistant\\n`` of a conversational one, so every completion of one
+    prompt shares the same prompt segments.
+    """
+    if _content_is_empty(completion):
+        raise ExampleError("empty_completion", f"{what!r} is empty")
+    segments, add_eos = example_segments({"prompt": prompt, "completion": completion})
+    first = next(i for i, (_, trained) in enumerate(segments) if trained)
+    return segments[:first], segments[first:], add_eos
+
+
+def tokenize_prompt(tok: Tokenizer, segments: Sequence[Segment], max_length: int, what: str) -> list[int]:
+    """``[BOS] + encode(prompt)``; raises ``ExampleError`` when it leaves no room for ``what`` within ``max_length``."""
+    ids, _ = tokenize_segments(tok, segments)
+    if len(ids) >= max_length:
+        raise ExampleError("prompt_too_long",
+                           f"the prompt takes {len(ids)} tokens, leaving no room for {what!r} within "
+                           f"max_length={max_length}")
+    return ids
+
+
+def append_completion(tok: Tokenizer, prompt_ids: list[int], segments: Sequence[Segment], add_eos: bool,
+                      max_length: int, what: str, on_too_long: OnTooLong) -> tuple[Completion, str | None]:
+    """The prompt's ids followed by the completion tokenized on its own (TRL's ``tokenize_row``).
+
+    Tokenizing the two apart keeps the boundary where the text has it: a prompt ending in a
+    space gives every completion the same prompt tokens, instead of the space merging into
+    one completion's first token and not another's. Returns (completion, "truncated" or None);
+    raises ``ExampleError`` (``on_too_long='error'``/``'skip'``) when it does not fit.
+    """
+    ids, labels = tokenize_segments(tok, segments, add_eos, add_bos=False)
+    ids, labels = prompt_ids + ids, [IGNORE_INDEX] * len(prompt_ids) + labels
+    if len(ids) <= max_length:
+        return Completion(ids, labels, len(prompt_ids)), None
+    detail = f"{what!r} makes {len(ids)} tokens, more than max_length={max_length}"
+    if on_too_long != "truncate":
+        raise ExampleError("too_long", detail)
+    return Completion(ids[:max_length], labels[:max_length], len(prompt_ids)), "truncated"
+
+
 def tokenize_completion(tok: Tokenizer, prompt: Any, completion: Any, max_length: int, what: str,
                         on_too_long: OnTooLong) -> tuple[Completion | None, str | None]:
     """Tokenize prompt + completion; returns (completion, note) where note is "truncated" or None.
@@ -97,21 +144,9 @@ def tokenize_completion(tok: Tokenizer, prompt: Any, completion: Any, max_length
     Raises ``ExampleError`` for an invalid record, an empty completion, a prompt that fills
     ``max_length``, or (``on_too_long='error'``/``'skip'``) a completion that does not fit.
     """
-    if _content_is_empty(completion):
-        raise ExampleError("empty_completion", f"{what!r} is empty")
-    segments, add_eos = example_segments({"prompt": prompt, "completion": completion})
-    ids, labels = tokenize_segments(tok, segments, add_eos)
-    prompt_len = next((i for i, v in enumerate(labels) if v != IGNORE_INDEX), len(labels))
-    if prompt_len >= max_length:
-        raise ExampleError("prompt_too_long",
-                           f"the prompt takes {prompt_len} tokens, leaving no room for {what!r} within "
-                           f"max_length={max_length}")
-    if len(ids) <= max_length:
-        return Completion(ids, labels, prompt_len), None
-    detail = f"{what!r} makes {len(ids)} tokens, more than max_length={max_length}"
-    if on_too_long != "truncate":
-        raise ExampleError("too_long", detail)
-    return Completion(ids[:max_length], labels[:max_length], prompt_len), "truncated"
+    prompt_segments, segments, add_eos = completion_segments(prompt, completion, what)
+    prompt_ids = tokenize_prompt(tok, prompt_segments, max_length, what)
+    return append_completion(tok, prompt_ids, segments, add_eos, max_length, what, on_too_long)
 
 
 def parse_pair(tok: Tokenizer, record: Any, max_length: int, on_too_long: OnTooLong) -> tuple[PreferencePair, bool]:
@@ -131,8 +166,13 @@ def parse_pair(tok: Tokenizer, record: Any, max_length: int, on_too_long: OnTooL
         raise ExampleError("no_prompt", "plain-text pairs need a 'prompt' field")
     if chosen == rejected:
         raise ExampleError("identical_pair", "'chosen' and 'rejected' are identical, so there is no preference")
-    c, c_note = tokenize_completion(tok, prompt, chosen, max_length, "chosen", on_too_long)
-    r, r_note = tokenize_completion(tok, prompt, rejected, max_length, "rejected", on_too_long)
+    c_prompt, c_segments, c_eos = completion_segments(prompt, chosen, "chosen")
+    r_prompt, r_segments, r_eos = completion_segments(prompt, rejected, "rejected")
+    if c_prompt != r_prompt:  # not reachable from valid records: both render the one prompt
+        raise ExampleError("bad_prompt_completion", "'chosen' and 'rejected' render the prompt differently")
+    prompt_ids = tokenize_prompt(tok, c_prompt, max_length, "chosen")  # one tokenization, shared by both
+    c, c_note = append_completion(tok, prompt_ids, c_segments, c_eos, max_length, "chosen", on_too_long)
+    r, r_note = append_completion(tok, prompt_ids, r_segments, r_eos, max_length, "rejected", on_too_long)
     if c.input_ids == r.input_ids:
         raise ExampleError("identical_pair", f"'chosen' and 'rejected' are identical within max_length={max_length}")
     margin = record.get("margin")

@@ -156,3 +156,46 @@ def test_demo_pairs_prefer_the_correct_answer_and_use_the_models_wrong_answers()
         assert p["rejected_source"] == ("rule" if i % 2 else "model")
     kto = unpair(pairs)
     assert [k["label"] for k in kto[:4]] == [True, False, True, False]
+
+
+def test_chosen_and_rejected_share_one_tokenization_of_a_prompt_ending_in_a_space(small_tokenizer):
+    tok = small_tokenizer
+    record = {"prompt": "The answer is ", "chosen": "the king", "rejected": "42"}
+    pair, _ = parse_pair(tok, record, 64, "error")
+    prompt_ids = [tok.bos_id, *tok.hf.encode("The answer is ", add_special_tokens=False).ids]
+    for side, text in ((pair.chosen, "the king"), (pair.rejected, "42")):
+        assert side.prompt_len == len(prompt_ids) and side.input_ids[: side.prompt_len] == prompt_ids
+        completion = [*tok.hf.encode(text, add_special_tokens=False).ids, tok.eos_id]
+        assert side.input_ids[side.prompt_len:] == completion  # the completion tokenized on its own
+        assert side.labels == [IGNORE_INDEX] * side.prompt_len + completion  # labels start right after the prompt
+
+
+def test_conversational_completions_tokenized_apart_equal_the_whole_rendered_text(small_tokenizer):
+    from lmforge.data.chat import render_chatml, tokenize_segments
+
+    tok = small_tokenizer
+    prompt, chosen = [USER], [{"role": "assistant", "content": " 5 "}]
+    pair, _ = parse_pair(tok, {"prompt": prompt, "chosen": chosen,
+                               "rejected": [{"role": "assistant", "content": "6"}]}, 64, "error")
+    ids, labels = tokenize_segments(tok, [*render_chatml(prompt), *render_chatml(chosen)])
+    assert (pair.chosen.input_ids, pair.chosen.labels) == (ids, labels)  # special tokens cut the text anyway
+    assert pair.chosen.input_ids[: pair.chosen.prompt_len] == pair.rejected.input_ids[: pair.rejected.prompt_len]
+    assert tok.decode(pair.chosen.input_ids[: pair.chosen.prompt_len]).endswith("<|im_start|>assistant\n")
+
+
+def test_kto_mismatched_rows_keep_the_prompt_tokens_and_append_the_other_completion(small_tokenizer):
+    tok = small_tokenizer
+    records = [{"prompt": f"Item {i} is ", "completion": ["the king", "42", "a cat"][i], "label": i != 1}
+               for i in range(3)]
+    examples = [parse_unpaired(tok, r, 64, "error")[0] for r in records]
+    rows = unpaired_rows(examples, tok.pad_id, 64, seed=0)
+    completions = [e.completion for e in examples]
+    for i, c in enumerate(completions):
+        assert c.input_ids[: c.prompt_len] == [tok.bos_id, *tok.hf.encode(records[i]["prompt"],
+                                                                          add_special_tokens=False).ids]
+        mask = rows["kl_attention_mask"][i].bool()
+        kl_ids, kl_labels = rows["kl_input_ids"][i][mask].tolist(), rows["kl_labels"][i][mask].tolist()
+        assert kl_ids[: c.prompt_len] == c.input_ids[: c.prompt_len]
+        tail = kl_ids[c.prompt_len:]
+        assert tail in [o.input_ids[o.prompt_len:] for j, o in enumerate(completions) if j != i]
+        assert kl_labels == [IGNORE_INDEX] * c.prompt_len + tail
