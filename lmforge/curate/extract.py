@@ -3,8 +3,20 @@
 Two extractors: ``resiliparse`` (default; ``extract_plain_text(HTMLTree.parse(html),
 main_content=True)``, ~1,400 pages/s) and ``trafilatura`` (``favor_precision=True``,
 ``include_comments=False``, ``deduplicate=True``, as datatrove's FineWeb extractor; cleaner
-but ~20x slower). A document that is not HTML, extracts to nothing, or takes longer than
-``timeout_s`` is rejected with that reason.
+but ~20x slower). An HTML page that extracts to nothing or takes longer than ``timeout_s``
+is rejected with that reason.
+
+Which documents are HTML is read from ``metadata["content_type"]``, which the readers set
+for WARC records and ``.html`` files:
+
+* HTML or XHTML, or a WARC record that names no type (``""``, as datatrove extracts
+  those): extracted.
+* no ``content_type`` at all (JSONL, Parquet and plain-text inputs, unless a record has
+  that field) or ``text/plain`` (WET conversion records, plain-text payloads): already
+  text, passed through unchanged. Running an HTML parser on them would drop whatever
+  follows a ``<`` and join the lines the line-based Gopher/C4/FineWeb rules count.
+* any other type (PDF, images, scripts): rejected as ``not-html`` (``html_only: false``
+  extracts them as HTML instead).
 
 The time limit is an interval timer (``SIGALRM``) around each extraction, as datatrove
 limits its extractor; it needs the worker's main thread (process-pool and Ray workers run
@@ -24,13 +36,15 @@ from lmforge.core.run import log
 from lmforge.curate.base import Document
 from lmforge.curate.readers import HTML_TYPES
 
+TEXT_TYPES = ("text/plain",)  # content types passed through as they are
+
 
 @dataclass
 class ExtractConfig:
     extractor: Literal["resiliparse", "trafilatura"] = "resiliparse"
     timeout_s: float = 5.0  # per document; 0 disables (datatrove: 1 s for trafilatura in a subprocess)
     main_content: bool = True  # resiliparse: drop navigation, headers and footers
-    html_only: bool = True  # reject documents whose metadata content_type is not HTML/XHTML
+    html_only: bool = True  # reject documents of a content type neither HTML nor text/plain (false: extract them)
     min_chars: int = 1  # shorter extracted text is rejected as empty
 
     def __post_init__(self) -> None:
@@ -78,7 +92,7 @@ EXTRACTORS: dict[str, Callable[[str, bool], str]] = {"resiliparse": resiliparse_
 
 
 class HtmlExtract:
-    """DocumentStep: replace ``doc.text`` (HTML) by its main text."""
+    """DocumentStep: replace an HTML document's text by its main text; other text passes unchanged."""
 
     name = "extract"
 
@@ -90,7 +104,9 @@ class HtmlExtract:
 
     def __call__(self, doc: Document) -> str | None:
         ctype = doc.metadata.get("content_type")
-        if self.cfg.html_only and ctype and ctype.lower() not in HTML_TYPES:
+        if not isinstance(ctype, str) or ctype.lower() in TEXT_TYPES:
+            return None  # already text: JSONL, Parquet, plain-text files and payloads
+        if ctype and ctype.lower() not in HTML_TYPES and self.cfg.html_only:
             return f"not-html: content type {ctype}"
         if not doc.text.strip():
             return "empty-page: no HTML"

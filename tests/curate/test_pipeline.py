@@ -8,7 +8,7 @@ from lmforge.curate import filters
 from lmforge.curate.pipeline import CurateConfig, run_curate
 from lmforge.curate.readers import InputsConfig
 from lmforge.data.documents import DocumentsConfig, read_documents
-from tests.curate.warc_fixtures import PROSE, html_record, write_warc
+from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
 
 STEPS = [{"type": "extract"}, {"type": "language", "languages": ["en"]},
          {"type": "gopher_quality", "min_doc_words": 20}, {"type": "exact_dedup"}]
@@ -154,3 +154,19 @@ def test_minhash_removes_copies_whose_ids_collide_across_inputs(tmp_path):
                                ("part.jsonl:1", str(tmp_path / "dump-c" / "part.jsonl"), "part.jsonl:1", 2)]
     assert stats["kept"] == 3 and stats["stages"]["minhash"]["reasons"] == {"near-duplicate": 7}
     assert stats["dup_cluster_sizes"] == {2: 1, 4: 2}
+
+
+def test_extract_changes_only_html_documents(tmp_path):
+    code = "Use #include <stdio.h> in C programs\nand compare if a<b.\n\n  Second paragraph <br> here.\n"
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text(json.dumps({"id": "j", "text": code}) + "\n")
+    (tmp_path / "page.html").write_text(page(PROSE["en"]))
+    warc = write_warc(tmp_path / "c.warc.gz", [html_record("https://x.org/a", PROSE["en"]),
+                                               ("https://x.org/a.txt", code.encode(), "text/plain")])
+    cfg = CurateConfig(run_dir=str(tmp_path / "run"), steps=[{"type": "extract"}], workers=1, output_format="jsonl",
+                       inputs=InputsConfig(paths=[str(jsonl), str(tmp_path / "page.html"), str(warc)]))
+    assert run_curate(cfg)["kept"] == 4
+    text = {r["metadata"].get("url", r["id"]): r["text"]
+            for p in sorted((tmp_path / "run" / "output").iterdir()) for r in map(json.loads, p.open())}
+    assert text["j"] == code and text["https://x.org/a.txt"] == code  # byte for byte
+    assert text["https://x.org/a"] == text[(tmp_path / "page.html").as_posix()] == f"Page\n\n{PROSE['en']}"
