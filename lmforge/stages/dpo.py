@@ -61,7 +61,9 @@ class PreferenceDataConfig:
     val: list[str] = field(default_factory=list)  # held-out pairs: validation margins and accuracy
     max_length: int = 512  # tokens of prompt + completion
     on_bad: Literal["error", "skip"] = "error"  # a bad record (identical pair, empty completion, prompt too long...)
-    on_too_long: Literal["error", "truncate", "skip"] = "truncate"  # a completion past max_length (TRL: keep_start)
+    # a completion past max_length: truncated (TRL's DPO/KTO keep_start), skipped and counted, or an error;
+    # the reward stage skips by default (RewardDataConfig), as a reward read at a cut-off token is meaningless
+    on_too_long: Literal["error", "truncate", "skip"] = "truncate"
     seed: int = 0
 
 

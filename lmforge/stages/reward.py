@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
@@ -28,10 +29,17 @@ from lmforge.train.metrics import loss_curve_lines
 
 
 @dataclass
+class RewardDataConfig(PreferenceDataConfig):
+    # an over-long pair is skipped and counted, as TRL's RewardTrainer drops it: truncated, its
+    # reward would be read at a cut-off token with no EOS; `truncate` keeps it anyway
+    on_too_long: Literal["error", "truncate", "skip"] = "skip"
+
+
+@dataclass
 class RewardRecipe:
     run_dir: str = "runs/reward"
     checkpoint: str = "runs/sft"  # the backbone: usually the SFT model
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    data: RewardDataConfig = field(default_factory=RewardDataConfig)
     objective: RewardLossConfig = field(default_factory=RewardLossConfig)
     lora: LoraConfig | None = None  # adapters on the backbone; the head is always trained
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50,
@@ -79,6 +87,9 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     before, after = res.get("before") or {}, res.get("after") or {}
     out = [f"- {res.get('train_pairs')} training pairs, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
            f"{' (LoRA)' if res.get('lora') else ''}; reward model in `{res.get('final_checkpoint')}`"]
+    skipped = (res.get("skipped") or {}).get("by_reason") or {}
+    if skipped:
+        out.append(f"- pairs skipped or truncated: {sum(skipped.values())} {skipped}")
     if after:
         out.append(f"- held-out pairwise accuracy on {res.get('val_pairs')} pairs: "
                    f"**{100 * before.get('val_accuracy', 0):.1f}% → {100 * after['val_accuracy']:.1f}%**, "

@@ -97,7 +97,7 @@ def test_kto_trains_on_unpaired_examples_with_a_kl_baseline(tmp_path, base_check
 def test_reward_model_learns_the_pairs_and_reloads_with_its_head(tmp_path, base_checkpoint, data):
     recipe = load_config(RewardRecipe, None, [
         f"run_dir={tmp_path / 'rm'}", f"checkpoint={base_checkpoint}", f"data.train=[{data / 'train.jsonl'}]",
-        f"data.val=[{data / 'val.jsonl'}]", *COMMON, "train.max_steps=8"])
+        f"data.val=[{data / 'val.jsonl'}]", *COMMON, "data.max_length=128", "train.max_steps=8"])
     summary = run_reward(recipe)
     records = read_metrics(tmp_path / "rm")
     assert records[-1]["loss"] < records[0]["loss"]
@@ -105,6 +105,23 @@ def test_reward_model_learns_the_pairs_and_reloads_with_its_head(tmp_path, base_
     model = load_reward_model(tmp_path / "rm")
     ids = torch.tensor([[1, 5, 9, 11]])
     assert model(ids).shape == (1,)
+
+
+def test_reward_model_skips_and_counts_over_long_pairs_by_default_while_dpo_truncates(tmp_path, base_checkpoint,
+                                                                                     data):
+    from lmforge.stages.reward import report as reward_report
+
+    lines = (data / "train.jsonl").read_text().splitlines()[:8]
+    long_pair = '{"prompt": "Q", "chosen": "' + " a" * 200 + '", "rejected": " b"}'
+    (tmp_path / "train.jsonl").write_text("\n".join([*lines, long_pair]) + "\n")
+    recipe = load_config(RewardRecipe, None, [
+        f"run_dir={tmp_path / 'rm'}", f"checkpoint={base_checkpoint}", f"data.train=[{tmp_path / 'train.jsonl'}]",
+        *COMMON, "data.max_length=128", "train.max_steps=1"])
+    assert recipe.data.on_too_long == "skip" and load_config(DPORecipe).data.on_too_long == "truncate"
+    summary = run_reward(recipe)
+    assert summary["train_pairs"] == 8 and summary["skipped"]["by_reason"] == {"too_long": 1}
+    assert any("skipped or truncated: 1 {'too_long': 1}" in line
+               for line in reward_report(summary, tmp_path / "rm", tmp_path / "plot.png"))
 
 
 def test_dpo_gradient_accumulation_equals_one_big_batch(tmp_path, base_checkpoint, data):
