@@ -1,11 +1,12 @@
 import json
+import os
 
 import pytest
 
 from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError
 from lmforge.curate import filters
-from lmforge.curate.pipeline import CurateConfig, run_curate
+from lmforge.curate.pipeline import CurateConfig, referenced_files, run_curate
 from lmforge.curate.readers import InputsConfig
 from lmforge.data.documents import DocumentsConfig, read_documents
 from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
@@ -170,3 +171,51 @@ def test_extract_changes_only_html_documents(tmp_path):
             for p in sorted((tmp_path / "run" / "output").iterdir()) for r in map(json.loads, p.open())}
     assert text["j"] == code and text["https://x.org/a.txt"] == code  # byte for byte
     assert text["https://x.org/a"] == text[(tmp_path / "page.html").as_posix()] == f"Page\n\n{PROSE['en']}"
+
+
+def test_a_changed_file_named_by_a_step_reruns_that_step_and_the_later_ones(tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(
+        json.dumps({"id": f"{host}-{i}", "text": f"page {i} of {host}", "url": f"https://{host}/{i}"}) + "\n"
+        for host in ("a.org", "b.org", "c.org") for i in range(2)))
+    first, second = tmp_path / "first.txt", tmp_path / "lists" / "second.txt"
+    second.parent.mkdir()
+    first.write_text("a.org\n")
+    second.write_text("# nothing blocked yet\n")
+    cfg = CurateConfig(run_dir=str(tmp_path / "run"), inputs=InputsConfig(paths=[str(tmp_path / "docs.jsonl")]),
+                       steps=[{"type": "url_filter", "domains_file": str(first)}, {"type": "exact_dedup"},
+                              {"type": "url_filter", "name": "second", "domains_file": str(second)}], workers=1)
+
+    def rewrite(path, text, tick):
+        path.write_text(text)
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + tick * 10**9))  # not the same mtime
+
+    def rejected():
+        return sorted((r["id"], r["stage"]) for r in rejects(tmp_path / "run"))
+
+    assert run_curate(cfg)["kept"] == 4 and rejected() == [("a.org-0", "url_filter"), ("a.org-1", "url_filter")]
+    assert run_curate(cfg)["tasks_run"] == 0
+    rewrite(second, "c.org\n", 1)  # a later step's file: segment 0 is reused
+    stats = run_curate(cfg)
+    assert stats["kept"] == 2 and stats["tasks_skipped"] == 1
+    assert rejected() == [("a.org-0", "url_filter"), ("a.org-1", "url_filter"), ("c.org-0", "second"),
+                          ("c.org-1", "second")]
+    rewrite(first, "b.org\n", 2)  # the first step's file, same size: everything reruns
+    stats = run_curate(cfg)
+    assert stats["kept"] == 2 and stats["tasks_skipped"] == 0
+    assert rejected() == [("b.org-0", "url_filter"), ("b.org-1", "url_filter"), ("c.org-0", "second"),
+                          ("c.org-1", "second")]
+
+
+def test_referenced_files_walk_folders_and_ignore_strings_that_are_no_path(tmp_path):
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "classifier.npz").write_bytes(b"12")
+    (model / "sub" / "config.json").write_text("{}")
+    config = {"type": "classifier", "model": str(model), "words": ["the", "", str(tmp_path / "missing")], "n": 3}
+    before = referenced_files(config)
+    assert [(path, size) for path, size, _ in before] == [(str(model / "classifier.npz"), 2),
+                                                          (str(model / "sub" / "config.json"), 2)]
+    (model / "sub" / "config.json").write_text("{1}")
+    assert referenced_files(config) != before
+    (model / "sub" / "extra.json").write_text("")
+    assert len(referenced_files(config)) == 3
