@@ -5,8 +5,9 @@ autocast as the policy, so it computes in the policy's dtype: with policy == ref
 DPO loss is exactly ln 2 (a reference in another dtype breaks this, as reported for the DPO
 reference implementation). With LoRA the reference is the policy with its adapters
 disabled, so no second copy of the model is held; with full fine-tuning it is a frozen copy.
-Its log-probabilities can instead be precomputed in one pass over the data, after which
-the copy is not needed at all (TRL's ``precompute_ref_log_probs``).
+Its log-probabilities can instead be precomputed in one pass over the data before training
+(TRL's ``precompute_ref_log_probs``): the policy then scores them itself, as it still equals
+the reference, and no copy is made at all.
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def frozen_copy_reference(model: nn.Module) -> Reference:
 def policy_reference(model: nn.Module) -> Reference:
     """The reference for a policy as it is now: adapters disabled with LoRA, else a frozen copy."""
     return adapters_disabled_reference(model) if lora_modules(model) else frozen_copy_reference(model)
+
+
+def untrained_policy_reference(model: nn.Module) -> Reference:
+    """The policy itself as the reference (adapters disabled with LoRA), with no copy of the weights.
+
+    Only valid while the policy has not been updated, so only for precomputing the
+    reference's log-probs before training; a live reference needs ``policy_reference``.
+    """
+    if lora_modules(model):
+        return adapters_disabled_reference(model)
+
+    def reference(input_ids, labels, attention_mask=None):
+        return _scored_in_eval_mode(model, input_ids, labels, attention_mask)
+
+    return reference
 
 
 def precompute_logprobs(reference: Reference, rows: dict[str, torch.Tensor], prefix: str, batch_size: int,

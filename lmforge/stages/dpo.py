@@ -31,7 +31,13 @@ from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
-from lmforge.objectives.reference import Reference, completion_logprobs, policy_reference, precompute_logprobs
+from lmforge.objectives.reference import (
+    Reference,
+    completion_logprobs,
+    policy_reference,
+    precompute_logprobs,
+    untrained_policy_reference,
+)
 from lmforge.peft.lora import LoraConfig
 from lmforge.train.finetune import (
     ExactMatchConfig,
@@ -173,15 +179,15 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         wrap_lora(model, recipe.lora, stage)
 
     reference = None
-    if needs_reference:
+    if needs_reference and recipe.precompute_reference:
+        t0 = time.perf_counter()
+        scorer = untrained_policy_reference(model)  # not yet updated, so the policy is its own reference: no copy
+        for rows in (train_rows, val_rows):
+            if rows is not None:
+                attach_reference(scorer, rows, reference_columns, 2 * cfg.micro_batch_size, device, precision)
+        log.info("%s: reference log-probs precomputed in %.1f s", stage, time.perf_counter() - t0)
+    elif needs_reference:
         reference = policy_reference(model)  # adapters disabled with LoRA, else a frozen copy
-        if recipe.precompute_reference:
-            t0 = time.perf_counter()
-            for rows in (train_rows, val_rows):
-                if rows is not None:
-                    attach_reference(reference, rows, reference_columns, 2 * cfg.micro_batch_size, device, precision)
-            reference = None  # a frozen copy is freed here
-            log.info("%s: reference log-probs precomputed in %.1f s", stage, time.perf_counter() - t0)
     objective = objective_for(reference)
     val_batches = (lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None
     start = evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches) if val_batches else {}

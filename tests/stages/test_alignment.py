@@ -69,6 +69,19 @@ def test_lora_dpo_uses_the_model_with_adapters_disabled_as_reference(tmp_path, b
     assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_full_fine_tuning_precomputes_the_reference_with_the_policy_itself_not_a_copy(tmp_path, base_checkpoint,
+                                                                                     data, monkeypatch):
+    import lmforge.objectives.reference as reference
+
+    def no_copy(model):
+        raise AssertionError("precomputing the reference must not copy the model")
+
+    monkeypatch.setattr(reference, "frozen_copy_reference", no_copy)
+    run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "precompute_reference=true", "train.max_steps=1",
+                       "eval.exact_match=false"))
+    assert read_metrics(tmp_path / "dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 def test_precomputed_and_live_reference_give_the_same_losses(tmp_path, base_checkpoint, data):
     run_dpo(dpo_recipe(tmp_path / "a", base_checkpoint, data, "precompute_reference=true"))
     run_dpo(dpo_recipe(tmp_path / "b", base_checkpoint, data, "precompute_reference=false"))
