@@ -2,7 +2,8 @@
 
 A reader yields ``(Document, None)`` for every record it can read and ``(Document, reason)``
 for one it cannot (a truncated WARC record, an undecodable payload, a malformed JSONL
-line), so bad records become counted rejects instead of stopping the run or vanishing.
+line, a string with a lone surrogate or invalid UTF-8, which no output could hold), so bad
+records become counted rejects instead of stopping the run or vanishing.
 A missing or unreadable file is an ``InputError`` naming it.
 
 Sharding: every file's records are numbered; the records of all inputs, in order, are cut
@@ -14,6 +15,7 @@ records before it: reading a file cut into K shards costs one pass, not K.
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -278,15 +280,23 @@ def _warc_resumes_at(path: Path, offset: int, record_id: str | None) -> bool:
 
 
 def _decode(payload: bytes, charset: str | None) -> tuple[str | None, str | None]:
+    """The payload as text in its declared charset, else UTF-8; or None and the problem."""
     if b"\0" in payload[:4096]:
         return None, "binary-payload: NUL bytes in the payload"
+    error = None
     for enc in dict.fromkeys([charset or "utf-8", "utf-8"]):
         try:
-            return payload.decode(enc), None
+            text = payload.decode(enc)
         except LookupError:
             continue
         except UnicodeDecodeError as exc:
             error = f"undecodable-payload: invalid {enc} at byte {exc.start}"
+            continue
+        # strict UTF-8 never yields a lone surrogate, but a declared utf-7 or unicode_escape can
+        m = _SURROGATE.search(text) if enc != "utf-8" else None
+        if m is None:
+            return text, None
+        error = f"invalid-unicode: lone surrogate at character {m.start()} of the {enc} payload"
     return None, error
 
 
@@ -382,7 +392,53 @@ def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
         if not isinstance(record, dict):
             yield Document(fallback_id, "", {"source": str(path)}), f"not-an-object: {where}: {type(record).__name__}"
             continue
+        problem = lone_surrogate(record) if b"\\u" in raw else None  # only a JSON \u escape makes one
+        if problem:
+            doc, _ = _record_document(replace_surrogates(record), cfg, fallback_id, path, where)
+            yield doc, f"invalid-unicode: {where}: {problem}"
+            continue
         yield _record_document(record, cfg, fallback_id, path, where)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def lone_surrogate(record: dict) -> str | None:
+    """Where a record holds a lone UTF-16 surrogate (JSON ``"\\ud800"`` without its pair), or None.
+
+    Such a string is valid JSON and a valid Python ``str`` but has no UTF-8 encoding, so no
+    output could hold it.
+    """
+    for key, value in record.items():
+        if isinstance(value, str) and (m := _SURROGATE.search(value)):
+            return f"lone surrogate at character {m.start()} of field {key!r}"
+        if any(_SURROGATE.search(s) for s in _strings({key: value})):
+            return f"lone surrogate in field {key!r}"  # repr escapes a surrogate in the key itself
+    return None
+
+
+def replace_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate replaced by U+FFFD, so that its reject can be written."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {replace_surrogates(k): replace_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [replace_surrogates(v) for v in value]
+    return value
 
 
 def _record_document(record: dict, cfg: InputsConfig, fallback_id: str, path: Path, where: str
@@ -413,9 +469,40 @@ def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterat
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
-        for record in batch.to_pylist():
+        for record, problem in _parquet_rows(batch):
             if start <= row < stop:
-                yield _record_document(record, cfg, f"{path.name}:{row + 1}", path, f"{path}:row {row + 1}")
+                fallback_id, where = f"{path.name}:{row + 1}", f"{path}:row {row + 1}"
+                if problem:
+                    yield _record_document(record, cfg, fallback_id, path, where)[0], f"invalid-utf8: {where}: {problem}"
+                else:
+                    yield _record_document(record, cfg, fallback_id, path, where)
             row += 1
             if row >= stop:
                 return
+
+
+def _parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
+    """The batch's rows with None, or, for a row holding invalid UTF-8 in a string column (Parquet
+    writers need not check), the row with U+FFFD in its place and where the bad byte is."""
+    try:
+        return [(record, None) for record in batch.to_pylist()]
+    except UnicodeDecodeError:
+        pass
+    import pyarrow as pa
+
+    rows: list[tuple[dict, str | None]] = []
+    for i in range(batch.num_rows):
+        record: dict[str, Any] = {}
+        problem = None
+        for name, column in zip(batch.schema.names, batch.slice(i, 1).columns):
+            try:
+                record[name] = column[0].as_py()
+            except UnicodeDecodeError as exc:
+                if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                    raw = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+                    record[name] = raw[0].as_py().decode("utf-8", "replace")
+                else:
+                    record[name] = None  # a nested column: no text to show
+                problem = problem or f"invalid UTF-8 at byte {exc.start} of column {name!r}"
+        rows.append((record, problem))
+    return rows

@@ -219,3 +219,20 @@ def test_referenced_files_walk_folders_and_ignore_strings_that_are_no_path(tmp_p
     assert referenced_files(config) != before
     (model / "sub" / "extra.json").write_text("")
     assert len(referenced_files(config)) == 3
+
+
+def test_lone_surrogates_are_read_rejects_and_every_record_is_counted(tmp_path):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_bytes(b'{"id": "a", "text": "first document"}\n{"text": "abc \\ud800 def"}\n'
+                      b'{"id": "c", "text": "third", "title": "\\udc80"}\n{"id": "d", "text": "last document"}\n')
+    # a declared utf-7 payload decodes to a lone surrogate; the reader falls back to UTF-8
+    warc = write_warc(tmp_path / "c.warc.gz", [("https://x.org/7", b"<p>+2AA- seven</p>", "text/html; charset=utf-7")])
+    cfg = CurateConfig(run_dir=str(tmp_path / "run"), inputs=InputsConfig(paths=[str(jsonl), str(warc)]),
+                       steps=[{"type": "extract"}, {"type": "exact_dedup"}], workers=1, output_format="jsonl")
+    stats = run_curate(cfg)
+    assert stats["documents"] == 5 == stats["kept"] + stats["rejected"] and stats["kept"] == 3
+    assert [(r["id"], r["stage"], r["reason"]) for r in rejects(tmp_path / "run")] == [
+        ("d.jsonl:2", "read", f"invalid-unicode: {jsonl}:2: lone surrogate at character 4 of field 'text'"),
+        ("c", "read", f"invalid-unicode: {jsonl}:3: lone surrogate at character 0 of field 'title'")]
+    kept = [json.loads(line) for p in sorted((tmp_path / "run" / "output").iterdir()) for line in p.open()]
+    assert [r["text"] for r in kept] == ["first document", "last document", "+2AA- seven"]

@@ -1,6 +1,7 @@
 import gzip
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -183,3 +184,33 @@ def test_a_warc_shard_seeks_past_the_records_before_it(tmp_path, gzip_it):
     data = path.read_bytes()
     path.write_bytes(b"x" * cut + data[cut:])  # the first shard's records, unreadable now
     assert [d.metadata["url"] for d, _ in read_piece(piece, cfg)] == [f"https://x.org/{i}" for i in (3, 4, 5)]
+
+
+def test_lone_surrogates_and_invalid_utf8_strings_are_read_rejects_naming_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"id": "ok", "text": "fine"}\n'
+                     b'{"text": "abc \\ud800 def"}\n'
+                     b'{"id": "pair", "text": "smile \\ud83d\\ude00"}\n'
+                     b'{"id": "meta", "text": "fine", "url": "https://x.org/\\udc80"}\n'
+                     b'{"id": "key", "text": "fine", "\\udfff": 1}\n')
+    table = pa.table({"id": ["p1", "p2"], "text": ["good", "good"]})
+    data = b"abc \xed\xa0\x80 def"  # a surrogate encoded as UTF-8: invalid, but a Parquet writer may store it
+    offsets = pa.py_buffer(np.array([0, len(data)], dtype=np.int32).tobytes())
+    bad = pa.Array.from_buffers(pa.string(), 1, [None, offsets, pa.py_buffer(data)])
+    pq.write_table(pa.table({"id": ["p0", "p1", "p2"], "text": pa.concat_arrays([table["text"].chunks[0][:1], bad,
+                                                                                table["text"].chunks[0][1:]])}),
+                   tmp_path / "e.parquet")
+    items = read_all(InputsConfig(paths=[str(path), str(tmp_path / "e.parquet")]))
+    assert [(d.id, r) for d, r in items] == [
+        ("ok", None),
+        ("d.jsonl:2", f"invalid-unicode: {path}:2: lone surrogate at character 4 of field 'text'"),
+        ("pair", None),
+        ("meta", f"invalid-unicode: {path}:4: lone surrogate at character 14 of field 'url'"),
+        ("key", f"invalid-unicode: {path}:5: lone surrogate in field '\\udfff'"),
+        ("p0", None),
+        ("p1", f"invalid-utf8: {tmp_path / 'e.parquet'}:row 2: invalid UTF-8 at byte 4 of column 'text'"),
+        ("p2", None)]
+    assert items[1][0].text == "abc \ufffd def" and items[2][0].text == "smile \U0001F600"
+    assert items[6][0].text.startswith("abc \ufffd")
+    for doc, _ in items:  # every one, kept or rejected, can be written out
+        json.dumps([doc.id, doc.text, doc.metadata], ensure_ascii=False).encode("utf-8")
