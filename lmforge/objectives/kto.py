@@ -37,6 +37,29 @@ class KTOLossConfig:
             raise ValueError("beta, desirable_weight and undesirable_weight must be positive")
 
 
+def weight_balance_warning(n_desirable: int, n_undesirable: int, desirable_weight: float,
+                           undesirable_weight: float) -> str | None:
+    """Why the data and λ_D, λ_U are out of balance, or None when λ_D·n_D / (λ_U·n_U) is in [1, 4/3].
+
+    The KTO paper (Eq. 8) and TRL's KTOTrainer recommend that range; TRL warns outside it,
+    and also only warns (does not refuse) when one kind of example is missing.
+    """
+    if n_desirable == 0 or n_undesirable == 0:
+        kind, other = ("desirable", "undesirable") if n_undesirable == 0 else ("undesirable", "desirable")
+        return (f"all {n_desirable + n_undesirable} KTO training examples are {kind} and none {other}: the loss "
+                f"only moves their log-ratio against the KL baseline and nothing contrasts it; add {other} "
+                f"examples (label: {str(other == 'desirable').lower()})")
+    ratio = desirable_weight * n_desirable / (undesirable_weight * n_undesirable)
+    if 1.0 <= ratio <= 4 / 3:
+        return None
+    d_lo, d_hi = (undesirable_weight * n_undesirable / n_desirable * f for f in (1.0, 4 / 3))
+    u_lo, u_hi = (desirable_weight * n_desirable / n_undesirable / f for f in (4 / 3, 1.0))
+    return (f"KTO weights out of balance: desirable_weight·n_desirable / (undesirable_weight·n_undesirable) = "
+            f"{desirable_weight:g}·{n_desirable} / ({undesirable_weight:g}·{n_undesirable}) = {ratio:.2f}, outside "
+            f"the recommended [1, 4/3]; set EITHER desirable_weight in [{d_lo:.2f}, {d_hi:.2f}] OR "
+            f"undesirable_weight in [{u_lo:.2f}, {u_hi:.2f}] (not both)")
+
+
 class KTOObjective:
     def __init__(self, cfg: KTOLossConfig, reference: Reference | None = None):
         self.cfg = cfg

@@ -161,9 +161,14 @@ def start_preference_run(recipe, stage: str, read_examples: Callable) -> Prefere
 def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
                             reference_columns: dict[str, str], needs_reference: bool, stage: str,
                             read_examples: Callable, rows_per_example: int, loss_name: str,
-                            measure: Callable | None = None) -> dict:
-    """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result."""
+                            measure: Callable | None = None, check_examples: Callable | None = None) -> dict:
+    """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result.
+
+    ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
+    """
     run = start_preference_run(recipe, stage, read_examples)
+    if check_examples is not None:
+        check_examples(run.train_examples)
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
     cfg, d = recipe.train, recipe.data

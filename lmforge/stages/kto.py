@@ -3,7 +3,8 @@
 Parquet). The loss weighs desirable and undesirable examples by λ_D and λ_U against a KL
 baseline from mismatched prompt/completion pairs (Ethayarajh et al. 2024). Full
 fine-tuning or LoRA (reference = adapters disabled); reference log-probs precomputed or on
-the fly. Logs the KL baseline, rewards and accuracy; reports exact-match accuracy and, on
+the fly. Warns at the start when λ_D·n_D / (λ_U·n_U) is outside [1, 4/3] or the data holds one kind
+of example only (as TRL does). Logs the KL baseline, rewards and accuracy; reports exact-match accuracy and, on
 held-out preference pairs (`pairs:`), the model's own pairwise preference before and after.
 
   lmforge kto recipes/demo/kto.yaml
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs, read_unpaired_examples, unpaired_rows
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.objectives.kto import KTOLossConfig, KTOObjective
+from lmforge.objectives.kto import KTOLossConfig, KTOObjective, weight_balance_warning
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig, pairwise_preference, report, run_preference_training
 from lmforge.train.finetune import ExactMatchConfig
@@ -53,6 +55,13 @@ def run_kto(recipe: KTORecipe) -> dict:
                 held_out.update(pair_rows(pairs, tok.pad_id))
             return pairwise_preference(model, held_out, batch_size, device, precision)
 
+    def check_balance(examples: list) -> None:
+        n_desirable = sum(e.desirable for e in examples)
+        warning = weight_balance_warning(n_desirable, len(examples) - n_desirable, loss_cfg.desirable_weight,
+                                         loss_cfg.undesirable_weight)
+        if warning:
+            log.warning("kto: %s", warning)
+
     return run_preference_training(
         recipe,
         objective_for=lambda reference: KTOObjective(loss_cfg, reference),
@@ -64,6 +73,7 @@ def run_kto(recipe: KTORecipe) -> dict:
         rows_per_example=1,
         loss_name="kto",
         measure=measure,
+        check_examples=check_balance,
     )
 
 

@@ -107,6 +107,24 @@ def test_kto_trains_on_unpaired_examples_with_a_kl_baseline(tmp_path, base_check
     assert summary["after"]["logp_margin"] > summary["before"]["logp_margin"]
 
 
+def test_kto_warns_at_the_start_when_the_weights_are_out_of_balance(tmp_path, base_checkpoint, data, caplog):
+    import logging
+
+    from lmforge.core.run import log
+
+    log.addHandler(caplog.handler)  # the lmforge logger does not propagate to the root logger
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmforge"):
+            run_kto(load_config(KTORecipe, None, [
+                f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}",
+                f"data.train=[{data / 'kto_train.jsonl'}]", "desirable_weight=3", "eval.exact_match=false",
+                *COMMON, "train.max_steps=1"]))
+    finally:
+        log.removeHandler(caplog.handler)
+    (warning,) = {r.getMessage() for r in caplog.records if "out of balance" in r.getMessage()}
+    assert "3·22 / (1·22) = 3.00" in warning and "desirable_weight in [1.00, 1.33]" in warning
+
+
 def test_reward_model_learns_the_pairs_and_reloads_with_its_head(tmp_path, base_checkpoint, data):
     recipe = load_config(RewardRecipe, None, [
         f"run_dir={tmp_path / 'rm'}", f"checkpoint={base_checkpoint}", f"data.train=[{data / 'train.jsonl'}]",
