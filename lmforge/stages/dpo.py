@@ -101,18 +101,20 @@ def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], b
     was_training = model.training
     model.eval()
     scores = {}
-    for side in ("chosen", "rejected"):
-        scorer = lambda ids, labels, mask: completion_logprobs(model, ids, labels, mask)[:2]  # noqa: E731
-        sums, counts = [], []
-        for start in range(0, len(rows[f"{side}_input_ids"]), batch_size):
-            cols = slice(start, start + batch_size)
-            with autocast_context(device, precision):
-                s, n = scorer(rows[f"{side}_input_ids"][cols].to(device), rows[f"{side}_labels"][cols].to(device),
-                              rows[f"{side}_attention_mask"][cols].to(device))
-            sums.append(s.float().cpu())
-            counts.append(n.cpu())
-        scores[side] = (torch.cat(sums), torch.cat(counts).clamp(min=1))
-    model.train(was_training)
+    try:
+        for side in ("chosen", "rejected"):
+            sums, counts = [], []
+            for start in range(0, len(rows[f"{side}_input_ids"]), batch_size):
+                cols = slice(start, start + batch_size)
+                with autocast_context(device, precision):
+                    s, n = completion_logprobs(model, rows[f"{side}_input_ids"][cols].to(device),
+                                               rows[f"{side}_labels"][cols].to(device),
+                                               rows[f"{side}_attention_mask"][cols].to(device))[:2]
+                sums.append(s.float().cpu())
+                counts.append(n.cpu())
+            scores[side] = (torch.cat(sums), torch.cat(counts).clamp(min=1))
+    finally:
+        model.train(was_training)
     (c, nc), (r, nr) = scores["chosen"], scores["rejected"]
     return {"pairs": len(c), "logp_accuracy": float((c > r).float().mean()),
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}

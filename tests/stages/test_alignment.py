@@ -173,3 +173,18 @@ def test_fine_tuning_under_torchrun_is_refused_before_any_work(tmp_path, base_ch
     with pytest.raises(ConfigError, match="WORLD_SIZE=2: launch it without torchrun"):
         run_dpo(dpo_recipe(tmp_path, base_checkpoint, data))
     assert not (tmp_path / "dpo" / "checkpoints").exists()
+
+
+def test_pairwise_preference_restores_train_mode_when_scoring_fails():
+    from lmforge.stages.dpo import pairwise_preference
+
+    class Failing(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("out of memory")
+
+    model = Failing().train()
+    rows = {f"{side}_{k}": torch.ones(2, 4, dtype=torch.long) for side in ("chosen", "rejected")
+            for k in ("input_ids", "labels", "attention_mask")}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pairwise_preference(model, rows, 2, torch.device("cpu"), "fp32")
+    assert model.training
