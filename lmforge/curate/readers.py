@@ -472,10 +472,8 @@ def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterat
         for record, problem in _parquet_rows(batch):
             if start <= row < stop:
                 fallback_id, where = f"{path.name}:{row + 1}", f"{path}:row {row + 1}"
-                if problem:
-                    yield _record_document(record, cfg, fallback_id, path, where)[0], f"invalid-utf8: {where}: {problem}"
-                else:
-                    yield _record_document(record, cfg, fallback_id, path, where)
+                doc, reason = _record_document(record, cfg, fallback_id, path, where)
+                yield doc, f"invalid-utf8: {where}: {problem}" if problem else reason
             row += 1
             if row >= stop:
                 return
