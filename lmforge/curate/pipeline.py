@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -182,6 +183,26 @@ def _fresh(directory: Path, fingerprint: str, clear: tuple[Path, ...] = ()) -> N
 
 def seg_dir(job: Job, seg: int) -> Path:
     return Path(job.run_dir) / "work" / f"seg-{seg}"
+
+
+# the names mkstemp gives JsonlWriter's and atomic_write_*'s files: .<name>.<8 random characters>.tmp
+_TEMP_FILE = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def clean_leftovers(run_dir: Path, num_segments: int) -> None:
+    """Remove what a killed run leaves behind: the temporary files of writes it did not finish
+    (in ``work/``, ``output/``, ``rejects/`` and the run folder itself), and the work folders
+    of segments beyond ``num_segments`` (a recipe that now has fewer corpus steps)."""
+    work = run_dir / "work"
+    for d in work.glob("seg-*"):
+        if re.fullmatch(r"seg-\d+", d.name) and int(d.name[4:]) >= num_segments and d.is_dir():
+            shutil.rmtree(d)
+    temps = [p for p in run_dir.iterdir() if p.is_file() and _TEMP_FILE.fullmatch(p.name)]
+    for top in (work, run_dir / "output", run_dir / "rejects"):
+        for root, _, files in os.walk(top):
+            temps += [Path(root) / name for name in files if _TEMP_FILE.fullmatch(name)]
+    for path in temps:
+        path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- document files
@@ -466,6 +487,7 @@ def run_curate(cfg: CurateConfig) -> dict:
     fingerprints = _fingerprints(cfg, shards, segments)
     job = Job(str(run_dir), cfg.inputs, shards, segments, fingerprints, cfg.output_format)
     run_dir.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(run_dir, len(segments))
     save_config(cfg, run_dir)
     n = len(shards)
     log.info("curate: %d shards, %d steps in %d segments, executor %s with %d workers",

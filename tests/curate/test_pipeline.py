@@ -236,3 +236,25 @@ def test_lone_surrogates_are_read_rejects_and_every_record_is_counted(tmp_path):
         ("c", "read", f"invalid-unicode: {jsonl}:3: lone surrogate at character 0 of field 'title'")]
     kept = [json.loads(line) for p in sorted((tmp_path / "run" / "output").iterdir()) for line in p.open()]
     assert [r["text"] for r in kept] == ["first document", "last document", "+2AA- seven"]
+
+
+def test_a_run_removes_temporary_files_and_work_folders_a_killed_run_left(tmp_path, crawl):
+    run_curate(config(tmp_path, crawl, "reference"))
+    longer = config(tmp_path, crawl)
+    longer.steps.append({"type": "minhash"})  # three segments; the next run's recipe has two
+    run_curate(longer)
+    run_dir = tmp_path / "run"
+    work = run_dir / "work"
+    leftovers = [run_dir / ".stats.json.k2j4_x9a.tmp", work / "seg-0" / ".shard-000001.kept.jsonl.abcd1234.tmp",
+                 work / "seg-1" / "step" / "index" / "b0003" / ".s000002.npy.0a1b2c3d.tmp",
+                 run_dir / "output" / ".shard-000000.parquet.zzzzzzzz.tmp",
+                 run_dir / "rejects" / ".shard-000002.jsonl.q_w_e_r_.tmp"]
+    foreign = [run_dir / "notes.tmp", work / "seg-0" / "mine.tmp", work / "seg-extra" / "x"]
+    for path in leftovers + foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("partial")
+    assert (work / "seg-2" / "FINGERPRINT").exists()
+    stats = run_curate(config(tmp_path, crawl))
+    assert not any(p.exists() for p in leftovers) and all(p.exists() for p in foreign)
+    assert not (work / "seg-2").exists() and (work / "seg-1" / "FINGERPRINT").exists()
+    assert stats["kept"] == 6 and outputs(run_dir) == outputs(tmp_path / "reference")
