@@ -122,10 +122,13 @@ class BadRecord:
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``."""
+    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``.
+
+    A UTF-8 byte-order mark opening the file (as some Windows editors write) is dropped.
+    """
     with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
-            record = parse_jsonl_line(raw)
+            record = parse_jsonl_line(raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw)
             if record is not BLANK:
                 yield f"{path}:{lineno}", record
 

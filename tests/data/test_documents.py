@@ -100,3 +100,13 @@ def test_split_is_a_stable_hash_of_the_id():
     assert val == [i for i in ids if split_of(i, 0.1) == "val"]  # same answer every time
     assert set(val) <= {i for i in ids if split_of(i, 0.2) == "val"}  # growing the fraction only adds
     assert all(split_of(i, 0.0) == "train" for i in ids[:100])
+
+
+def test_jsonl_records_accept_a_byte_order_mark_on_the_first_line_only(tmp_path):
+    from lmforge.data.documents import BadRecord, jsonl_records
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n\xef\xbb\xbf{"text": "b"}\n')
+    (first, a), (second, b) = jsonl_records(path)
+    assert first.endswith("bom.jsonl:1") and a == {"text": "a"}
+    assert second.endswith("bom.jsonl:2") and isinstance(b, BadRecord)  # a BOM mid-file is not a file's start
