@@ -101,9 +101,21 @@ def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, s
         _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
     elif not text:
         skipped.add("empty_text", where, "empty text")
+    elif (position := lone_surrogate(text)) is not None:
+        _bad(cfg, skipped, "invalid_unicode", where,
+             f"{cfg.text_field!r} holds a lone surrogate (a \\ud800-\\udfff escape) at character {position}, which no UTF-8 text can")
     else:
         return True
     return False
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone UTF-16 surrogate (valid in JSON escapes, not in UTF-8), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def open_binary(path: Path) -> IO[bytes]:
