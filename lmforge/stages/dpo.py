@@ -136,12 +136,24 @@ class PreferenceRun:
     skipped: SkipLog
 
 
+def check_data_paths(recipe, stage: str) -> None:
+    """Every data path the recipe names matches a file, checked before any model is loaded;
+    an error names the recipe key (``data.train``, ``data.val``, ``pairs``, ``eval.tasks``)."""
+    if not recipe.data.train:
+        raise InputError("data.train is empty: list the JSONL/Parquet files of preference data")
+    keys = {"data.train": recipe.data.train, "data.val": recipe.data.val, "pairs": getattr(recipe, "pairs", None)}
+    evaluation = getattr(recipe, "eval", None)
+    if evaluation is not None and evaluation.exact_match:
+        keys["eval.tasks"] = evaluation.tasks
+    for key, paths in keys.items():
+        if paths:
+            expand_paths(paths, what=f"{stage} {key}")
+
+
 def start_preference_run(recipe, stage: str, read_examples: Callable) -> PreferenceRun:
     """The run directory, device and precision, the base model with its chat tokenizer, and the
     recipe's training and validation examples (bad ones counted in ``skipped``)."""
-    if not recipe.data.train:
-        raise InputError("data.train is empty: list the JSONL/Parquet files of preference data")
-    expand_paths(recipe.data.train, what=f"{stage} training")
+    check_data_paths(recipe, stage)
     run_dir = start_run(recipe, recipe.run_dir)
     device = resolve_device(recipe.train.device)
     precision = choose_precision(recipe.train, resume_checkpoint(recipe.train, run_dir), device)

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from lmforge.core.io import InputError
 from lmforge.core.run import log
+from lmforge.data.documents import SkipLog
 from lmforge.data.preference import pair_rows, read_preference_pairs, read_unpaired_examples, unpaired_rows
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.objectives.kto import KTOLossConfig, KTOObjective, weight_balance_warning
@@ -50,8 +52,14 @@ def run_kto(recipe: KTORecipe) -> dict:
         def measure(model, _val_rows, batch_size, device, precision):
             if not held_out:
                 tok = Tokenizer.load(Path(recipe.run_dir) / "tokenizer")
-                pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad="skip",
-                                              on_too_long="truncate")
+                skipped = SkipLog()
+                pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad=recipe.data.on_bad,
+                                              on_too_long=recipe.data.on_too_long, skipped=skipped)
+                log.info("kto: %d held-out pairs; %d skipped or truncated %s", len(pairs), skipped.total,
+                         dict(skipped.by_reason) if skipped.total else "")
+                if not pairs:
+                    raise InputError(f"pairs: no usable pairs in {recipe.pairs} ({skipped.total} skipped: "
+                                     f"{dict(skipped.by_reason)})")
                 held_out.update(pair_rows(pairs, tok.pad_id))
             return pairwise_preference(model, held_out, batch_size, device, precision)
 

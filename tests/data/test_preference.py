@@ -199,3 +199,12 @@ def test_kto_mismatched_rows_keep_the_prompt_tokens_and_append_the_other_complet
         tail = kl_ids[c.prompt_len:]
         assert tail in [o.input_ids[o.prompt_len:] for j, o in enumerate(completions) if j != i]
         assert kl_labels == [IGNORE_INDEX] * c.prompt_len + tail
+
+
+def test_an_empty_data_file_is_an_error_saying_it_is_empty(small_tokenizer, tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "Q", "chosen": " yes", "rejected": " no"}])
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(InputError, match=r"empty.jsonl: the file is empty"):
+        read_preference_pairs([str(good), str(tmp_path / "empty.jsonl")], small_tokenizer, 32)
+    with pytest.raises(InputError, match=r"empty.jsonl: the file is empty"):
+        read_unpaired_examples([str(tmp_path / "empty.jsonl")], small_tokenizer, 32)

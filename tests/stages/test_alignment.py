@@ -188,3 +188,38 @@ def test_pairwise_preference_restores_train_mode_when_scoring_fails():
     with pytest.raises(RuntimeError, match="out of memory"):
         pairwise_preference(model, rows, 2, torch.device("cpu"), "fp32")
     assert model.training
+
+
+@pytest.mark.parametrize("key", ["data.val", "eval.tasks", "pairs"])
+def test_a_missing_data_path_names_its_recipe_key_before_the_model_loads(tmp_path, base_checkpoint, data,
+                                                                         monkeypatch, key):
+    import lmforge.stages.dpo as dpo_stage
+    from lmforge.core.io import InputError
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model must not load before the data paths are checked")
+
+    monkeypatch.setattr(dpo_stage, "load_base", no_load)
+    missing = tmp_path / "nope.jsonl"
+    if key == "pairs":
+        recipe = load_config(KTORecipe, None, [f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}",
+                                               f"data.train=[{data / 'kto_train.jsonl'}]", f"pairs=[{missing}]",
+                                               *COMMON])
+        run = run_kto
+    else:
+        recipe, run = dpo_recipe(tmp_path, base_checkpoint, data, f"{key}=[{missing}]"), run_dpo
+    with pytest.raises(InputError, match=rf"{key} path '{missing}' matches no file"):
+        run(recipe)
+
+
+def test_kto_held_out_pairs_follow_the_recipes_on_bad(tmp_path, base_checkpoint, data):
+    from lmforge.core.io import InputError
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text((data / "val.jsonl").read_text() + '{"prompt": "Q", "chosen": " same", "rejected": " same"}\n')
+    common = [f"checkpoint={base_checkpoint}", f"data.train=[{data / 'kto_train.jsonl'}]", f"pairs=[{pairs}]",
+              "eval.exact_match=false", *COMMON, "train.max_steps=1"]
+    with pytest.raises(InputError, match=r"pairs.jsonl:9: 'chosen' and 'rejected' are identical"):
+        run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'a'}", *common]))
+    summary = run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'b'}", *common, "data.on_bad=skip"]))
+    assert summary["after"]["pairs"] == 8
