@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.io import InputError, atomic_write_json, expand_paths
+from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, start_run
 from lmforge.data.documents import SkipLog
 from lmforge.data.preference import pair_rows, read_preference_pairs
@@ -41,6 +41,7 @@ from lmforge.objectives.reference import (
 from lmforge.peft.lora import LoraConfig
 from lmforge.train.finetune import (
     ExactMatchConfig,
+    check_data_paths,
     exact_match_accuracy,
     exact_match_tasks,
     load_base,
@@ -134,20 +135,6 @@ class PreferenceRun:
     train_examples: list
     val_examples: list
     skipped: SkipLog
-
-
-def check_data_paths(recipe, stage: str) -> None:
-    """Every data path the recipe names matches a file, checked before any model is loaded;
-    an error names the recipe key (``data.train``, ``data.val``, ``pairs``, ``eval.tasks``)."""
-    if not recipe.data.train:
-        raise InputError("data.train is empty: list the JSONL/Parquet files of preference data")
-    keys = {"data.train": recipe.data.train, "data.val": recipe.data.val, "pairs": getattr(recipe, "pairs", None)}
-    evaluation = getattr(recipe, "eval", None)
-    if evaluation is not None and evaluation.exact_match:
-        keys["eval.tasks"] = evaluation.tasks
-    for key, paths in keys.items():
-        if paths:
-            expand_paths(paths, what=f"{stage} {key}")
 
 
 def start_preference_run(recipe, stage: str, read_examples: Callable) -> PreferenceRun:

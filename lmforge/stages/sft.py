@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.io import InputError, atomic_write_json, expand_paths
+from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, start_run
 from lmforge.data.chat import read_sft_examples
 from lmforge.data.documents import SkipLog
@@ -29,6 +29,7 @@ from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.train.finetune import (
     ExactMatchConfig,
+    check_data_paths,
     exact_match_accuracy,
     exact_match_tasks,
     load_base,
@@ -68,9 +69,7 @@ def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> d
 
 
 def run_sft(recipe: SFTRecipe) -> dict:
-    if not recipe.data.train:
-        raise InputError("data.train is empty: list the JSONL/Parquet files to fine-tune on")
-    expand_paths(recipe.data.train, what="SFT training")
+    check_data_paths(recipe, "sft")
     run_dir = start_run(recipe, recipe.run_dir)
     device = resolve_device(recipe.train.device)
     torch.manual_seed(recipe.train.seed)

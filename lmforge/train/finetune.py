@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lmforge.core.config import ConfigError
-from lmforge.core.io import InputError
+from lmforge.core.io import InputError, expand_paths
 from lmforge.core.run import log
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
 from lmforge.data.sft_demo import exact_match
@@ -129,3 +129,18 @@ def exact_match_accuracy(model: nn.Module, tok: Tokenizer, prompts: list[list[in
 def task_files(cfg: ExactMatchConfig, val: list[str]) -> list[str]:
     """The files exact match is scored on: ``eval.tasks``, else the validation data (none if disabled)."""
     return (cfg.tasks or val) if cfg.exact_match else []
+
+
+def check_data_paths(recipe, stage: str) -> None:
+    """Every data path a fine-tuning recipe names matches a file, checked before any model is
+    loaded; an error names the stage and the recipe key (``data.train``, ``data.val``,
+    ``pairs``, ``eval.tasks``)."""
+    if not recipe.data.train:
+        raise InputError(f"{stage} data.train is empty: list the JSONL/Parquet files to train on")
+    keys = {"data.train": recipe.data.train, "data.val": recipe.data.val, "pairs": getattr(recipe, "pairs", None)}
+    evaluation = getattr(recipe, "eval", None)
+    if evaluation is not None and evaluation.exact_match:
+        keys["eval.tasks"] = evaluation.tasks
+    for key, paths in keys.items():
+        if paths:
+            expand_paths(paths, what=f"{stage} {key}")
