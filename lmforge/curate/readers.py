@@ -15,7 +15,6 @@ records before it: reading a file cut into K shards costs one pass, not K.
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -27,7 +26,15 @@ from typing import Any, Literal
 from lmforge.core.io import InputError, expand_paths
 from lmforge.curate.base import Document
 from lmforge.data import documents
-from lmforge.data.documents import BLANK, BadRecord, open_binary, parse_jsonl_line
+from lmforge.data.documents import (
+    BLANK,
+    SURROGATE,
+    BadRecord,
+    lone_surrogate,
+    open_binary,
+    parse_jsonl_line,
+    replace_surrogates,
+)
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".arc.gz")
 HTML_SUFFIXES = (".html", ".htm", ".xhtml")
@@ -293,7 +300,7 @@ def _decode(payload: bytes, charset: str | None) -> tuple[str | None, str | None
             error = f"undecodable-payload: invalid {enc} at byte {exc.start}"
             continue
         # strict UTF-8 never yields a lone surrogate, but a declared utf-7 or unicode_escape can
-        m = _SURROGATE.search(text) if enc != "utf-8" else None
+        m = SURROGATE.search(text) if enc != "utf-8" else None
         if m is None:
             return text, None
         error = f"invalid-unicode: lone surrogate at character {m.start()} of the {enc} payload"
@@ -398,47 +405,6 @@ def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
             yield doc, f"invalid-unicode: {where}: {problem}"
             continue
         yield _record_document(record, cfg, fallback_id, path, where)
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a JSON value, keys included."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
-
-
-def lone_surrogate(record: dict) -> str | None:
-    """Where a record holds a lone UTF-16 surrogate (JSON ``"\\ud800"`` without its pair), or None.
-
-    Such a string is valid JSON and a valid Python ``str`` but has no UTF-8 encoding, so no
-    output could hold it.
-    """
-    for key, value in record.items():
-        if isinstance(value, str) and (m := _SURROGATE.search(value)):
-            return f"lone surrogate at character {m.start()} of field {key!r}"
-        if any(_SURROGATE.search(s) for s in _strings({key: value})):
-            return f"lone surrogate in field {key!r}"  # repr escapes a surrogate in the key itself
-    return None
-
-
-def replace_surrogates(value: Any) -> Any:
-    """``value`` with every lone surrogate replaced by U+FFFD, so that its reject can be written."""
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, dict):
-        return {replace_surrogates(k): replace_surrogates(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [replace_surrogates(v) for v in value]
-    return value
 
 
 def _record_document(record: dict, cfg: InputsConfig, fallback_id: str, path: Path, where: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -101,21 +102,9 @@ def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, s
         _bad(cfg, skipped, "text_not_string", where, f"{cfg.text_field!r} is {type(text).__name__}, not a string")
     elif not text:
         skipped.add("empty_text", where, "empty text")
-    elif (position := lone_surrogate(text)) is not None:
-        _bad(cfg, skipped, "invalid_unicode", where,
-             f"{cfg.text_field!r} holds a lone surrogate (a \\ud800-\\udfff escape) at character {position}, which no UTF-8 text can")
     else:
         return True
     return False
-
-
-def lone_surrogate(text: str) -> int | None:
-    """Where ``text`` holds a lone UTF-16 surrogate (valid in JSON escapes, not in UTF-8), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
 
 
 def open_binary(path: Path) -> IO[bytes]:
@@ -141,11 +130,56 @@ def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     with open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             record = parse_jsonl_line(raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw)
-            if record is not BLANK:
-                yield f"{path}:{lineno}", record
+            if record is BLANK:
+                continue
+            if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
+                record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
+            yield f"{path}:{lineno}", record
 
 
 BLANK = object()  # what ``parse_jsonl_line`` returns for a blank line
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def lone_surrogate(record: Any) -> str | None:
+    """Where a parsed JSON value holds a lone UTF-16 surrogate (``"\\ud800"`` without its pair), or None.
+
+    Such a string is valid JSON and a valid Python ``str`` but has no UTF-8 encoding, so no
+    tokenizer or output file can take it.
+    """
+    if not isinstance(record, dict):
+        return "lone surrogate" if any(SURROGATE.search(s) for s in _strings(record)) else None
+    for key, value in record.items():
+        if isinstance(value, str) and (m := SURROGATE.search(value)):
+            return f"lone surrogate at character {m.start()} of field {key!r}"
+        if any(SURROGATE.search(s) for s in _strings({key: value})):
+            return f"lone surrogate in field {key!r}"  # repr escapes a surrogate in the key itself
+    return None
+
+
+def replace_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate replaced by U+FFFD, so that it can be written."""
+    if isinstance(value, str):
+        return SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {replace_surrogates(k): replace_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [replace_surrogates(v) for v in value]
+    return value
 
 
 def parse_jsonl_line(raw: bytes) -> Any:

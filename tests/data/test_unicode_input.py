@@ -17,7 +17,7 @@ def write(tmp_path):
 
 def test_a_lone_surrogate_is_an_error_naming_the_file_and_line(tmp_path):
     path = write(tmp_path)
-    with pytest.raises(InputError, match=rf"{path}:2: 'text' holds a lone surrogate .* at character 7"):
+    with pytest.raises(InputError, match=rf"{path}:2: lone surrogate at character 7 of field .text., which no UTF-8 text can hold"):
         list(read_documents(DocumentsConfig(paths=[str(path)])))
 
 
@@ -26,3 +26,36 @@ def test_a_lone_surrogate_is_skipped_and_counted_when_asked(tmp_path):
     docs = list(read_documents(DocumentsConfig(paths=[str(write(tmp_path))], skip_bad_records=True), skipped))
     assert [d.text for d in docs] == ["a fine document", "another one"]
     assert dict(skipped.by_reason) == {"invalid_unicode": 1}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(small_tokenizer_dir, tmp_path_factory):
+    import shutil
+
+    from lmforge.data.chat import add_chat_template
+    from lmforge.data.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    for f in small_tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    add_chat_template(path)
+    return Tokenizer.load(path)
+
+
+def test_sft_and_preference_data_with_a_lone_surrogate_are_bad_records(tmp_path, chat_tokenizer):
+    from lmforge.data.chat import read_sft_examples
+    from lmforge.data.preference import read_preference_pairs
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"prompt": "say hi", "completion": "hi"}\n'
+                   '{"messages": [{"role": "user", "content": "hi \\udc00"}, {"role": "assistant", "content": "ok"}]}\n')
+    with pytest.raises(InputError, match=rf"{sft}:2: lone surrogate in field 'messages'"):
+        list(read_sft_examples([str(sft)], chat_tokenizer, 64))
+    skipped = SkipLog()
+    assert len(list(read_sft_examples([str(sft)], chat_tokenizer, 64, on_bad="skip", skipped=skipped))) == 1
+    assert dict(skipped.by_reason) == {"invalid_unicode": 1}
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "2+2=", "chosen": "4", "rejected": "\\ud83d"}\n')  # half of an emoji's pair
+    with pytest.raises(InputError, match=rf"{pairs}:1: .*lone surrogate at character 0 of field 'rejected'"):
+        list(read_preference_pairs([str(pairs)], chat_tokenizer, 64))
