@@ -3,6 +3,7 @@ config and name conversions between the two round-trip."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -207,7 +208,10 @@ def test_llama3_rope_scaling_changes_the_tables_in_all_three_bands():
     inv_freq, inv_freq0 = torch.atan2(sin[1], cos[1]), torch.atan2(sin0[1], cos0[1])  # the angle at position 1
     ratio = inv_freq / inv_freq0
     assert ratio[0] == 1.0  # wavelength 6.3 < 64 / 4: kept
-    assert 1 / 8 < ratio[1] < 1.0  # wavelength 24: between the bands, smoothed
+    # wavelength 24, between the bands: inv_freq * ((1 - s) / factor + s) with s = (64 / wavelength - 1) / (4 - 1)
+    smooth = (64 / (2 * math.pi / inv_freq0[1]) - 1.0) / (4.0 - 1.0)
+    torch.testing.assert_close(ratio[1], (1 - smooth) / 8 + smooth)
+    assert not torch.isclose(ratio[1], torch.tensor(1.0)) and not torch.isclose(ratio[1], torch.tensor(1 / 8))
     torch.testing.assert_close(ratio[2:], torch.full_like(ratio[2:], 1 / 8))  # wavelength > 64: divided by 8
     assert not torch.allclose(cos, cos0)
 
