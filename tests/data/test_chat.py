@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from lmforge.core.io import InputError
 from lmforge.data.chat import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
-    add_chat_template,
     read_sft_examples,
     render_chatml,
     tokenize_conversation,
@@ -34,15 +31,6 @@ CONVERSATIONS = [
 def trained_text(tok: Tokenizer, ids: list[int], labels: list[int]) -> str:
     assert all(lab in (IGNORE_INDEX, i) for i, lab in zip(ids, labels))
     return tok.decode([i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX])
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer_dir(small_tokenizer_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat_tokenizer")
-    for f in small_tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    add_chat_template(path)
-    return path
 
 
 def test_render_chatml_formats_turns_and_generation_prompt():

@@ -29,17 +29,10 @@ def test_a_lone_surrogate_is_skipped_and_counted_when_asked(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer(small_tokenizer_dir, tmp_path_factory):
-    import shutil
-
-    from lmforge.data.chat import add_chat_template
+def chat_tokenizer(chat_tokenizer_dir):
     from lmforge.data.tokenizer import Tokenizer
 
-    path = tmp_path_factory.mktemp("chat_tokenizer")
-    for f in small_tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    add_chat_template(path)
-    return Tokenizer.load(path)
+    return Tokenizer.load(chat_tokenizer_dir)
 
 
 def test_sft_and_preference_data_with_a_lone_surrogate_are_bad_records(tmp_path, chat_tokenizer):
