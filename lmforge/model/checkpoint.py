@@ -89,11 +89,16 @@ def verify_checksums(directory: str | Path) -> None:
             raise InputError(f"{f}: checksum mismatch; the checkpoint is truncated or corrupted")
 
 
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """A training run's ``checkpoints/step_N`` directories, oldest step first (N is zero-padded)."""
+    return sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+
+
 def latest_valid_checkpoint(run_dir: str | Path) -> Path | None:
     """Newest ``run_dir/checkpoints/step_*`` whose checksums verify; a corrupt one is skipped with a warning."""
     from lmforge.core.run import log
 
-    for candidate in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
+    for candidate in reversed(checkpoint_dirs(run_dir)):
         try:
             verify_checksums(candidate)
             return candidate

@@ -31,6 +31,7 @@ from lmforge.core.io import InputError, atomic_directory, atomic_write_json, rep
 from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, read_model_state, save_sharded
 from lmforge.model.checkpoint import (
     WEIGHTS,
+    checkpoint_dirs,
     load_weights,
     read_weights,
     verify_checksums,
@@ -84,9 +85,9 @@ def _py_random_state() -> list:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Delete all but the ``keep`` (>= 1) newest checkpoints, by step."""
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
-    for old in ckpts[: max(0, len(ckpts) - max(keep, 1))]:
+    """Delete all but the ``keep`` (>= 1, as ``TrainConfig`` checks) newest checkpoints, by step."""
+    ckpts = checkpoint_dirs(run_dir)
+    for old in ckpts[: max(0, len(ckpts) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -97,7 +98,7 @@ def set_aside_later_checkpoints(run_dir: Path, step: int) -> Path | None:
     history; checkpoints of the old one past its start would otherwise outrank its own (pruning
     and ``resume=auto`` go by step). They are kept, not deleted: return where they went.
     """
-    later = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if _step_of(p) > step]
+    later = [p for p in checkpoint_dirs(run_dir) if p.name > checkpoint_dir(run_dir, step).name]  # zero-padded
     if not later:
         return None
     aside = Path(run_dir) / f"checkpoints.superseded-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -105,13 +106,6 @@ def set_aside_later_checkpoints(run_dir: Path, step: int) -> Path | None:
     for path in later:
         path.rename(aside / path.name)
     return aside
-
-
-def _step_of(path: Path) -> int:
-    try:
-        return int(path.name.removeprefix("step_"))
-    except ValueError:
-        return -1
 
 
 @dataclass
