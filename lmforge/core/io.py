@@ -93,6 +93,55 @@ def replace_directory(tmp: str | Path, path: str | Path) -> None:
         tmp.rename(path)
 
 
+def named_paths(value: Any, skip_keys: tuple[str, ...] = ()) -> list[Path]:
+    """Existing files and folders named by the strings of a config value (dicts and lists
+    walked, globs expanded), except values under ``skip_keys``. Any string that happens to
+    name a path counts: callers use this to notice when what a config reads has changed."""
+    found: list[Path] = []
+
+    def visit(item: Any, key: str) -> None:
+        if isinstance(item, dict):
+            for k, v in item.items():
+                visit(v, k)
+        elif isinstance(item, (list, tuple)):
+            for v in item:
+                visit(v, key)
+        elif isinstance(item, str) and item and key not in skip_keys:
+            matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
+            found.extend(Path(m) for m in matches if Path(m).exists())
+
+    visit(value, "")
+    return found
+
+
+def file_stamps(paths: list[Path], exclude: tuple[Path, ...] | list[Path] = ()) -> list[tuple[str, int | None, int | None]]:
+    """(path, size, mtime_ns) of every file under ``paths`` (folders walked in sorted order),
+    leaving out ``exclude`` and what is under it: one ``stat`` per file, and it changes when a
+    file does. A file gone while walking stamps as (path, None, None)."""
+    skip = {os.path.realpath(p) for p in exclude}
+    stamps = []
+
+    def stamp(path: str) -> None:
+        if os.path.realpath(path) in skip:
+            return
+        try:
+            st = os.stat(path)
+        except OSError:  # a dangling link, or removed while walking
+            stamps.append((path, None, None))
+            return
+        stamps.append((path, st.st_size, st.st_mtime_ns))
+
+    for root in map(str, paths):
+        if not os.path.isdir(root):
+            stamp(root)
+            continue
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if os.path.realpath(os.path.join(folder, d)) not in skip)
+            for name in sorted(files):
+                stamp(os.path.join(folder, name))
+    return stamps
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.config import dump_config, save_config
-from lmforge.core.io import atomic_write_bytes, atomic_write_json
+from lmforge.core.io import atomic_write_bytes, atomic_write_json, file_stamps, named_paths
 from lmforge.core.run import log, progress_bar
 from lmforge.curate.base import Document
 from lmforge.curate.executor import make_executor
@@ -118,49 +118,16 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _stamp(path: str) -> tuple[str, int | None, int | None]:
-    try:
-        st = os.stat(path)
-    except OSError:  # a dangling link, or removed while walking
-        return path, None, None
-    return path, st.st_size, st.st_mtime_ns
-
-
-def referenced_files(value: Any) -> list[tuple[str, int | None, int | None]]:
-    """(path, size, mtime_ns) of every file that a string in ``value`` names, folders walked recursively.
-
-    ``value`` is a step's config (dicts and lists walked through): what the step reads besides
-    its documents (a blocklist, a classifier, a checkpoint folder). Any string that happens to
-    name an existing path counts; at worst that reruns the step when that path changes.
-    """
-    if isinstance(value, dict):
-        return [stamp for v in value.values() for stamp in referenced_files(v)]
-    if isinstance(value, (list, tuple)):
-        return [stamp for v in value for stamp in referenced_files(v)]
-    if not isinstance(value, str) or not value:
-        return []
-    path = Path(value)
-    if path.is_file():
-        return [_stamp(value)]
-    if not path.is_dir():
-        return []
-    stamps = []
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        stamps += [_stamp(os.path.join(root, name)) for name in sorted(files)]
-    return stamps
-
-
 def _step_fingerprint(spec: StepSpec) -> list:
     config = spec.to_dict()
-    return [config, referenced_files(config)]
+    return [config, file_stamps(named_paths(config))]  # and what the step reads besides documents
 
 
 def _fingerprints(cfg: CurateConfig, shards: list[list[Piece]], segments: list[Segment]) -> list[str]:
     """Per segment, a digest of the inputs (paths, sizes, mtimes), of the steps up to it and of
     the files those steps name, so changing any of them reruns that segment and the later ones."""
     files = sorted({p.path for s in shards for p in s})
-    fp = _digest(dump_config(cfg.inputs), [[vars(p) for p in s] for s in shards], [_stamp(f) for f in files])
+    fp = _digest(dump_config(cfg.inputs), [[vars(p) for p in s] for s in shards], file_stamps(files))
     out = []
     for seg in segments:
         fp = _digest(fp, _step_fingerprint(seg.corpus) if seg.corpus else None,

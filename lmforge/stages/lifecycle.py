@@ -12,7 +12,6 @@ after it) runs again.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import shutil
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
-from lmforge.core.io import atomic_write_json, atomic_write_text
+from lmforge.core.io import atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import log, start_run
 from lmforge.stages import VERBS_BY_NAME
 
@@ -82,7 +81,7 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
         if stage_dir.resolve() == run_dir.resolve():
             raise ConfigError(f"stage {name!r}: its run_dir must differ from the lifecycle's run_dir {run_dir}")
         digest = hashlib.sha256(dump_config(cfg).encode()).hexdigest()
-        inputs = inventory_digest(named_paths(cfg), exclude=[stage_dir])
+        inputs = inventory_digest(named_paths(to_dict(cfg), skip_keys=("run_dir",)), exclude=[stage_dir])
         marker = stage_dir / MARKER
         done = read_marker(marker)
         stale = done is not None and staleness(done, digest, inputs, stage_dir)
@@ -143,39 +142,9 @@ def staleness(done: dict, config_digest: str, inputs_digest: str, stage_dir: Pat
     return None
 
 
-def named_paths(cfg: Any) -> list[Path]:
-    """Existing files and folders named by the string values of a config (globs expanded), except ``run_dir``."""
-    found: list[Path] = []
-
-    def visit(value: Any, key: str) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                visit(v, k)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v, key)
-        elif isinstance(value, str) and value and key != "run_dir":
-            matches = sorted(glob.glob(value, recursive=True)) if glob.has_magic(value) else [value]
-            found.extend(Path(m) for m in matches if Path(m).exists())
-
-    visit(to_dict(cfg), "")
-    return found
-
-
 def inventory_digest(paths: list[Path], exclude: list[Path]) -> str:
-    """sha256 of (path, size, mtime) of every file under ``paths``, leaving out ``exclude``
-    and everything under them: cheap (one ``stat`` per file) and changes when a file does."""
-    skip = [p.resolve() for p in exclude]
-    entries = []
-    for root in paths:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for f in files:
-            resolved = f.resolve()
-            if f.name == MARKER or any(resolved == s or s in resolved.parents for s in skip):
-                continue
-            st = f.stat()
-            entries.append((str(resolved), st.st_size, st.st_mtime_ns))
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+    """sha256 of ``file_stamps``: the size and time of every file under ``paths`` but ``exclude``."""
+    return hashlib.sha256(json.dumps(file_stamps(paths, exclude)).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- report

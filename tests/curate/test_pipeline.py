@@ -4,9 +4,9 @@ import os
 import pytest
 
 from lmforge.core.config import ConfigError, load_config
-from lmforge.core.io import InputError
+from lmforge.core.io import InputError, file_stamps, named_paths
 from lmforge.curate import filters
-from lmforge.curate.pipeline import CurateConfig, referenced_files, run_curate
+from lmforge.curate.pipeline import CurateConfig, run_curate
 from lmforge.curate.readers import InputsConfig
 from lmforge.data.documents import DocumentsConfig, read_documents
 from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
@@ -212,6 +212,9 @@ def test_referenced_files_walk_folders_and_ignore_strings_that_are_no_path(tmp_p
     (model / "classifier.npz").write_bytes(b"12")
     (model / "sub" / "config.json").write_text("{}")
     config = {"type": "classifier", "model": str(model), "words": ["the", "", str(tmp_path / "missing")], "n": 3}
+    def referenced_files(value):  # what a step's fingerprint stamps besides its config
+        return file_stamps(named_paths(value))
+
     before = referenced_files(config)
     assert [(path, size) for path, size, _ in before] == [(str(model / "classifier.npz"), 2),
                                                           (str(model / "sub" / "config.json"), 2)]
