@@ -16,10 +16,8 @@ records before it: reading a file cut into K shards costs one pass, not K.
 from __future__ import annotations
 
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +28,7 @@ from lmforge.data.documents import (
     BLANK,
     SURROGATE,
     BadRecord,
+    jsonl_lines,
     lone_surrogate,
     open_binary,
     parse_jsonl_line,
@@ -354,28 +353,13 @@ def read_whole_file(path: Path, fmt: str) -> Iterator[tuple[Document, str | None
     yield Document(str(path), text if text is not None else data.decode("utf-8", "replace"), meta), problem
 
 
-def _jsonl_lines(path: Path, start: int, offset: int | None) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, raw line) for lines ``start + 1`` on.
-
-    With ``offset`` the file is seeked there: a real seek for a plain file, while a gzip file
-    decompresses and discards what comes before (still a pass over it, but without splitting
-    or parsing lines). Without it the first ``start`` lines are counted off unparsed.
-    """
-    with open_binary(path) as f:
-        if offset is not None:
-            f.seek(offset)
-        else:
-            deque(islice(f, start), maxlen=0)
-        yield from enumerate(f, start=start + 1)
-
-
 def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
                offset: int | None = None) -> Iterator[tuple[Document, str | None]]:
     """Each JSON line is a document; fields other than text and id become metadata.
 
     Lines ``[start, stop)`` are read; ``offset`` is where line ``start`` begins in the (decompressed) text.
     """
-    lines = _jsonl_lines(path, start, offset)
+    lines = jsonl_lines(path, start, offset)
     lineno = start
     while True:
         try:

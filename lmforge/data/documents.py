@@ -12,9 +12,10 @@ import gzip
 import hashlib
 import json
 import re
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import IO, Any
 
@@ -122,19 +123,33 @@ class BadRecord:
     detail: str
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``.
+def jsonl_lines(path: Path, start: int = 0, offset: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, raw line) for the lines after the first ``start``.
 
     A UTF-8 byte-order mark opening the file (as some Windows editors write) is dropped.
+    ``offset``, when known, is where line ``start + 1`` begins in the (decompressed) text: a
+    plain file seeks there, a gzip file decompresses and discards what comes before (a pass
+    over it, without splitting or parsing lines); without it the first ``start`` lines are
+    counted off unparsed.
     """
     with open_binary(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            record = parse_jsonl_line(raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw)
-            if record is BLANK:
-                continue
-            if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
-                record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
-            yield f"{path}:{lineno}", record
+        if offset is not None:
+            f.seek(offset)
+        else:
+            deque(islice(f, start), maxlen=0)
+        for lineno, raw in enumerate(f, start=start + 1):
+            yield lineno, raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``."""
+    for lineno, raw in jsonl_lines(path):
+        record = parse_jsonl_line(raw)
+        if record is BLANK:
+            continue
+        if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
+            record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
+        yield f"{path}:{lineno}", record
 
 
 BLANK = object()  # what ``parse_jsonl_line`` returns for a blank line
