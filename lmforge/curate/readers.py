@@ -31,6 +31,7 @@ from lmforge.data.documents import (
     jsonl_lines,
     lone_surrogate,
     open_binary,
+    parquet_rows,
     parse_jsonl_line,
     replace_surrogates,
 )
@@ -419,7 +420,7 @@ def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterat
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
-        for record, problem in _parquet_rows(batch):
+        for record, problem in parquet_rows(batch):
             if start <= row < stop:
                 fallback_id, where = f"{path.name}:{row + 1}", f"{path}:row {row + 1}"
                 doc, reason = _record_document(record, cfg, fallback_id, path, where)
@@ -427,30 +428,3 @@ def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterat
             row += 1
             if row >= stop:
                 return
-
-
-def _parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
-    """The batch's rows with None, or, for a row holding invalid UTF-8 in a string column (Parquet
-    writers need not check), the row with U+FFFD in its place and where the bad byte is."""
-    try:
-        return [(record, None) for record in batch.to_pylist()]
-    except UnicodeDecodeError:
-        pass
-    import pyarrow as pa
-
-    rows: list[tuple[dict, str | None]] = []
-    for i in range(batch.num_rows):
-        record: dict[str, Any] = {}
-        problem = None
-        for name, column in zip(batch.schema.names, batch.slice(i, 1).columns):
-            try:
-                record[name] = column[0].as_py()
-            except UnicodeDecodeError as exc:
-                if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-                    raw = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
-                    record[name] = raw[0].as_py().decode("utf-8", "replace")
-                else:
-                    record[name] = None  # a nested column: no text to show
-                problem = problem or f"invalid UTF-8 at byte {exc.start} of column {name!r}"
-        rows.append((record, problem))
-    return rows

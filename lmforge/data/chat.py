@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.io import InputError, atomic_write_json, expand_paths, read_json
-from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, SkipLog, jsonl_records
+from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, SkipLog, jsonl_records, parquet_rows
 from lmforge.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer
 
 IGNORE_INDEX = -100
@@ -225,8 +225,11 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
     row = 0
     for batch in pf.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
+        for record, problem in parquet_rows(batch):
             row += 1
+            if problem:
+                yield f"{path}:row {row}", ExampleError("invalid_utf8", problem)
+                continue
             yield f"{path}:row {row}", {k: v for k, v in record.items() if v is not None}
 
 

@@ -227,6 +227,33 @@ def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[
                            text=record[cfg.text_field], source=str(path))
 
 
+def parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
+    """The batch's rows with None, or, for a row holding invalid UTF-8 in a string column (Parquet
+    writers need not check), the row with U+FFFD in its place and where the bad byte is."""
+    try:
+        return [(record, None) for record in batch.to_pylist()]
+    except UnicodeDecodeError:
+        pass
+    import pyarrow as pa
+
+    rows: list[tuple[dict, str | None]] = []
+    for i in range(batch.num_rows):
+        record: dict[str, Any] = {}
+        problem = None
+        for name, column in zip(batch.schema.names, batch.slice(i, 1).columns):
+            try:
+                record[name] = column[0].as_py()
+            except UnicodeDecodeError as exc:
+                if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                    raw = column.view(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+                    record[name] = raw[0].as_py().decode("utf-8", "replace")
+                else:
+                    record[name] = None  # a nested column: no text to show
+                problem = problem or f"invalid UTF-8 at byte {exc.start} of column {name!r}"
+        rows.append((record, problem))
+    return rows
+
+
 def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
@@ -240,11 +267,13 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
     columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field in names else [])
     row = 0
     for batch in pf.iter_batches(columns=columns, batch_size=4096):
-        texts = batch.column(cfg.text_field).to_pylist()
-        ids = batch.column(cfg.id_field).to_pylist() if cfg.id_field in names else [None] * len(texts)
-        for text, doc_id in zip(texts, ids):
+        for record, problem in parquet_rows(batch):
             row += 1
             where = f"{path}:row {row}"
+            if problem:
+                _bad(cfg, skipped, "invalid_utf8", where, problem)
+                continue
+            text, doc_id = record[cfg.text_field], record.get(cfg.id_field)
             if _usable_text(text, f"{cfg.text_field!r} is null", where, cfg, skipped):
                 yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, source=str(path))
 
