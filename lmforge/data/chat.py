@@ -203,12 +203,15 @@ def tokenize_example(tok: Tokenizer, record: dict, max_length: int, *, where: st
 
 
 def read_sft_records(paths: list[str]) -> Iterator[tuple[str, Any]]:
-    """Yield ``(file:line, record)`` for every row of JSONL/Parquet files; malformed JSON yields an ``ExampleError``."""
+    """Yield ``(file:line, record)`` for every row of JSONL/Parquet files; malformed JSON yields an
+    ``ExampleError``; a file with no records is an ``InputError``."""
     for path in expand_paths(paths, what="SFT data"):
-        if path.name.lower().endswith(PARQUET_SUFFIXES):
-            yield from _read_parquet(path)
-        else:
-            yield from _read_jsonl(path)
+        empty = True
+        for item in _read_parquet(path) if path.name.lower().endswith(PARQUET_SUFFIXES) else _read_jsonl(path):
+            empty = False
+            yield item
+        if empty:
+            raise InputError(f"{path}: the file is empty (no records); remove it from the recipe or fill it")
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:

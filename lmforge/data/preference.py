@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lmforge.core.io import InputError, expand_paths
+from lmforge.core.io import InputError
 from lmforge.data.chat import (
     IGNORE_INDEX,
     ExampleError,
@@ -202,10 +202,7 @@ def parse_unpaired(tok: Tokenizer, record: Any, max_length: int,
 
 def _read(paths: list[str], parse, tok: Tokenizer, max_length: int, on_bad: OnBad, on_too_long: OnTooLong,
           skipped: SkipLog) -> Iterator:
-    files = [str(p) for p in expand_paths(paths, what="preference data")]
-    read_from: set[str] = set()
-    for where, record in read_sft_records(files):
-        read_from.add(where.rsplit(":", 1)[0])
+    for where, record in read_sft_records(paths):
         try:
             if isinstance(record, ExampleError):
                 raise record
@@ -222,9 +219,6 @@ def _read(paths: list[str], parse, tok: Tokenizer, max_length: int, on_bad: OnBa
             skipped.add("truncated", where, f"truncated to max_length={max_length}")
         example.source = where
         yield example
-    empty = [f for f in files if f not in read_from]
-    if empty:
-        raise InputError(f"{empty[0]}: the file is empty (no records); remove it from the recipe or fill it")
 
 
 def read_preference_pairs(paths: list[str], tok: Tokenizer, max_length: int, *, on_bad: OnBad = "error",
