@@ -166,11 +166,9 @@ def parse_pair(tok: Tokenizer, record: Any, max_length: int, on_too_long: OnTooL
         raise ExampleError("no_prompt", "plain-text pairs need a 'prompt' field")
     if chosen == rejected:
         raise ExampleError("identical_pair", "'chosen' and 'rejected' are identical, so there is no preference")
-    c_prompt, c_segments, c_eos = completion_segments(prompt, chosen, "chosen")
-    r_prompt, r_segments, r_eos = completion_segments(prompt, rejected, "rejected")
-    if c_prompt != r_prompt:  # not reachable from valid records: both render the one prompt
-        raise ExampleError("bad_prompt_completion", "'chosen' and 'rejected' render the prompt differently")
-    prompt_ids = tokenize_prompt(tok, c_prompt, max_length, "chosen")  # one tokenization, shared by both
+    prompt_segments, c_segments, c_eos = completion_segments(prompt, chosen, "chosen")
+    _, r_segments, r_eos = completion_segments(prompt, rejected, "rejected")  # the same prompt segments
+    prompt_ids = tokenize_prompt(tok, prompt_segments, max_length, "chosen")  # one tokenization, shared by both
     c, c_note = append_completion(tok, prompt_ids, c_segments, c_eos, max_length, "chosen", on_too_long)
     r, r_note = append_completion(tok, prompt_ids, r_segments, r_eos, max_length, "rejected", on_too_long)
     if c.input_ids == r.input_ids:
