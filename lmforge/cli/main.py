@@ -224,23 +224,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class VerbParser(argparse.ArgumentParser):
+    """A verb's parser; its recipe-key table (which reads the recipe dataclasses' source for
+    their comments) is built only when help is printed, not on every run."""
+
+    def __init__(self, *args, recipe: type, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recipe = recipe
+
+    def format_help(self) -> str:
+        rows = recipe_keys(self.recipe)
+        self.epilog = f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}"
+        example = example_override(rows).replace("%", "%%")  # argparse formats help with %
+        for action in self._actions:
+            if action.dest == "overrides":
+                action.help = f"overrides of the recipe keys below, e.g. {example}"
+        return super().format_help()
+
+
 def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.ModuleType]:
     module = verb.load()
     doc = (module.__doc__ or verb.summary).strip()
-    rows = recipe_keys(module.RECIPE)
-    p = argparse.ArgumentParser(
-        prog=f"lmforge {verb.name}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}",
-    )
+    p = VerbParser(prog=f"lmforge {verb.name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                   recipe=module.RECIPE)
     if hasattr(module, "add_arguments"):
         module.add_arguments(p)
     else:
         p.add_argument("recipe", nargs="?", help="YAML recipe (optional: defaults plus overrides also work)")
-    example = example_override(rows).replace("%", "%%")  # argparse formats help with %
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help=f"overrides of the recipe keys below, e.g. {example}")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the recipe keys below")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p, module
 
