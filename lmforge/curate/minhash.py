@@ -158,22 +158,28 @@ def _collapse_numbers(c: np.ndarray, separator: np.ndarray) -> np.ndarray:
     second run), so each chain's even-numbered bridges are removed, then repeated zeros.
     """
     zero = c == 48
-    bridge = np.zeros(len(c), dtype=bool)
-    bridge[1:-1] = separator[1:-1] & zero[:-2] & zero[2:]
-    at = np.flatnonzero(bridge)
-    if len(at):
-        nonzero_before = np.cumsum(~zero)  # non-zero characters up to and including each position
-        new_chain = np.ones(len(at), dtype=bool)
-        new_chain[1:] = nonzero_before[at[1:] - 1] != nonzero_before[at[:-1]]  # anything but zeros between
-        chain_start = np.maximum.accumulate(np.where(new_chain, np.arange(len(at)), 0))
-        joined = at[(np.arange(len(at)) - chain_start) % 2 == 0]
+    has_separator = separator.any()
+    if has_separator:
+        bridge = np.zeros(len(c), dtype=bool)
+        bridge[1:-1] = separator[1:-1] & zero[:-2] & zero[2:]
+        at = np.flatnonzero(bridge)
+        if len(at):
+            nonzero_before = np.cumsum(~zero)  # non-zero characters up to and including each position
+            new_chain = np.ones(len(at), dtype=bool)
+            new_chain[1:] = nonzero_before[at[1:] - 1] != nonzero_before[at[:-1]]  # anything but zeros between
+            chain_start = np.maximum.accumulate(np.where(new_chain, np.arange(len(at)), 0))
+            joined = at[(np.arange(len(at)) - chain_start) % 2 == 0]
+            keep = np.ones(len(c), dtype=bool)
+            keep[joined] = False
+            c, zero, separator = c[keep], zero[keep], separator[keep]
+    if zero.any():
         keep = np.ones(len(c), dtype=bool)
-        keep[joined] = False
-        c, zero, separator = c[keep], zero[keep], separator[keep]
-    keep = np.ones(len(c), dtype=bool)
-    keep[1:] = ~(zero[1:] & zero[:-1])
-    c, separator = c[keep], separator[keep]
-    c[separator] = 32
+        keep[1:] = ~(zero[1:] & zero[:-1])
+        c = c[keep]
+        if has_separator:
+            separator = separator[keep]
+    if has_separator:
+        c[separator] = 32
     return c
 
 
@@ -204,14 +210,7 @@ def simplified_codes(text: str) -> np.ndarray:
         if (c == _DROP).any():
             c = c[c != _DROP]
         separator = c == 46
-    if separator.any():
-        return _collapse_numbers(c, separator)
-    zero = c == 48  # no separators: only runs of zeros to collapse
-    if zero.any():
-        keep = np.ones(len(c), dtype=bool)
-        keep[1:] = ~(zero[1:] & zero[:-1])
-        c = c[keep]
-    return c
+    return _collapse_numbers(c, separator)
 
 
 def _codes_text(c: np.ndarray) -> str:
@@ -388,13 +387,18 @@ def _hash32(shingles: np.ndarray) -> np.ndarray:
     return (np.asarray(shingles, dtype=np.uint64) >> np.uint64(32)).astype(np.uint32)
 
 
-def shingles_signature(shingles: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
-    """The MinHash signature (b·r,) of one set of 64-bit shingle hashes."""
-    x = _hash32(shingles)
+def _min_permuted(x: np.ndarray, cfg: MinHashConfig, out: np.ndarray | None = None) -> np.ndarray:
+    """min over the 32-bit hashes ``x`` of π_i(x), per permutation (uint32, b·r), permuting
+    ``_ROWS_PER_BLOCK`` hashes at a time (in ``out``, when given) so memory stays bounded."""
     sig = np.full(cfg.num_perm, _MAX_UINT32, dtype=np.uint32)
     for start in range(0, len(x), _ROWS_PER_BLOCK):
-        np.minimum(sig, permuted(x[start : start + _ROWS_PER_BLOCK], cfg.num_perm, cfg.seed).min(axis=1), out=sig)
-    return sig.astype(np.uint64)
+        np.minimum(sig, permuted(x[start : start + _ROWS_PER_BLOCK], cfg.num_perm, cfg.seed, out).min(axis=1), out=sig)
+    return sig
+
+
+def shingles_signature(shingles: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
+    """The MinHash signature (b·r,) of one set of 64-bit shingle hashes."""
+    return _min_permuted(_hash32(shingles), cfg).astype(np.uint64)
 
 
 def share_a_bucket(sig_a: np.ndarray, sig_b: np.ndarray, cfg: MinHashConfig) -> bool:
@@ -430,11 +434,7 @@ def signatures(texts: list[str], cfg: MinHashConfig) -> tuple[np.ndarray, np.nda
             continue
         has_words[i] = True
         if len(x) > _ROWS_PER_BLOCK:  # a long document on its own, block by block
-            sig = np.full(cfg.num_perm, _MAX_UINT32, dtype=np.uint32)
-            for start in range(0, len(x), _ROWS_PER_BLOCK):
-                np.minimum(sig, permuted(x[start : start + _ROWS_PER_BLOCK], cfg.num_perm, cfg.seed, out).min(axis=1),
-                           out=sig)
-            sigs[i] = sig
+            sigs[i] = _min_permuted(x, cfg, out)
             continue
         if pending_rows + len(x) > _ROWS_PER_BLOCK:
             flush()
