@@ -152,24 +152,40 @@ def seg_dir(job: Job, seg: int) -> Path:
     return Path(job.run_dir) / "work" / f"seg-{seg}"
 
 
-# the names mkstemp gives JsonlWriter's and atomic_write_*'s files: .<name>.<8 random characters>.tmp
-_TEMP_FILE = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+# core.io's atomic_write_* and temporary_directory (so atomic_directory), and JsonlWriter below,
+# fill a sibling that tempfile.mkstemp/mkdtemp(prefix=".<name>.", suffix=".tmp") creates:
+# ".<name>." + 8 characters of [a-z0-9_] + ".tmp". core.io exports no matcher for that name yet.
+_TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def _is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a file or folder named as the temporary siblings of atomic writes are (a link never is)."""
+    return _TEMPORARY_NAME.fullmatch(path.name) is not None and not path.is_symlink()
 
 
 def clean_leftovers(run_dir: Path, num_segments: int) -> None:
-    """Remove what a killed run leaves behind: the temporary files of writes it did not finish
-    (in ``work/``, ``output/``, ``rejects/`` and the run folder itself), and the work folders
-    of segments beyond ``num_segments`` (a recipe that now has fewer corpus steps)."""
+    """Remove what a killed run leaves behind: the temporary files and folders of writes it did
+    not finish (in ``work/``, ``output/``, ``rejects/`` and the run folder itself), and the work
+    folders of segments beyond ``num_segments`` (a recipe that now has fewer corpus steps).
+
+    Every such write belongs to a run of this folder, and this runs before any task starts,
+    so every temporary sibling found is stale.
+    """
     work = run_dir / "work"
     for d in work.glob("seg-*"):
         if re.fullmatch(r"seg-\d+", d.name) and int(d.name[4:]) >= num_segments and d.is_dir():
             shutil.rmtree(d)
-    temps = [p for p in run_dir.iterdir() if p.is_file() and _TEMP_FILE.fullmatch(p.name)]
+    temps = [p for p in run_dir.iterdir() if _is_temporary(p)]
     for top in (work, run_dir / "output", run_dir / "rejects"):
-        for root, _, files in os.walk(top):
-            temps += [Path(root) / name for name in files if _TEMP_FILE.fullmatch(name)]
+        for root, dirs, files in os.walk(top):
+            found = [Path(root) / name for name in dirs + files if _is_temporary(Path(root) / name)]
+            dirs[:] = [name for name in dirs if Path(root) / name not in found]  # removed whole, not walked
+            temps += found
     for path in temps:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- document files

@@ -1,12 +1,15 @@
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from lmforge.core.config import ConfigError, load_config
-from lmforge.core.io import InputError, file_stamps, named_paths
+from lmforge.core.io import InputError, file_stamps, named_paths, temporary_directory
 from lmforge.curate import filters
-from lmforge.curate.pipeline import CurateConfig, run_curate
+from lmforge.curate.pipeline import CurateConfig, JsonlWriter, run_curate
 from lmforge.curate.readers import InputsConfig
 from lmforge.data.documents import DocumentsConfig, read_documents
 from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
@@ -241,23 +244,60 @@ def test_lone_surrogates_are_read_rejects_and_every_record_is_counted(tmp_path):
     assert [r["text"] for r in kept] == ["first document", "last document", "+2AA- seven"]
 
 
-def test_a_run_removes_temporary_files_and_work_folders_a_killed_run_left(tmp_path, crawl):
+def killed_atomic_write(path):
+    """What core.io's atomic_write_bytes leaves when its process dies just before the rename."""
+    code = "import os, sys; from lmforge.core import io; os.replace = lambda *a: os._exit(9); " \
+           "io.atomic_write_bytes(sys.argv[1], b'partial')"
+    assert subprocess.run([sys.executable, "-c", code, str(path)]).returncode == 9
+    (leftover,) = path.parent.glob(f".{path.name}.*")
+    return leftover
+
+
+def unfinished_jsonl(path):
+    """What a JsonlWriter leaves when its process dies before ``commit``."""
+    writer = JsonlWriter(path)
+    writer.write({"id": "partial"})
+    writer.f.close()
+    return Path(writer.tmp)
+
+
+def unfinished_directory(path):
+    """What core.io's atomic_directory leaves when its process dies inside the block."""
+    tmp = temporary_directory(path)
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "part.npy").write_bytes(b"partial")
+    return tmp
+
+
+def test_a_run_removes_temporary_files_folders_and_work_folders_a_killed_run_left(tmp_path, crawl):
     run_curate(config(tmp_path, crawl, "reference"))
     longer = config(tmp_path, crawl)
     longer.steps.append({"type": "minhash"})  # three segments; the next run's recipe has two
     run_curate(longer)
     run_dir = tmp_path / "run"
     work = run_dir / "work"
-    leftovers = [run_dir / ".stats.json.k2j4_x9a.tmp", work / "seg-0" / ".shard-000001.kept.jsonl.abcd1234.tmp",
-                 work / "seg-1" / "step" / "index" / "b0003" / ".s000002.npy.0a1b2c3d.tmp",
-                 run_dir / "output" / ".shard-000000.parquet.zzzzzzzz.tmp",
-                 run_dir / "rejects" / ".shard-000002.jsonl.q_w_e_r_.tmp"]
-    foreign = [run_dir / "notes.tmp", work / "seg-0" / "mine.tmp", work / "seg-extra" / "x"]
-    for path in leftovers + foreign:
+    leftovers = [killed_atomic_write(run_dir / "stats.json"),
+                 killed_atomic_write(work / "seg-1" / "step" / "index" / "b0003" / "s000002.npy"),
+                 killed_atomic_write(run_dir / "output" / "shard-000000.parquet"),
+                 unfinished_jsonl(work / "seg-0" / "shard-000001.kept.jsonl"),
+                 unfinished_jsonl(run_dir / "rejects" / "shard-000002.jsonl"),
+                 unfinished_directory(work / "seg-1" / "step" / "model"),
+                 unfinished_directory(run_dir / "report")]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("a user's")
+    foreign = [run_dir / "notes.tmp", run_dir / ".notes.tmp", run_dir / "notes.abcd1234.tmp",
+               run_dir / ".notes.ABCD1234.tmp", run_dir / ".notes.abcd123.tmp", run_dir / ".notes.abcd1234.tmp.bak",
+               work / "seg-0" / "mine.tmp", work / "seg-0" / ".keep.tmp" / "x", work / "seg-extra" / "x",
+               run_dir / "drafts" / ".draft.abcd1234.tmp", tmp_path / ".run.abcd1234.tmp"]
+    for path in foreign:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("partial")
-    assert (work / "seg-2" / "FINGERPRINT").exists()
+        path.write_text("a user's")
+    link = work / "seg-0" / ".data.abcd1234.tmp"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    assert all(p.exists() for p in leftovers) and (work / "seg-2" / "FINGERPRINT").exists()
     stats = run_curate(config(tmp_path, crawl))
-    assert not any(p.exists() for p in leftovers) and all(p.exists() for p in foreign)
+    assert [p for p in leftovers if p.exists()] == []
+    assert all(p.exists() for p in foreign) and link.is_symlink() and (elsewhere / "keep.txt").exists()
     assert not (work / "seg-2").exists() and (work / "seg-1" / "FINGERPRINT").exists()
     assert stats["kept"] == 6 and outputs(run_dir) == outputs(tmp_path / "reference")
