@@ -107,7 +107,7 @@ class TokenLoader:
     """Yields ``(batch_size, seq_len + 1)`` int64 tensors for one data-parallel rank.
 
     With ``loop=True`` (training) it cycles through epochs forever; with ``loop=False``
-    (evaluation, one dataset) it visits every window once and stops.
+    (evaluation, one dataset) it visits every window once and stops, until ``restart()``.
     """
 
     def __init__(
@@ -136,9 +136,15 @@ class TokenLoader:
         weights = np.array([d.weight for d in cfg.datasets], dtype=np.float64)
         self.cum_weights = np.cumsum(weights / weights.sum())
         self.cum_weights[-1] = 1.0
+        self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
+        self.restart()
+
+    def restart(self) -> TokenLoader:
+        """Back to the first sample: an evaluation loader built once yields the same batches
+        each time it is restarted, as a new one would."""
         self.samples = 0  # global samples consumed by all ranks together
         self.cursors = [[0, 0] for _ in self.datasets]  # per dataset: epoch, position in epoch
-        self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
+        return self
 
     # -- order
     def _permutation(self, d: int, epoch: int) -> np.ndarray | None:

@@ -68,6 +68,17 @@ def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def validation_loader(data: LoaderConfig, manifest: dict, batch_size: int, rank: int = 0,
+                      world_size: int = 1) -> TokenLoader | None:
+    """The validation split of the first dataset (``manifest`` is its manifest) in order, built
+    once per run and restarted for each evaluation; None when it is shorter than one window."""
+    if manifest["splits"]["val"]["n_tokens"] <= data.seq_len:
+        return None
+    cfg = LoaderConfig(datasets=[data.datasets[0]], seq_len=data.seq_len, bos_aligned=data.bos_aligned, shuffle=False,
+                       seed=data.seed)
+    return TokenLoader(cfg, batch_size, split="val", loop=False, rank=rank, world_size=world_size)
+
+
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
     with torch.device(device):
         return Transformer(cfg)
@@ -114,10 +125,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)
-    first = recipe.data.datasets[0]
-    val_cfg = LoaderConfig(datasets=[first], seq_len=recipe.data.seq_len, bos_aligned=recipe.data.bos_aligned,
-                           shuffle=False, seed=recipe.data.seed)
-    has_val = manifests[0]["splits"]["val"]["n_tokens"] > recipe.data.seq_len
+    val_loader = validation_loader(recipe.data, manifests[0], cfg.micro_batch_size, rank, dp)
     summary = train(
         model=model,
         objective=CausalLMObjective(token_bytes),
@@ -126,8 +134,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         run_dir=run_dir,
         recipe=recipe,
         grad_accum=grad_accum,
-        val_batches=(lambda: TokenLoader(val_cfg, cfg.micro_batch_size, split="val", loop=False, rank=rank,
-                                         world_size=dp)) if has_val else None,
+        val_batches=val_loader.restart if val_loader is not None else None,
         flops_per_token=flops_per_token,
         tokenizer_dir=recipe.tokenizer,
         parallel=ctx,
@@ -138,7 +145,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     if ctx is not None:
         summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
     if ctx is None or ctx.is_logging_rank:
-        summary["unigram_entropy"] = entropy = unigram_entropy(first.path, recipe.model.vocab_size)
+        summary["unigram_entropy"] = entropy = unigram_entropy(recipe.data.datasets[0].path, recipe.model.vocab_size)
         atomic_write_json(run_dir / "summary.json", summary)
         if "val_loss" in summary:
             log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 import math
 
@@ -157,6 +158,39 @@ def test_evaluation_reports_mean_loss_and_bits_per_byte():
     n_bytes = sum(int(token_bytes[b[:, 1:]].sum()) for b in batches)
     assert result["val_loss"] == pytest.approx(nll.item() / 48, rel=1e-5)
     assert result["val_bpb"] == pytest.approx(nll.item() / (math.log(2) * n_bytes), rel=1e-5)
+
+
+def test_pretraining_builds_its_validation_loader_once_per_run(make_recipe, monkeypatch):
+    import lmforge.stages.pretrain as pretrain
+
+    built = []
+
+    class CountingLoader(pretrain.TokenLoader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(kwargs["split"])
+
+    monkeypatch.setattr(pretrain, "TokenLoader", CountingLoader)
+    summary = run_pretrain(make_recipe(**{"train.max_steps": 8, "train.eval_every": 2}))
+    assert built == ["train", "val"] and "val_loss" in summary  # four evaluations, one validation loader
+
+
+def test_every_evaluation_reads_the_same_validation_batches_as_a_new_loader_would(make_recipe):
+    from lmforge.data.loader import TokenLoader
+    from lmforge.data.shards import read_manifest
+    from lmforge.stages.pretrain import build_model, validation_loader
+
+    recipe = make_recipe()
+    cpu = torch.device("cpu")
+    val = validation_loader(recipe.data, read_manifest(recipe.data.datasets[0].path), 4)
+    torch.manual_seed(0)
+    model, objective = build_model(recipe.model, cpu), CausalLMObjective()
+    first = evaluate(model, objective, val.restart(), cpu, "fp32", 2)  # stops part-way through the split
+    second = evaluate(model, objective, val.restart(), cpu, "fp32", 2)
+    assert first == second and first["val_loss"] > 0
+    fresh = TokenLoader(dataclasses.replace(val.cfg), 4, split="val", loop=False)
+    again, new = list(val.restart()), list(fresh)
+    assert len(again) == len(new) > 2 and all(torch.equal(a, b) for a, b in zip(again, new))
 
 
 def test_objective_metrics_are_logged_as_means_per_target_over_accumulated_micro_batches(tmp_path):
