@@ -16,6 +16,7 @@ before and after training.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,10 +54,9 @@ from lmforge.train.loop import (
     TrainConfig,
     accumulation_steps,
     autocast_context,
-    choose_precision,
     evaluate,
     resolve_device,
-    resume_checkpoint,
+    run_precision,
     train,
 )
 from lmforge.train.metrics import loss_curve_lines
@@ -127,7 +127,7 @@ class PreferenceRun:
 
     run_dir: Path
     device: torch.device
-    precision: str
+    precision: str  # chosen once, before the stage evaluates or scores anything
     model: torch.nn.Module
     tok: Tokenizer
     tok_dir: Path
@@ -136,6 +136,10 @@ class PreferenceRun:
     val_examples: list
     skipped: SkipLog
 
+    def train_config(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with the precision chosen here, so the loop trains in the one the stage evaluated in."""
+        return dataclasses.replace(cfg, precision=self.precision)
+
 
 def start_preference_run(recipe, stage: str, read_examples: Callable) -> PreferenceRun:
     """The run directory, device and precision, the base model with its chat tokenizer, and the
@@ -143,7 +147,7 @@ def start_preference_run(recipe, stage: str, read_examples: Callable) -> Prefere
     check_data_paths(recipe, stage)
     run_dir = start_run(recipe, recipe.run_dir)
     device = resolve_device(recipe.train.device)
-    precision = choose_precision(recipe.train, resume_checkpoint(recipe.train, run_dir), device)
+    precision = run_precision(recipe.train, run_dir, device)
     torch.manual_seed(recipe.train.seed)
     model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
     d = recipe.data
@@ -172,7 +176,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         check_examples(run.train_examples)
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
-    cfg, d = recipe.train, recipe.data
+    cfg, d = run.train_config(recipe.train), recipe.data
     train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
     val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
 

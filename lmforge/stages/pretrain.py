@@ -40,9 +40,8 @@ from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.train.loop import (
     TrainConfig,
     accumulation_steps,
-    choose_precision,
     resolve_device,
-    resume_checkpoint,
+    run_precision,
     train,
 )
 from lmforge.train.metrics import loss_curve_lines
@@ -166,8 +165,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
             start_run(recipe, recipe.run_dir)
         dist.barrier()
         run_dir = Path(recipe.run_dir)
-        precision = [choose_precision(recipe.train, resume_checkpoint(recipe.train, run_dir), ctx.device)
-                     if ctx.is_logging_rank else None]
+        precision = [run_precision(recipe.train, run_dir, ctx.device) if ctx.is_logging_rank else None]
         dist.broadcast_object_list(precision, src=0)  # every rank must choose the same
         cfg = dataclasses.replace(recipe.train, precision=precision[0])
         torch.manual_seed(cfg.seed)

@@ -49,7 +49,7 @@ class RewardRecipe:
 def run_reward(recipe: RewardRecipe) -> dict:
     run = start_preference_run(recipe, "reward", read_preference_pairs)
     run_dir, device, precision, backbone, tok = run.run_dir, run.device, run.precision, run.model, run.tok
-    train_pairs, val_pairs, cfg, d = run.train_examples, run.val_examples, recipe.train, recipe.data
+    train_pairs, val_pairs, cfg, d = run.train_examples, run.val_examples, run.train_config(recipe.train), recipe.data
     if recipe.lora is not None:
         wrap_lora(backbone, recipe.lora, "reward")
     model = RewardModel(backbone)  # the head is new, so always trainable

@@ -111,16 +111,34 @@ def set_aside_later_checkpoints(run_dir: Path, step: int) -> Path | None:
 @dataclass
 class ResumeState:
     step: int
-    trainer_state: dict
+    trainer_state: dict  # tokens seen, loader, precision, loss scaler
+    python_random: list
 
 
-def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.optim.Optimizer,
-                             sharded_model: bool = False) -> ResumeState:
-    """Restore weights, optimizer and RNG states in place; return the step and trainer state.
+def read_resume_state(ckpt: Path) -> ResumeState:
+    """Verify a training checkpoint's checksums and read its ``trainer_state.json``, the one
+    read of it: the loop chooses its precision from it, then ``load_training_checkpoint``."""
+    verify_checksums(ckpt)
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    return ResumeState(step=state.pop("step"), python_random=state.pop("python_random"), trainer_state=state)
+
+
+def recorded_precision(ckpt: Path) -> str | None:
+    """The precision a checkpoint's run trained in, peeked at before the checkpoint is verified
+    and loaded (None where it can't be read: loading it reports the damage)."""
+    try:
+        return json.loads((ckpt / TRAINER_STATE).read_text()).get("precision")
+    except (OSError, ValueError):
+        return None
+
+
+def load_training_checkpoint(ckpt: Path, state: ResumeState, model: Transformer, optimizer: torch.optim.Optimizer,
+                             sharded_model: bool = False) -> None:
+    """Restore the weights, optimizer and RNG states of ``ckpt``, whose ``state`` ``read_resume_state``
+    gave, in place.
 
     A sharded (DCP) checkpoint loads into any layout, a single process included;
     ``sharded_model`` (a parallelized model) needs one."""
-    verify_checksums(ckpt)
     device = next(model.parameters()).device
     if is_sharded_checkpoint(ckpt):
         load_sharded(ckpt, model, optimizer)
@@ -137,10 +155,8 @@ def load_training_checkpoint(ckpt: Path, model: Transformer, optimizer: torch.op
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    state = json.loads((ckpt / TRAINER_STATE).read_text())
-    version, internal, gauss = state.pop("python_random")
+    version, internal, gauss = state.python_random
     random.setstate((version, tuple(internal), gauss))
-    return ResumeState(step=state.pop("step"), trainer_state=state)
 
 
 @dataclass

@@ -14,7 +14,6 @@ schedule in place of forward/backward, only rank 0 logs, and checkpoints are sha
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -38,9 +37,10 @@ from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.model.checkpoint import latest_valid_checkpoint
 from lmforge.train.checkpoint import (
-    TRAINER_STATE,
     PendingCheckpoint,
     load_training_checkpoint,
+    read_resume_state,
+    recorded_precision,
     save_sharded_training_checkpoint,
     save_training_checkpoint,
     set_aside_later_checkpoints,
@@ -381,10 +381,11 @@ def train(
         found = [str(ckpt) if ckpt is not None else None]
         dist.broadcast_object_list(found, src=0)
         ckpt = Path(found[0]) if found[0] is not None else None
-    precision = choose_precision(cfg, ckpt, device)
+    state = read_resume_state(ckpt) if ckpt is not None else None
+    precision = choose_precision(cfg, state.trainer_state.get("precision") if state else None, device)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    if ckpt is not None:
-        state = load_training_checkpoint(ckpt, model, optimizer, sharded_model=parallel is not None)
+    if state is not None:
+        load_training_checkpoint(ckpt, state, model, optimizer, sharded_model=parallel is not None)
         train_batches.load_state_dict(state.trainer_state["loader"])
         if scaler is not None and state.trainer_state.get("scaler"):
             scaler.load_state_dict(state.trainer_state["scaler"])
@@ -518,17 +519,20 @@ def resume_checkpoint(cfg: TrainConfig, run_dir: str | Path) -> Path | None:
     return ckpt
 
 
-def choose_precision(cfg: TrainConfig, ckpt: Path | None, device: torch.device) -> str:
-    """``train.precision``; for ``auto``, the precision ``ckpt``'s run recorded (a resumed run
-    keeps its choice), else what ``resolve_precision`` picks for this machine."""
-    if cfg.precision == "auto" and ckpt is not None:
-        try:
-            saved = json.loads((ckpt / TRAINER_STATE).read_text()).get("precision")
-        except (OSError, ValueError):
-            saved = None  # load_training_checkpoint reports the damage
-        if saved in DTYPES:
-            return saved
+def choose_precision(cfg: TrainConfig, recorded: str | None, device: torch.device) -> str:
+    """``train.precision``; for ``auto``, ``recorded``, the precision of the run being resumed
+    (a resumed run keeps its choice), else what ``resolve_precision`` picks for this machine."""
+    if cfg.precision == "auto" and recorded in DTYPES:
+        return recorded
     return resolve_precision(cfg.precision, device)
+
+
+def run_precision(cfg: TrainConfig, run_dir: str | Path, device: torch.device) -> str:
+    """``choose_precision`` for a stage that needs the precision before the loop starts (to
+    evaluate, score a reference or parallelize first): it passes the result to ``train`` in
+    ``cfg.precision``, so the loop does not choose again."""
+    ckpt = resume_checkpoint(cfg, run_dir)
+    return choose_precision(cfg, recorded_precision(ckpt) if ckpt is not None else None, device)
 
 
 def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:

@@ -166,6 +166,23 @@ def test_dpo_gradient_accumulation_equals_one_big_batch(tmp_path, base_checkpoin
     assert a == pytest.approx(b, rel=1e-5) and len(a) == 3
 
 
+def test_auto_precision_is_chosen_once_so_evaluation_and_training_agree(tmp_path, base_checkpoint, data,
+                                                                       monkeypatch):
+    import lmforge.train.loop as loop
+
+    measured = iter(["fp32", "bf16"])  # a quick CPU measurement can come out otherwise the second time
+    chosen = []
+
+    def resolve(precision, device):
+        chosen.append(precision)
+        return next(measured) if precision == "auto" else precision
+
+    monkeypatch.setattr(loop, "resolve_precision", resolve)
+    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "train.precision=auto", "train.max_steps=1",
+                                 "eval.exact_match=false"))
+    assert chosen.count("auto") == 1 and summary["precision"] == "fp32"
+
+
 def test_fine_tuning_under_torchrun_is_refused_before_any_work(tmp_path, base_checkpoint, data, monkeypatch):
     from lmforge.core.config import ConfigError
 

@@ -99,6 +99,25 @@ def test_a_resumed_auto_precision_run_keeps_the_precision_it_started_with(make_r
     assert fresh["precision"] == "fp32"
 
 
+def test_a_resumed_run_reads_its_trainer_state_once(make_recipe, monkeypatch):
+    from pathlib import Path
+
+    import lmforge.train.loop as loop
+
+    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: "fp32")
+    run_pretrain(make_recipe(**{"train.max_steps": 4, "train.precision": "auto"}))
+    reads, read_text = [], Path.read_text
+
+    def counting_read_text(path, *args, **kwargs):
+        if path.name == "trainer_state.json":
+            reads.append(path)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    resumed = run_pretrain(make_recipe(**{"train.max_steps": 6, "train.precision": "auto"}))
+    assert resumed["start_step"] == 4 and [p.parent.name for p in reads] == ["step_00000004"]
+
+
 def test_tensorboard_shows_each_step_once_after_a_resume_and_after_starting_over(make_recipe, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
