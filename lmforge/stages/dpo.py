@@ -169,7 +169,8 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
                             measure: Callable | None = None, check_examples: Callable | None = None) -> dict:
     """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result.
 
-    ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
+    ``measure(model, tok, val_rows, batch_size, device, precision)`` scores the model before and
+    after training; ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
     """
     run = start_preference_run(recipe, stage, read_examples)
     if check_examples is not None:
@@ -183,7 +184,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
     before = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
     if measure is not None:
-        before.update(measure(model, val_rows, cfg.micro_batch_size, device, precision))
+        before.update(measure(model, tok, val_rows, cfg.micro_batch_size, device, precision))
     log.info("%s: before training %s", stage, before)
     if recipe.lora is not None:
         wrap_lora(model, recipe.lora, stage)
@@ -221,7 +222,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
     if measure is not None:
-        after.update(measure(model, val_rows, cfg.micro_batch_size, device, precision))
+        after.update(measure(model, tok, val_rows, cfg.micro_batch_size, device, precision))
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None,
@@ -244,7 +245,7 @@ def run_dpo(recipe: DPORecipe) -> dict:
         read_examples=read_preference_pairs,
         rows_per_example=2,  # chosen and rejected
         loss_name=recipe.loss,
-        measure=lambda model, rows, *args: pairwise_preference(model, rows, *args) if rows is not None else {},
+        measure=lambda model, _tok, rows, *args: pairwise_preference(model, rows, *args) if rows is not None else {},
     )
 
 

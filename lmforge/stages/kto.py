@@ -14,7 +14,6 @@ held-out preference pairs (`pairs:`), the model's own pairwise preference before
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -22,7 +21,6 @@ from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.documents import SkipLog
 from lmforge.data.preference import pair_rows, read_preference_pairs, read_unpaired_examples, unpaired_rows
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.objectives.kto import KTOLossConfig, KTOObjective, weight_balance_warning
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig, pairwise_preference, report, run_preference_training
@@ -49,9 +47,8 @@ def run_kto(recipe: KTORecipe) -> dict:
     if recipe.pairs:
         held_out: dict[str, torch.Tensor] = {}  # the pairs' rows, read and tokenized once for before and after
 
-        def measure(model, _val_rows, batch_size, device, precision):
+        def measure(model, tok, _val_rows, batch_size, device, precision):
             if not held_out:
-                tok = Tokenizer.load(Path(recipe.run_dir) / "tokenizer")
                 skipped = SkipLog()
                 pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad=recipe.data.on_bad,
                                               on_too_long=recipe.data.on_too_long, skipped=skipped)
