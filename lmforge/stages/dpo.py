@@ -46,13 +46,13 @@ from lmforge.train.finetune import (
     exact_match_accuracy,
     exact_match_tasks,
     load_base,
+    row_accumulation_steps,
     save_finetuned,
     task_files,
     wrap_lora,
 )
 from lmforge.train.loop import (
     TrainConfig,
-    accumulation_steps,
     autocast_context,
     evaluate,
     resolve_device,
@@ -204,8 +204,6 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     start = evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches) if val_batches else {}
     before.update(start)
     per_token = model.cfg.flops_per_token(d.max_length)
-    # train.batch_tokens counts each example's rows at data.max_length (a pair is two rows)
-    tokens_per_row = d.max_length * rows_per_example
     summary = train(
         model=model,
         objective=objective,
@@ -213,7 +211,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
-        grad_accum=accumulation_steps(cfg, tokens_per_row * cfg.micro_batch_size),
+        grad_accum=row_accumulation_steps(cfg, d.max_length, rows_per_example),
         val_batches=val_batches,
         # a live reference adds a forward (2N) to the policy's forward and backward (6N) per token
         flops_per_token=per_token * (4 / 3 if reference is not None else 1),

@@ -23,8 +23,8 @@ from lmforge.model.reward import RewardModel
 from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig, start_preference_run
-from lmforge.train.finetune import save_finetuned, wrap_lora
-from lmforge.train.loop import TrainConfig, accumulation_steps, evaluate, train
+from lmforge.train.finetune import row_accumulation_steps, save_finetuned, wrap_lora
+from lmforge.train.loop import TrainConfig, evaluate, train
 from lmforge.train.metrics import loss_curve_lines
 
 
@@ -65,7 +65,7 @@ def run_reward(recipe: RewardRecipe) -> dict:
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
-        grad_accum=accumulation_steps(cfg, 2 * d.max_length * cfg.micro_batch_size),  # a pair: two max_length rows
+        grad_accum=row_accumulation_steps(cfg, d.max_length, rows_per_example=2),  # chosen and rejected
         val_batches=val_batches,
         flops_per_token=backbone.cfg.flops_per_token(d.max_length),
         tokenizer_dir=run.tok_dir,

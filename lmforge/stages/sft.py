@@ -33,11 +33,12 @@ from lmforge.train.finetune import (
     exact_match_accuracy,
     exact_match_tasks,
     load_base,
+    row_accumulation_steps,
     save_finetuned,
     task_files,
     wrap_lora,
 )
-from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, train
+from lmforge.train.loop import TrainConfig, resolve_device, train
 from lmforge.train.metrics import loss_curve_lines
 
 
@@ -105,7 +106,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
-        grad_accum=accumulation_steps(cfg, cfg.micro_batch_size * d.max_length),  # rows are max_length long
+        grad_accum=row_accumulation_steps(cfg, d.max_length),
         val_batches=(lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None,
         flops_per_token=model.cfg.flops_per_token(d.max_length),
         tokenizer_dir=tok_dir,

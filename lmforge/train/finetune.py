@@ -1,6 +1,6 @@
 """What every fine-tuning stage (SFT, reward model, DPO, KTO) does around the one training loop:
-load the base model with a chat tokenizer, wrap LoRA adapters, score greedy answers by
-exact match, and save the result as a plain checkpoint plus a PEFT adapter.
+load the base model with a chat tokenizer, size the optimizer step, wrap LoRA adapters, score
+greedy answers by exact match, and save the result as a plain checkpoint plus a PEFT adapter.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from lmforge.model.generate import GenerationConfig, generate, release_decoding_
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
+from lmforge.train.loop import TrainConfig, accumulation_steps
 
 
 @dataclass
@@ -53,6 +54,15 @@ def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: 
     if max_length > model.cfg.max_seq_len:
         raise InputError(f"data.max_length {max_length} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     return model, Tokenizer.load(tok_dir), tok_dir, base_dir
+
+
+def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: int = 1) -> int:
+    """Micro-batches per optimizer step of a fine-tuning run. ``train.batch_tokens`` counts each
+    example as ``rows_per_example`` rows (a preference pair is two) of ``data.max_length``
+    tokens, whatever their real length, so the step does not change with the data. A target
+    that is not a whole number of micro-batches is rounded to the nearest (at least one) and
+    logged, as in pre-training; fine-tuning runs in one process, so a round is one micro-batch."""
+    return accumulation_steps(cfg, rows_per_example * max_length * cfg.micro_batch_size)
 
 
 def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
