@@ -16,7 +16,6 @@ before and after training.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,12 +24,10 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.io import InputError, atomic_write_json
-from lmforge.core.run import log, start_run
-from lmforge.data.documents import SkipLog
+from lmforge.core.io import atomic_write_json
+from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
-from lmforge.data.tokenizer import Tokenizer
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.objectives.reference import (
     Reference,
@@ -42,23 +39,16 @@ from lmforge.objectives.reference import (
 from lmforge.peft.lora import LoraConfig
 from lmforge.train.finetune import (
     ExactMatchConfig,
-    check_data_paths,
     exact_match_accuracy,
     exact_match_tasks,
-    load_base,
     row_accumulation_steps,
     save_finetuned,
+    start_finetune_run,
     task_files,
+    validation_batches,
     wrap_lora,
 )
-from lmforge.train.loop import (
-    TrainConfig,
-    autocast_context,
-    evaluate,
-    resolve_device,
-    run_precision,
-    train,
-)
+from lmforge.train.loop import TrainConfig, autocast_context, evaluate, train
 from lmforge.train.metrics import loss_curve_lines
 
 
@@ -121,48 +111,6 @@ def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], b
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
 
 
-@dataclass
-class PreferenceRun:
-    """What every preference stage (reward, dpo, kto) sets up before its loop."""
-
-    run_dir: Path
-    device: torch.device
-    precision: str  # chosen once, before the stage evaluates or scores anything
-    model: torch.nn.Module
-    tok: Tokenizer
-    tok_dir: Path
-    base_dir: Path
-    train_examples: list
-    val_examples: list
-    skipped: SkipLog
-
-    def train_config(self, cfg: TrainConfig) -> TrainConfig:
-        """``cfg`` with the precision chosen here, so the loop trains in the one the stage evaluated in."""
-        return dataclasses.replace(cfg, precision=self.precision)
-
-
-def start_preference_run(recipe, stage: str, read_examples: Callable) -> PreferenceRun:
-    """The run directory, device and precision, the base model with its chat tokenizer, and the
-    recipe's training and validation examples (bad ones counted in ``skipped``)."""
-    check_data_paths(recipe, stage)
-    run_dir = start_run(recipe, recipe.run_dir)
-    device = resolve_device(recipe.train.device)
-    precision = run_precision(recipe.train, run_dir, device)
-    torch.manual_seed(recipe.train.seed)
-    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
-    d = recipe.data
-    skipped = SkipLog()
-    read = dict(on_bad=d.on_bad, on_too_long=d.on_too_long, skipped=skipped)
-    train_examples = read_examples(d.train, tok, d.max_length, **read)
-    if not train_examples:
-        raise InputError(f"no usable examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
-    val_examples = read_examples(d.val, tok, d.max_length, **read) if d.val else []
-    log.info("%s: %d training and %d validation examples; %d skipped or truncated %s", stage, len(train_examples),
-             len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
-    return PreferenceRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
-                         skipped)
-
-
 def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
                             reference_columns: dict[str, str], needs_reference: bool, stage: str,
                             read_examples: Callable, rows_per_example: int, loss_name: str,
@@ -172,7 +120,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     ``measure(model, tok, val_rows, batch_size, device, precision)`` scores the model before and
     after training; ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
     """
-    run = start_preference_run(recipe, stage, read_examples)
+    run = start_finetune_run(recipe, stage, read_examples)
     if check_examples is not None:
         check_examples(run.train_examples)
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
@@ -200,7 +148,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     elif needs_reference:
         reference = policy_reference(model)  # adapters disabled with LoRA, else a frozen copy
     objective = objective_for(reference)
-    val_batches = (lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None
+    val_batches = validation_batches(val_rows, cfg.micro_batch_size)
     start = evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches) if val_batches else {}
     before.update(start)
     per_token = model.cfg.flops_per_token(d.max_length)

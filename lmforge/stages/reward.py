@@ -22,8 +22,14 @@ from lmforge.data.rows import RowLoader
 from lmforge.model.reward import RewardModel
 from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
-from lmforge.stages.dpo import PreferenceDataConfig, start_preference_run
-from lmforge.train.finetune import row_accumulation_steps, save_finetuned, wrap_lora
+from lmforge.stages.dpo import PreferenceDataConfig
+from lmforge.train.finetune import (
+    row_accumulation_steps,
+    save_finetuned,
+    start_finetune_run,
+    validation_batches,
+    wrap_lora,
+)
 from lmforge.train.loop import TrainConfig, evaluate, train
 from lmforge.train.metrics import loss_curve_lines
 
@@ -47,7 +53,7 @@ class RewardRecipe:
 
 
 def run_reward(recipe: RewardRecipe) -> dict:
-    run = start_preference_run(recipe, "reward", read_preference_pairs)
+    run = start_finetune_run(recipe, "reward", read_preference_pairs)
     run_dir, device, precision, backbone, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_pairs, val_pairs, cfg, d = run.train_examples, run.val_examples, run.train_config(recipe.train), recipe.data
     if recipe.lora is not None:
@@ -56,7 +62,7 @@ def run_reward(recipe: RewardRecipe) -> dict:
     objective = RewardObjective(recipe.objective)
     train_rows = pair_rows(train_pairs, tok.pad_id)
     val_rows = pair_rows(val_pairs, tok.pad_id) if val_pairs else None
-    val_batches = (lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None
+    val_batches = validation_batches(val_rows, cfg.micro_batch_size)
     before = evaluate(model, objective, val_batches(), device, precision, None) if val_batches else {}
     summary = train(
         model=model,

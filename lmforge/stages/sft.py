@@ -19,26 +19,25 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.io import InputError, atomic_write_json
-from lmforge.core.run import log, start_run
+from lmforge.core.io import atomic_write_json
+from lmforge.core.run import log
 from lmforge.data.chat import read_sft_examples
-from lmforge.data.documents import SkipLog
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.train.finetune import (
     ExactMatchConfig,
-    check_data_paths,
     exact_match_accuracy,
     exact_match_tasks,
-    load_base,
     row_accumulation_steps,
     save_finetuned,
+    start_finetune_run,
     task_files,
+    validation_batches,
     wrap_lora,
 )
-from lmforge.train.loop import TrainConfig, resolve_device, train
+from lmforge.train.loop import TrainConfig, train
 from lmforge.train.metrics import loss_curve_lines
 
 
@@ -70,24 +69,17 @@ def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> d
 
 
 def run_sft(recipe: SFTRecipe) -> dict:
-    check_data_paths(recipe, "sft")
-    run_dir = start_run(recipe, recipe.run_dir)
-    device = resolve_device(recipe.train.device)
-    torch.manual_seed(recipe.train.seed)
-    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
-
     d = recipe.data
-    skipped = SkipLog()
-    train_examples = list(read_sft_examples(d.train, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
-                                            skipped=skipped, assistant_only=d.assistant_only))
-    if not train_examples:
-        raise InputError(f"no usable training examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
-    val_examples = list(read_sft_examples(d.val, tok, d.max_length, on_bad=d.on_bad, on_too_long=d.on_too_long,
-                                          skipped=skipped, assistant_only=d.assistant_only)) if d.val else []
+
+    def read_examples(paths: list[str], tok, max_length: int, **read) -> list:
+        return list(read_sft_examples(paths, tok, max_length, assistant_only=d.assistant_only, **read))
+
+    run = start_finetune_run(recipe, "sft", read_examples)
+    run_dir, model, tok = run.run_dir, run.model, run.tok
+    train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
     train_rows = build_rows(train_examples, d.max_length, d.packing, tok.pad_id)
-    log.info("sft: %d training examples in %d rows of %d tokens (%s); %d validation examples; %d skipped or truncated",
-             len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded",
-             len(val_examples), skipped.total)
+    log.info("sft: %d training examples in %d rows of %d tokens (%s)",
+             len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded")
 
     tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
     before = exact_match_accuracy(model, tok, *tasks, recipe.eval)
@@ -96,7 +88,7 @@ def run_sft(recipe: SFTRecipe) -> dict:
     if recipe.lora is not None:
         wrap_lora(model, recipe.lora, "sft")
 
-    cfg = recipe.train
+    cfg = run.train_config(recipe.train)
     loader = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed)
     val_rows = build_rows(val_examples, d.max_length, d.packing, tok.pad_id) if val_examples else None
     summary = train(
@@ -107,11 +99,11 @@ def run_sft(recipe: SFTRecipe) -> dict:
         run_dir=run_dir,
         recipe=recipe,
         grad_accum=row_accumulation_steps(cfg, d.max_length),
-        val_batches=(lambda: RowLoader(val_rows, cfg.micro_batch_size, shuffle=False, loop=False)) if val_rows else None,
+        val_batches=validation_batches(val_rows, cfg.micro_batch_size),
         flops_per_token=model.cfg.flops_per_token(d.max_length),
-        tokenizer_dir=tok_dir,
+        tokenizer_dir=run.tok_dir,
     )
-    final = save_finetuned(model, run_dir, tok_dir, base_dir, recipe.lora)
+    final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
                    exact_match_before=before, exact_match_after=after, final_checkpoint=str(final),

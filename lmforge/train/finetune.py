@@ -1,12 +1,15 @@
 """What every fine-tuning stage (SFT, reward model, DPO, KTO) does around the one training loop:
-load the base model with a chat tokenizer, size the optimizer step, wrap LoRA adapters, score
-greedy answers by exact match, and save the result as a plain checkpoint plus a PEFT adapter.
+start the run (base model with a chat tokenizer, the recipe's examples), size the optimizer
+step, wrap LoRA adapters, score greedy answers by exact match, and save the result as a
+plain checkpoint plus a PEFT adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +18,10 @@ from torch import nn
 
 from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError, expand_paths
-from lmforge.core.run import log
+from lmforge.core.run import log, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
+from lmforge.data.documents import SkipLog
+from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
@@ -24,7 +29,7 @@ from lmforge.model.generate import GenerationConfig, generate, release_decoding_
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
-from lmforge.train.loop import TrainConfig, accumulation_steps
+from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, run_precision
 
 
 @dataclass
@@ -56,6 +61,50 @@ def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: 
     return model, Tokenizer.load(tok_dir), tok_dir, base_dir
 
 
+@dataclass
+class FinetuneRun:
+    """What every fine-tuning stage (sft, reward, dpo, kto) sets up before its loop."""
+
+    run_dir: Path
+    device: torch.device
+    precision: str  # chosen once, before the stage evaluates or scores anything
+    model: Transformer
+    tok: Tokenizer
+    tok_dir: Path
+    base_dir: Path
+    train_examples: list
+    val_examples: list
+    skipped: SkipLog
+
+    def train_config(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with the precision chosen here, so the loop trains in the one the stage evaluated in."""
+        return dataclasses.replace(cfg, precision=self.precision)
+
+
+def start_finetune_run(recipe, stage: str, read_examples: Callable) -> FinetuneRun:
+    """The run directory, device and precision, the base model with its chat tokenizer, and the
+    recipe's training and validation examples (bad ones counted in ``skipped``).
+
+    ``read_examples(paths, tok, max_length, on_bad=, on_too_long=, skipped=)`` returns a list."""
+    check_data_paths(recipe, stage)
+    run_dir = start_run(recipe, recipe.run_dir)
+    device = resolve_device(recipe.train.device)
+    precision = run_precision(recipe.train, run_dir, device)
+    torch.manual_seed(recipe.train.seed)
+    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
+    d = recipe.data
+    skipped = SkipLog()
+    read = dict(on_bad=d.on_bad, on_too_long=d.on_too_long, skipped=skipped)
+    train_examples = read_examples(d.train, tok, d.max_length, **read)
+    if not train_examples:
+        raise InputError(f"no usable training examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
+    val_examples = read_examples(d.val, tok, d.max_length, **read) if d.val else []
+    log.info("%s: %d training and %d validation examples; %d skipped or truncated %s", stage, len(train_examples),
+             len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
+    return FinetuneRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
+                       skipped)
+
+
 def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: int = 1) -> int:
     """Micro-batches per optimizer step of a fine-tuning run. ``train.batch_tokens`` counts each
     example as ``rows_per_example`` rows (a preference pair is two) of ``data.max_length``
@@ -63,6 +112,13 @@ def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: 
     that is not a whole number of micro-batches is rounded to the nearest (at least one) and
     logged, as in pre-training; fine-tuning runs in one process, so a round is one micro-batch."""
     return accumulation_steps(cfg, rows_per_example * max_length * cfg.micro_batch_size)
+
+
+def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int) -> Callable[[], Iterator] | None:
+    """The loop's ``val_batches``: the validation rows once, in order, from the first each time (None without rows)."""
+    if not rows:
+        return None
+    return lambda: RowLoader(rows, batch_size, shuffle=False, loop=False)
 
 
 def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:

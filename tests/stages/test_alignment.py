@@ -210,13 +210,13 @@ def test_pairwise_preference_restores_train_mode_when_scoring_fails():
 @pytest.mark.parametrize("key", ["data.val", "eval.tasks", "pairs"])
 def test_a_missing_data_path_names_its_recipe_key_before_the_model_loads(tmp_path, base_checkpoint, data,
                                                                          monkeypatch, key):
-    import lmforge.stages.dpo as dpo_stage
+    import lmforge.train.finetune as finetune
     from lmforge.core.io import InputError
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load before the data paths are checked")
 
-    monkeypatch.setattr(dpo_stage, "load_base", no_load)
+    monkeypatch.setattr(finetune, "load_base", no_load)
     missing = tmp_path / "nope.jsonl"
     if key == "pairs":
         recipe = load_config(KTORecipe, None, [f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}",

@@ -104,12 +104,12 @@ def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path,
 
 @pytest.mark.parametrize("key", ["data.train", "data.val", "eval.tasks"])
 def test_a_missing_data_path_names_its_key_before_the_model_loads(tmp_path, base_checkpoint, sft_data, monkeypatch, key):
-    import lmforge.stages.sft as sft_stage
+    import lmforge.train.finetune as finetune
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load before the data paths are checked")
 
-    monkeypatch.setattr(sft_stage, "load_base", no_load)
+    monkeypatch.setattr(finetune, "load_base", no_load)
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(InputError, match=rf"sft {key} path '{missing}' matches no file"):
         run_sft(recipe(tmp_path, base_checkpoint, sft_data, f"{key}=[{missing}]"))

@@ -1,13 +1,15 @@
-"""What the fine-tuning stages share around the loop: how an optimizer step is sized."""
+"""What the fine-tuning stages share around the loop: how an optimizer step is sized and how
+validation rows are read."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
 from lmforge.core.run import log
-from lmforge.train.finetune import row_accumulation_steps
+from lmforge.train.finetune import row_accumulation_steps, validation_batches
 from lmforge.train.loop import TrainConfig
 
 
@@ -34,3 +36,11 @@ def test_a_target_between_whole_micro_batches_is_rounded_to_the_nearest_and_logg
     assert any("batch_tokens 1400 is not a multiple of 256" in r.getMessage() and "using 1280" in r.getMessage()
                for r in caplog.records)
 
+
+def test_validation_batches_read_every_row_once_in_order_from_the_first_each_time():
+    rows = {"input_ids": torch.arange(10).view(5, 2), "labels": torch.arange(10).view(5, 2)}
+    batches = validation_batches(rows, 2)
+    first, second = [b["input_ids"] for b in batches()], [b["input_ids"] for b in batches()]
+    assert [len(b) for b in first] == [2, 2, 1]
+    assert torch.equal(torch.cat(first), rows["input_ids"]) and torch.equal(torch.cat(second), rows["input_ids"])
+    assert validation_batches(None, 2) is None
