@@ -6,6 +6,10 @@ line, a string with a lone surrogate or invalid UTF-8, which no output could hol
 records become counted rejects instead of stopping the run or vanishing.
 A missing or unreadable file is an ``InputError`` naming it.
 
+Web pages are decoded as browsers decode them (``decode_payload``): byte order mark, valid
+UTF-8, the HTTP header's charset, a ``<meta>`` declaration, with labels mapped as the WHATWG
+Encoding Standard maps them (ISO-8859-1 is windows-1252).
+
 Sharding: every file's records are numbered; the records of all inputs, in order, are cut
 into shards of ``records_per_shard`` (a large WARC becomes several shards, small HTML
 files are grouped). ``records_per_shard: 0`` makes one shard per file. The counting pass
@@ -15,9 +19,12 @@ records before it: reading a file cut into K shards costs one pass, not K.
 
 from __future__ import annotations
 
+import codecs
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +33,6 @@ from lmforge.curate.base import Document
 from lmforge.data import documents
 from lmforge.data.documents import (
     BLANK,
-    SURROGATE,
     BadRecord,
     jsonl_lines,
     lone_surrogate,
@@ -286,25 +292,96 @@ def _warc_resumes_at(path: Path, offset: int, record_id: str | None) -> bool:
         return False
 
 
-def _decode(payload: bytes, charset: str | None) -> tuple[str | None, str | None]:
-    """The payload as text in its declared charset, else UTF-8; or None and the problem."""
-    if b"\0" in payload[:4096]:
-        return None, "binary-payload: NUL bytes in the payload"
-    error = None
-    for enc in dict.fromkeys([charset or "utf-8", "utf-8"]):
+BOMS = ((b"\xef\xbb\xbf", "utf-8"), (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))
+CHARSET_PARAM = re.compile(r"""charset\s*=\s*["']?\s*([\w.:+-]+)""", re.IGNORECASE)
+META_CHARSET = re.compile(rb"""<meta\s[^>]*?charset\s*=\s*["']?\s*([\w.:+-]+)""", re.IGNORECASE)
+META_SCAN_BYTES = 2048  # the HTML standard wants the declaration in the first 1024; pages often put it a little later
+
+
+@lru_cache(maxsize=512)
+def charset_codec(label: str) -> str | None:
+    """The Python codec for a charset label, read as browsers read it (the WHATWG Encoding Standard);
+    None for a label that names no encoding a browser knows.
+
+    Mapping labels rather than passing them to ``bytes.decode`` matters: ISO-8859-1, latin-1 and
+    US-ASCII pages are windows-1252 (smart quotes in 0x80-0x9F), GB2312 is GBK, and Python-only
+    codecs (``utf-7``, ``unicode_escape``, ``rot13``) are not charsets of a web page at all.
+    """
+    from resiliparse.parse.encoding import map_encoding_to_html5
+
+    label = label.strip("\"' ")
+    codec = map_encoding_to_html5(label, fallback_utf8=False)
+    if codec is None:  # a Python spelling of a known encoding: latin-1, iso_8859_15, cp936...
         try:
-            text = payload.decode(enc)
-        except LookupError:
-            continue
+            codec = map_encoding_to_html5(codecs.lookup(label).name, fallback_utf8=False)
+        except (LookupError, ValueError):
+            return None
+    return codec
+
+
+def decode_payload(payload: bytes, declared: str | None = None, html: bool = False) -> tuple[str | None, str, str]:
+    """(text, codec, which rule chose it) in the first charset that decodes all the payload strictly,
+    or (None, "", the problem). The rules, in order:
+
+    1. a byte order mark;
+    2. UTF-8, if the payload is valid UTF-8 and not plain ASCII: text in a legacy charset
+       practically never is, so a label saying otherwise is wrong (a server's default ISO-8859-1
+       header on a UTF-8 page); datatrove and trafilatura also try UTF-8 before anything else;
+    3. the HTTP header's charset (``declared``);
+    4. for HTML, a ``<meta charset>`` or ``<meta http-equiv="Content-Type">`` in the first 2 KB;
+    5. UTF-8.
+
+    Nothing is guessed: a page that declares no charset that decodes it and is not UTF-8 is a
+    reject naming each charset tried (datatrove would ask cchardet, whose guess from a short page
+    is often wrong, and wrong text passes the filters unseen). A UTF-16 label is believed only for
+    a payload with NUL bytes; NUL bytes otherwise mean a binary payload.
+    The rules are named bom, valid-utf-8, http-header, html-meta and default.
+    """
+    if payload[:1] in (b"\xef", b"\xff", b"\xfe"):
+        for bom, codec in BOMS:
+            if payload.startswith(bom):
+                try:
+                    return payload[len(bom):].decode(codec), codec, "bom"
+                except UnicodeDecodeError:
+                    break  # a stray BOM-like start: the other rules decide
+    nul = payload.find(b"\0", 0, 4096) != -1
+    header_codec = "utf-8" if declared == "utf-8" else charset_codec(declared) if declared else None
+    failures: dict[str, tuple[str, list[str]]] = {}  # codec (or unknown label) -> (why it failed, as what)
+    if not nul and (header_codec == "utf-8" or not payload.isascii()):  # steps 2 and 3 for most pages, at once
+        try:
+            return payload.decode("utf-8"), "utf-8", "http-header" if header_codec == "utf-8" else "valid-utf-8"
         except UnicodeDecodeError as exc:
-            error = f"undecodable-payload: invalid {enc} at byte {exc.start}"
-            continue
-        # strict UTF-8 never yields a lone surrogate, but a declared utf-7 or unicode_escape can
-        m = SURROGATE.search(text) if enc != "utf-8" else None
-        if m is None:
-            return text, None
-        error = f"invalid-unicode: lone surrogate at character {m.start()} of the {enc} payload"
-    return None, error
+            failures["utf-8"] = (f"invalid utf-8 at byte {exc.start}", ["valid-utf-8"])
+
+    def attempt(codec: str | None, source: str, label: str = "") -> tuple[str, str, str] | None:
+        if codec is None:
+            failures.setdefault(label, (f"unknown charset {label!r}", []))[1].append(source)
+        elif codec.startswith("utf-16") and not nul:
+            failures.setdefault(codec, (f"{codec} without NUL bytes", []))[1].append(source)
+        elif codec in failures:
+            failures[codec][1].append(source)
+        else:
+            try:
+                return payload.decode(codec), codec, source
+            except UnicodeDecodeError as exc:
+                failures[codec] = (f"invalid {codec} at byte {exc.start}", [source])
+        return None
+
+    if nul:  # text with NUL bytes is UTF-16 (said so by the header) or not text at all
+        found = attempt(header_codec, "http-header") if header_codec and header_codec.startswith("utf-16") else None
+        return found or (None, "", "binary-payload: NUL bytes in the payload")
+    if declared and (found := attempt(header_codec, "http-header", declared)):
+        return found
+    if html and (m := META_CHARSET.search(payload, 0, META_SCAN_BYTES)):
+        label = m.group(1).decode("ascii")
+        codec = charset_codec(label)
+        # a <meta> readable as ASCII is not in UTF-16; browsers take such a declaration to mean UTF-8
+        if found := attempt("utf-8" if codec and codec.startswith("utf-16") else codec, "html-meta", label):
+            return found
+    if found := attempt("utf-8", "default"):
+        return found
+    return None, "", "undecodable-payload: " + "; ".join(f"{why} ({', '.join(sources)})"
+                                                        for why, sources in failures.values())
 
 
 def read_warc(path: Path, cfg: InputsConfig, start: int, stop: int,
@@ -330,11 +407,27 @@ def read_warc(path: Path, cfg: InputsConfig, start: int, stop: int,
         if item.problem:
             yield Document(record_id, item.payload.decode("utf-8", "replace"), meta), item.problem
             continue
-        text, problem = _decode(item.payload, rec.http_charset if rec.is_http else None)
-        if text is None:
-            yield Document(record_id, item.payload.decode("utf-8", "replace"), meta), problem
-        else:
-            yield Document(record_id, text, meta), None
+        if rec.is_http:  # the charset the server declared
+            declared = rec.http_charset
+        else:  # a resource or conversion record's own Content-Type
+            m = CHARSET_PARAM.search(rec.headers.get("Content-Type", ""))
+            declared = m and m.group(1)
+        html = not meta["content_type"] or meta["content_type"].lower() in HTML_TYPES
+        yield _decoded_document(record_id, item.payload, meta, decode_payload(item.payload, declared, html))
+
+
+def _decoded_document(doc_id: str, data: bytes, meta: dict[str, Any], decoded: tuple[str | None, str, str]
+                      ) -> tuple[Document, str | None]:
+    """The document of a payload ``decode_payload`` read; a reject, with U+FFFD for what is not UTF-8, if it could not.
+
+    Text read in a charset other than UTF-8 names it and the rule that chose it in the metadata.
+    """
+    text, charset, note = decoded
+    if text is None:
+        return Document(doc_id, data.decode("utf-8", "replace"), meta), note
+    if charset != "utf-8":
+        meta["charset"], meta["charset_source"] = charset, note
+    return Document(doc_id, text, meta), None
 
 
 # --------------------------------------------------------------------------- other formats
@@ -350,8 +443,7 @@ def read_whole_file(path: Path, fmt: str) -> Iterator[tuple[Document, str | None
     meta: dict[str, Any] = {"source": str(path)}
     if fmt == "html":
         meta.update(url=path.as_posix(), content_type="text/html")
-    text, problem = _decode(data, None)
-    yield Document(str(path), text if text is not None else data.decode("utf-8", "replace"), meta), problem
+    yield _decoded_document(str(path), data, meta, decode_payload(data, html=fmt == "html"))
 
 
 def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,

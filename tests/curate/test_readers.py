@@ -8,8 +8,10 @@ import pytest
 from fastwarc.warc import ArchiveIterator
 
 from lmforge.core.io import InputError
-from lmforge.curate.readers import InputsConfig, Piece, plan_shards, read_piece
+from lmforge.curate.readers import InputsConfig, Piece, decode_payload, plan_shards, read_piece
 from tests.curate.warc_fixtures import PROSE, html_record, write_warc
+
+UNDECODABLE = b"<p>" + bytes(range(0x80, 0x100)) + b"</p>"  # not UTF-8, and 0x81 is in no windows-125x
 
 
 def read_all(cfg):
@@ -28,13 +30,80 @@ def test_warc_records_become_documents_with_url_and_content_type(tmp_path):
 def test_bad_warc_payloads_are_rejects_with_reasons(tmp_path):
     path = write_warc(tmp_path / "a.warc.gz", [
         html_record("https://x.org/ok", PROSE["en"]),
-        ("https://x.org/latin", "<p>caf\xe9</p>".encode("latin-1"), "text/html; charset=utf-8"),
+        ("https://x.org/undecodable", UNDECODABLE, "text/html; charset=utf-8"),
         ("https://x.org/bin", b"\x89PNG\r\n\x1a\n\0\0\0", "text/html"),
     ])
-    reasons = [r for _, r in read_all(InputsConfig(paths=[str(path)]))]
+    items = read_all(InputsConfig(paths=[str(path)]))
+    reasons = [r for _, r in items]
     assert reasons[0] is None
-    assert reasons[1].startswith("undecodable-payload") and reasons[2].startswith("binary-payload")
+    assert reasons[1] == "undecodable-payload: invalid utf-8 at byte 3 (valid-utf-8, http-header, default)"
+    assert reasons[2].startswith("binary-payload")
+    assert items[1][0].text.startswith("<p>\ufffd")  # kept in the reject with U+FFFD
 
+
+
+SMART = "\u201cSmart\u201d quotes \u2014 it\u2019s a caf\u00e9 in S\u00e3o Paulo, na\u00efve r\u00e9sum\u00e9."
+JAPANESE = "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3067\u3059\u3002\u6771\u4eac\u306e\u56f3\u66f8\u9928"
+
+
+def _html(body: str, head: str = "") -> str:
+    return f"<html><head>{head}<title>t</title></head><body><p>{body}</p></body></html>"
+
+
+@pytest.mark.parametrize("content_type, payload, text, charset, source", [
+    # the charset is declared only in the page, which is not UTF-8
+    ("text/html", _html(SMART, '<meta charset="windows-1252">').encode("cp1252"), SMART, "cp1252", "html-meta"),
+    ("text/html", _html(JAPANESE, '<meta http-equiv="Content-Type" content="text/html; charset=Shift_JIS">')
+     .encode("shift_jis"), JAPANESE, "shift_jis", "html-meta"),
+    ("text/html", _html(JAPANESE, "<meta charset=gb2312>").encode("gbk"), JAPANESE, "gbk", "html-meta"),
+    # ISO-8859-1 is read as windows-1252, as browsers do: 0x93/0x94 are quotes, not C1 controls
+    ("text/html; charset=ISO-8859-1", _html(SMART).encode("cp1252"), SMART, "cp1252", "http-header"),
+    ('text/html; charset="latin-1"', _html(SMART).encode("cp1252"), SMART, "cp1252", "http-header"),
+    # a lying header: says UTF-8, the page is windows-1252 as its <meta> says
+    ("text/html; charset=utf-8", _html(SMART, "<meta charset=windows-1252>").encode("cp1252"), SMART, "cp1252",
+     "html-meta"),
+    # a lying header the other way: a server's default ISO-8859-1 on a UTF-8 page (no mojibake)
+    ("text/html; charset=iso-8859-1", _html(SMART).encode("utf-8"), SMART, "utf-8", "valid-utf-8"),
+    # an unknown label is passed over, not a crash
+    ("text/html; charset=x-no-such-charset", _html(SMART, "<meta charset='cp1252'>").encode("cp1252"), SMART,
+     "cp1252", "html-meta"),
+    # a byte order mark outranks every label
+    ("text/html; charset=iso-8859-1", "\ufeff".encode() + _html(SMART).encode(), SMART, "utf-8", "bom"),
+    ("text/html", "\ufeff".encode("utf-16-le") + _html(SMART).encode("utf-16-le"), SMART, "utf-16-le", "bom"),
+    ("text/html", _html("plain ASCII").encode(), "plain ASCII", "utf-8", "default"),
+])
+def test_warc_pages_are_decoded_in_the_charset_a_browser_would_use(tmp_path, content_type, payload, text, charset,
+                                                                   source):
+    path = write_warc(tmp_path / "a.warc.gz", [("https://x.org/p", payload, content_type)])
+    ((doc, reason),) = read_all(InputsConfig(paths=[str(path)]))
+    assert reason is None
+    assert f"<p>{text}</p>" in doc.text and not doc.text.startswith("\ufeff")
+    assert decode_payload(payload, content_type.partition("charset=")[2] or None, html=True)[1:] == (charset, source)
+    # text not read as UTF-8 says how it was read
+    assert (doc.metadata.get("charset"), doc.metadata.get("charset_source")) == \
+        ((None, None) if charset == "utf-8" else (charset, source))
+
+
+def test_a_page_not_utf8_that_declares_no_charset_or_a_wrong_one_is_a_reject_naming_what_was_tried(tmp_path):
+    undeclared = _html(SMART).encode("cp1252")
+    lying = _html(SMART, "<meta charset=shift_jis>").encode("cp1252")
+    path = write_warc(tmp_path / "a.warc.gz", [("https://x.org/undeclared", undeclared, "text/html"),
+                                               ("https://x.org/lying", lying, "text/html; charset=oops")])
+    reasons = [r for _, r in read_all(InputsConfig(paths=[str(path)]))]
+    quote = b"\x93"  # the first byte that is not ASCII: no UTF-8 lead byte
+    assert reasons[0] == f"undecodable-payload: invalid utf-8 at byte {undeclared.index(quote)} (valid-utf-8, default)"
+    assert reasons[1].startswith(f"undecodable-payload: invalid utf-8 at byte {lying.index(quote)} (valid-utf-8, "
+                                 "default); unknown charset 'oops' (http-header); invalid shift_jis at byte ")
+    assert reasons[1].endswith(" (html-meta)")
+
+
+def test_html_files_are_decoded_by_their_meta_charset_and_text_files_only_as_utf8(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "a.html").write_bytes(_html(SMART, '<meta charset="windows-1252">').encode("cp1252"))
+    (tmp_path / "notes.txt").write_bytes(SMART.encode("cp1252"))
+    items = read_all(InputsConfig(paths=[str(tmp_path / "site"), str(tmp_path / "notes.txt")]))
+    assert items[0][1] is None and SMART in items[0][0].text and items[0][0].metadata["charset"] == "cp1252"
+    assert items[1][1].startswith("undecodable-payload: invalid utf-8 at byte 0")
 
 @pytest.mark.parametrize("gzip", [True, False])
 def test_truncated_warc_record_is_a_reject_not_a_silent_loss(tmp_path, gzip):
@@ -136,7 +205,7 @@ def test_a_jsonl_shard_parses_only_its_own_lines(tmp_path, gzip_it, monkeypatch)
 
 def _warc_layout(tmp_path, layout, damage):
     records = [html_record(f"https://x.org/{i}", PROSE["en"] * (1 + i % 3)) for i in range(6)]
-    records[2] = ("https://x.org/latin", "<p>caf\xe9</p>".encode("latin-1"), "text/html; charset=utf-8")
+    records[2] = ("https://x.org/undecodable", UNDECODABLE, "text/html; charset=utf-8")
     if layout == "one-member.warc.gz":  # the whole file one gzip stream: stream_pos is no place to seek to
         path = write_warc(tmp_path / "a.warc", records, gzip=False)
         path = path.rename(tmp_path / layout)
@@ -214,3 +283,4 @@ def test_lone_surrogates_and_invalid_utf8_strings_are_read_rejects_naming_file_a
     assert items[6][0].text.startswith("abc \ufffd")
     for doc, _ in items:  # every one, kept or rejected, can be written out
         json.dumps([doc.id, doc.text, doc.metadata], ensure_ascii=False).encode("utf-8")
+
