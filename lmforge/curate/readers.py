@@ -1,10 +1,11 @@
 """Input readers for curation: WARC, HTML files, JSONL, Parquet and plain text, cut into shards.
 
 A reader yields ``(Document, None)`` for every record it can read and ``(Document, reason)``
-for one it cannot (a truncated WARC record, an undecodable payload, a malformed JSONL
-line, a string with a lone surrogate or invalid UTF-8, which no output could hold), so bad
-records become counted rejects instead of stopping the run or vanishing.
-A missing or unreadable file is an ``InputError`` naming it.
+for one it cannot (a truncated WARC record, a damaged gzip member of a .warc.gz, after which
+reading goes on at the next member, an undecodable payload, a malformed JSONL line, a string
+with a lone surrogate or invalid UTF-8, which no output could hold), so bad records become
+counted rejects instead of stopping the run or vanishing. A missing or unreadable file, or an
+uncompressed WARC that cannot be parsed past some byte, is an ``InputError`` naming it.
 
 Web pages are decoded as browsers decode them (``decode_payload``): byte order mark, valid
 UTF-8, the HTTP header's charset, a ``<meta>`` declaration, with labels mapped as the WHATWG
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from lmforge.core.io import InputError, expand_paths
 from lmforge.curate.base import Document
@@ -197,78 +198,166 @@ def read_piece(piece: Piece, cfg: InputsConfig) -> Iterator[tuple[Document, str 
 
 @dataclass
 class _WarcItem:
-    record: Any  # a fastwarc WarcRecord, or None for damage found after the last record
+    record: Any  # a fastwarc WarcRecord, or None for damaged bytes between or after the records
     payload: bytes
     offset: int
     problem: str | None = None
 
 
-def _warc_records(path: Path, cfg: InputsConfig, origin: int = 0) -> Iterator[_WarcItem]:
-    """Records of the kept types with their payloads, from byte ``origin`` on, then one item per damaged tail.
+GZIP_MAGIC = b"\x1f\x8b\x08"
+ENDS_EARLY = "is cut short at the end of the file"
 
-    fastwarc stops quietly at a truncated gzip member, so after the last record the
-    reader checks that the file ends where that record ends; anything left is reported.
+
+def _warc_records(path: Path, cfg: InputsConfig, origin: int = 0) -> Iterator[_WarcItem]:
+    """Records of the kept types with their payloads, from byte ``origin`` on, and one item per damaged stretch.
+
+    fastwarc stops quietly at a gzip member cut short at the file's end and raises at a damaged
+    member in the middle. Either way the reader finds the damaged member itself, reports it with
+    the bytes skipped, and goes on at the next gzip member that holds a WARC record (a .warc.gz
+    is written one member per record, so only the damaged record is lost). An uncompressed WARC
+    that cannot be parsed past some point is an ``InputError`` naming the file and byte offset.
     """
     from fastwarc.warc import ArchiveIterator
 
     kept = set(cfg.warc_record_types)
-    last_offset = None
-    pending: _WarcItem | None = None  # the last record is held back until the file's end is checked
-    try:
-        with open(path, "rb") as f:
-            f.seek(origin)
-            for record in ArchiveIterator(f, parse_http=True):
-                last_offset = record.stream_pos
-                if pending is not None:
-                    yield pending
-                    pending = None
-                if str(record.record_type) not in kept:
-                    continue
-                payload = record.reader.read()
-                problem = None
-                if len(payload) < record.content_length:  # fastwarc's content_length is the payload's, after HTTP
-                    problem = f"truncated-record: payload has {len(payload)} of {record.content_length} bytes"
-                pending = _WarcItem(record, payload, record.stream_pos, problem)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read WARC: {exc.strerror or exc}") from exc
-    tail = _damaged_tail(path, last_offset, origin)
-    if pending is not None and tail is not None and tail[0] == pending.offset:
-        pending.problem = pending.problem or tail[1]  # the last record itself is cut short
-        tail = None
-    if pending is not None:
-        yield pending
-    if tail is not None:
-        yield _WarcItem(None, b"", tail[0], tail[1])
+    gz = path.name.lower().endswith(".gz")
+    start: int | None = origin
+    while start is not None:
+        last_offset = None
+        pending: _WarcItem | None = None  # the last record is held back until what follows it is checked
+        error = None
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                for record in ArchiveIterator(f, parse_http=True):
+                    last_offset = record.stream_pos
+                    if pending is not None:
+                        yield pending
+                        pending = None
+                    if str(record.record_type) not in kept:
+                        continue
+                    payload = record.reader.read()
+                    problem = None
+                    if len(payload) < record.content_length:  # fastwarc's content_length is the payload's, after HTTP
+                        problem = f"truncated-record: payload has {len(payload)} of {record.content_length} bytes"
+                    pending = _WarcItem(record, payload, record.stream_pos, problem)
+        except OSError as exc:  # fastwarc raises OSError for damaged data too, with no errno
+            if exc.errno is not None or not gz:
+                where = f"after the record at byte {last_offset}" if last_offset is not None else f"at byte {start}"
+                raise InputError(f"{path}: cannot read WARC {where}: {exc.strerror or exc}") from exc
+            error = exc
+        damage = _damaged_gzip_member(path, start, last_offset) if gz else _damaged_tail(path, last_offset, start)
+        if error is not None and damage is None:
+            where = last_offset if last_offset is not None else start
+            raise InputError(f"{path}: cannot read WARC after byte {where}: {error}") from error
+        start = None
+        if damage is not None and gz:
+            offset, problem = damage
+            start = _next_warc_member(path, offset + 1)
+            end = start if start is not None else path.stat().st_size
+            # a member of several records was read up to about the last record parsed in it
+            first = max(offset, last_offset) if last_offset is not None else offset
+            damage = offset, f"{problem}; bytes {first}-{end} skipped" + (f", reading resumes at byte {start}"
+                                                                        if start is not None else "")
+        if pending is not None and damage is not None and damage[0] == pending.offset:
+            pending.problem = pending.problem or damage[1]  # the damaged member is the last record's own
+            damage = None
+        if pending is not None:
+            yield pending
+        if damage is not None:
+            yield _WarcItem(None, b"", damage[0], damage[1])
+
+
+def _read_gzip_member(f: BinaryIO, offset: int) -> tuple[int, bytes, str | None]:
+    """(end, first bytes of its content, problem) of the gzip member at byte ``offset``; problem None if it is whole."""
+    f.seek(offset)
+    d = zlib.decompressobj(wbits=31)
+    head = b""
+    position = offset
+    while not d.eof:
+        chunk = f.read(1 << 20)
+        if not chunk:
+            return position, head, ENDS_EARLY
+        try:
+            out = d.decompress(chunk)
+        except zlib.error as exc:
+            return position, head, str(exc)
+        if len(head) < 8:
+            head += out[: 8 - len(head)]
+        position += len(chunk)
+    return position - len(d.unused_data), head, None
+
+
+def _damaged_gzip_member(path: Path, origin: int, last_offset: int | None) -> tuple[int, str] | None:
+    """(offset, reason) of the first gzip member after the last record parsed from ``origin`` that is not a whole
+    member holding a WARC record; None when the rest of the file is only such members (and NUL padding).
+
+    In the standard layout ``last_offset`` is where the last record's member begins. In a file of
+    several records per member it is only how far fastwarc's decompressor had got, so the members
+    are walked from ``origin`` instead.
+    """
+    warc = ".warc" in path.name.lower()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        position = origin
+        if last_offset is not None:
+            f.seek(last_offset)
+            if f.read(3) == GZIP_MAGIC:
+                position = last_offset
+            elif last_offset >= size:
+                return None
+        while position < size:
+            end, head, problem = _read_gzip_member(f, position)
+            if problem is None and warc and head and not head.startswith(b"WARC/"):  # empty members are padding
+                problem = "it holds no WARC record"
+            if problem is not None:
+                if _only_nul(f, position):
+                    return None
+                if problem == ENDS_EARLY:
+                    return position, f"truncated-record: {path}: the gzip member at byte {position} {problem}"
+                return position, f"damaged-gzip-member: {path}: the gzip member at byte {position} is damaged ({problem})"
+            position = end
+    return None
+
+
+def _only_nul(f: BinaryIO, position: int) -> bool:
+    """Whether the file holds nothing but NUL bytes (padding) from ``position`` on."""
+    f.seek(position)
+    while chunk := f.read(1 << 20):
+        if chunk.strip(b"\0"):
+            return False
+    return True
+
+
+def _next_warc_member(path: Path, start: int) -> int | None:
+    """Where the first whole gzip member holding a WARC record begins at or after byte ``start``, if any."""
+    warc = ".warc" in path.name.lower()
+    block = 1 << 20
+    with open(path, "rb") as f:
+        position = start
+        while True:
+            f.seek(position)
+            data = f.read(block + len(GZIP_MAGIC) - 1)
+            if len(data) < len(GZIP_MAGIC):
+                return None
+            at = data.find(GZIP_MAGIC)
+            while at != -1:
+                _, head, problem = _read_gzip_member(f, position + at)
+                if problem is None and (head.startswith(b"WARC/") or not warc):
+                    return position + at
+                at = data.find(GZIP_MAGIC, at + 1)
+            position += block
 
 
 def _damaged_tail(path: Path, last_offset: int | None, origin: int = 0) -> tuple[int, str] | None:
-    """(offset, reason) when bytes after the last record parsed from ``origin`` hold no complete record."""
-    size = path.stat().st_size
-    start = last_offset if last_offset is not None else origin
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read()
-    if path.name.lower().endswith(".gz"):
-        end = start
-        rest = data
-        # step over the last record's gzip member (or every member, if none parsed)
-        while rest:
-            d = zlib.decompressobj(wbits=31)
-            try:
-                d.decompress(rest)
-            except zlib.error as exc:
-                return end, f"truncated-record: damaged gzip member at byte {end} ({exc})"
-            if not d.eof:
-                return end, f"truncated-record: gzip member at byte {end} ends early (file is {size} bytes)"
-            end += len(rest) - len(d.unused_data)
-            rest = d.unused_data
-            if last_offset is not None:
-                break
-        if rest.strip(b"\0"):
-            return end, f"truncated-record: {len(rest)} unparsed bytes at byte {end}"
+    """(offset, reason) when an uncompressed WARC read from ``origin`` holds bytes but no record."""
+    if last_offset is not None:
         return None
-    if last_offset is None and data.strip():
-        return origin, "truncated-record: no WARC record could be parsed"
+    with open(path, "rb") as f:
+        f.seek(origin)
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return origin, "truncated-record: no WARC record could be parsed"
     return None
 
 

@@ -9,7 +9,7 @@ from fastwarc.warc import ArchiveIterator
 
 from lmforge.core.io import InputError
 from lmforge.curate.readers import InputsConfig, Piece, decode_payload, plan_shards, read_piece
-from tests.curate.warc_fixtures import PROSE, html_record, write_warc
+from tests.curate.warc_fixtures import PROSE, html_record, record_offsets, write_warc
 
 UNDECODABLE = b"<p>" + bytes(range(0x80, 0x100)) + b"</p>"  # not UTF-8, and 0x81 is in no windows-125x
 
@@ -284,3 +284,57 @@ def test_lone_surrogates_and_invalid_utf8_strings_are_read_rejects_naming_file_a
     for doc, _ in items:  # every one, kept or rejected, can be written out
         json.dumps([doc.id, doc.text, doc.metadata], ensure_ascii=False).encode("utf-8")
 
+
+def _damage_member(data: bytes, starts: list[int], k: int, how: str) -> tuple[bytes, int, int]:
+    """The file with record k's gzip member damaged, and the byte range [a, b) that can no longer be read."""
+    a, b = starts[k], starts[k + 1]
+    if how == "deflate-data":  # bits flipped inside the compressed stream
+        return data[:a + 40] + bytes(x ^ 0x55 for x in data[a + 40:a + 60]) + data[a + 60:], a, b
+    if how == "checksum":  # the stream inflates, but to other bytes than were written
+        return data[:b - 8] + bytes(x ^ 0xFF for x in data[b - 8:b - 4]) + data[b - 4:], a, b
+    if how == "gzip-header":
+        return data[:a] + b"\0\0" + data[a + 2:], a, b
+    if how == "cut-short":  # the member's second half lost, the next member follows at once
+        cut = (a + b) // 2
+        return data[:cut] + data[b:], a, cut
+    assert how == "garbage-between"  # no record damaged, 64 bytes that are no gzip member before record k
+    return data[:a] + b"not a gzip member " * 4 + data[a:], a, a + 72
+
+
+@pytest.mark.parametrize("how", ["deflate-data", "checksum", "gzip-header", "cut-short", "garbage-between"])
+def test_a_damaged_gzip_member_is_a_reject_naming_file_and_bytes_and_reading_goes_on(tmp_path, how):
+    path = write_warc(tmp_path / "a.warc.gz", [html_record(f"https://x.org/{i}", PROSE["en"]) for i in range(6)])
+    starts = record_offsets(path)  # warcinfo, then records 0-5
+    data, a, b = _damage_member(path.read_bytes(), starts, 3, how)  # record 2's member
+    path.write_bytes(data)
+    cfg = InputsConfig(paths=[str(path)], records_per_shard=2)
+    whole = list(read_piece(Piece(str(path), "warc", 0, 1 << 62), cfg))
+    lost = [] if how == "garbage-between" else [2]
+    assert [d.metadata.get("url") for d, r in whole if r is None] == [f"https://x.org/{i}" for i in range(6)
+                                                                     if i not in lost]
+    (reject,) = [(d, r) for d, r in whole if r is not None]
+    assert reject[0].metadata["offset"] == a and reject[0].id == f"{path}@{a}"
+    assert reject[1].startswith(f"damaged-gzip-member: {path}: the gzip member at byte {a} is damaged (")
+    assert reject[1].endswith(f"; bytes {a}-{b} skipped, reading resumes at byte {b}")
+    assert _items(read_all(cfg)) == _items(whole)  # shards that seek past the damage, or read through it, agree
+
+
+def test_damage_in_the_last_gzip_member_skips_to_the_end_of_the_file(tmp_path):
+    path = write_warc(tmp_path / "a.warc.gz", [html_record(f"https://x.org/{i}", PROSE["en"]) for i in range(3)])
+    starts = record_offsets(path) + [path.stat().st_size]
+    data, a, b = _damage_member(path.read_bytes(), starts, 3, "deflate-data")
+    path.write_bytes(data)
+    items = read_all(InputsConfig(paths=[str(path)]))
+    assert [r for _, r in items[:2]] == [None, None]
+    assert items[2][1].startswith(f"damaged-gzip-member: {path}: the gzip member at byte {a} is damaged")
+    assert items[2][1].endswith(f"; bytes {a}-{b} skipped")
+
+
+def test_an_unparsable_uncompressed_warc_is_an_input_error_naming_file_and_byte(tmp_path):
+    path = write_warc(tmp_path / "a.warc", [html_record(f"https://x.org/{i}", PROSE["en"]) for i in range(4)],
+                      gzip=False)
+    starts = record_offsets(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:starts[3]] + b"garbage\r\n" + data[starts[3]:])
+    with pytest.raises(InputError, match=f"{path}: cannot read WARC after the record at byte {starts[2]}"):
+        read_all(InputsConfig(paths=[str(path)]))

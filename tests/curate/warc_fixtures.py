@@ -36,3 +36,11 @@ def write_warc(path: Path, records: list[tuple[str, bytes, str]], gzip: bool = T
 
 def html_record(url: str, body: str, title: str = "Page") -> tuple[str, bytes, str]:
     return url, page(body, title).encode("utf-8"), "text/html; charset=utf-8"
+
+
+def record_offsets(path: Path) -> list[int]:
+    """Where each record begins (in a .warc.gz written one gzip member per record: where its member begins)."""
+    from fastwarc.warc import ArchiveIterator
+
+    with open(path, "rb") as f:
+        return [r.stream_pos for r in ArchiveIterator(f, parse_http=False)]
