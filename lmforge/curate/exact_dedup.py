@@ -13,7 +13,8 @@ A CorpusStep in three phases (see ``base.py``):
    nothing is rejected.
 
 The first occurrence in (shard, position) order wins, as datatrove's ``ExactDedup`` keeps
-its first document of equal priority.
+its first document of equal priority. ``write_rows``, ``resolve_bucket`` and ``read_repeats``
+find first occurrences of any 64-bit key; the pipeline uses them on document ids too.
 """
 
 from __future__ import annotations
@@ -73,10 +74,7 @@ class ExactDedup:
 
     def index_shard(self, shard: int, docs: list[Document], work_dir: Path) -> None:
         rows = [(_hash(text, self.cfg.lowercase), d, u) for d, doc in enumerate(docs) for u, text in self._units(doc)]
-        table = np.array(rows, dtype=ROW)
-        buckets = table["hash"] % self.cfg.num_buckets
-        for b in range(self.cfg.num_buckets):
-            atomic_write_npy(work_dir / "index" / f"b{b:04d}" / f"s{shard:06d}.npy", table[buckets == b])
+        write_rows(work_dir, shard, np.array(rows, dtype=ROW), self.cfg.num_buckets)
         if self.cfg.unit == "document":
             atomic_write_text(work_dir / "ids" / f"s{shard:06d}.json", json.dumps([d.id for d in docs]))
 
@@ -84,8 +82,7 @@ class ExactDedup:
         pool_map(partial(resolve_bucket, work_dir, num_shards), list(range(self.cfg.num_buckets)))
 
     def apply_shard(self, shard: int, docs: list[Document], work_dir: Path) -> list[str | None]:
-        dups = [np.load(p) for p in sorted((work_dir / "dups").glob(f"b*/s{shard:06d}.npy"))]
-        dup = np.concatenate(dups) if dups else np.zeros(0, DUP)
+        dup = read_repeats(work_dir, shard)
         decisions: list[str | None] = [None] * len(docs)
         if self.cfg.unit == "document":
             ids: dict[int, list[str]] = {}
@@ -110,6 +107,19 @@ class ExactDedup:
             else:
                 doc.text = text
         return decisions
+
+
+def write_rows(work_dir: Path, shard: int, rows: np.ndarray, num_buckets: int) -> None:
+    """Phase 1's output: the shard's ``ROW`` rows, one file per hash bucket."""
+    buckets = rows["hash"] % num_buckets
+    for b in range(num_buckets):
+        atomic_write_npy(work_dir / "index" / f"b{b:04d}" / f"s{shard:06d}.npy", rows[buckets == b])
+
+
+def read_repeats(work_dir: Path, shard: int) -> np.ndarray:
+    """Phase 2's output for one shard: a ``DUP`` row for each of its rows whose hash an earlier row had."""
+    dups = [np.load(p) for p in sorted((work_dir / "dups").glob(f"b*/s{shard:06d}.npy"))]
+    return np.concatenate(dups) if dups else np.zeros(0, DUP)
 
 
 def resolve_bucket(work_dir: Path, num_shards: int, bucket: int) -> int:
