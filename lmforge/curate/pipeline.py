@@ -5,6 +5,7 @@ runs the document steps before the first corpus step; each later segment starts 
 corpus step (``index_shard`` on every shard, ``resolve`` once, ``apply_shard`` on every
 shard) and continues with the document steps after it. Finally each shard's kept
 documents go to ``output/`` and all its rejects, with stage and reason, to ``rejects/``.
+Between segment 0 and the rest, repeated input ids are made unique (see "unique ids" below).
 
 Every shard task writes its files atomically and then a completion marker, so an
 interrupted run, started again, redoes only unfinished tasks. Markers carry a fingerprint
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.config import dump_config, save_config
-from lmforge.core.io import atomic_write_bytes, atomic_write_json, file_stamps, named_paths
+from lmforge.core.io import atomic_write_bytes, atomic_write_json, atomic_write_npy, file_stamps, named_paths
 from lmforge.core.run import log, progress_bar
 from lmforge.curate.base import Document
 from lmforge.curate.executor import make_executor
@@ -114,6 +115,9 @@ def _step_class(spec: StepSpec) -> type:
     return _load(spec.type)[1]
 
 
+WORK_LAYOUT = 2  # what work/ holds; a change makes an older run's work folders redo everything
+
+
 def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -127,7 +131,7 @@ def _fingerprints(cfg: CurateConfig, shards: list[list[Piece]], segments: list[S
     """Per segment, a digest of the inputs (paths, sizes, mtimes), of the steps up to it and of
     the files those steps name, so changing any of them reruns that segment and the later ones."""
     files = sorted({p.path for s in shards for p in s})
-    fp = _digest(dump_config(cfg.inputs), [[vars(p) for p in s] for s in shards], file_stamps(files))
+    fp = _digest(WORK_LAYOUT, dump_config(cfg.inputs), [[vars(p) for p in s] for s in shards], file_stamps(files))
     out = []
     for seg in segments:
         fp = _digest(fp, _step_fingerprint(seg.corpus) if seg.corpus else None,
@@ -269,14 +273,15 @@ def run_segment_shard(job: Job, seg: int, shard: int) -> dict:
     corpus, steps = _steps_of(job, seg)
     kept = JsonlWriter(directory / f"shard-{shard:06d}.kept.jsonl")
     rejects = JsonlWriter(directory / f"shard-{shard:06d}.rejects.jsonl")
-    seen = 0
+    ids, kept_mask, piece_docs = [], [], []  # segment 0: what unique ids need, in reading order
     try:
-        for doc, stage, reason in _segment_input(job, seg, shard, corpus):
-            seen += 1
+        for doc, stage, reason in _segment_input(job, seg, shard, corpus, piece_docs):
+            ids.append(doc.id)
             if reason is None:
                 verdict = apply_steps(doc, steps)
                 if verdict is not None:
                     stage, reason = verdict
+            kept_mask.append(reason is None)
             if reason is None:
                 kept.write(doc_record(doc))
             else:
@@ -287,19 +292,26 @@ def run_segment_shard(job: Job, seg: int, shard: int) -> dict:
         kept.abort()
         rejects.abort()
         raise
-    result = {"in": seen, "kept": kept.count, "rejected": rejects.count}
+    result = {"in": len(ids), "kept": kept.count, "rejected": rejects.count}
+    if seg == 0:
+        index_ids(job, shard, ids, kept_mask)
+        result["piece_docs"] = piece_docs
     atomic_write_json(marker, result)
     return {"skipped": False, **result}
 
 
-def _segment_input(job: Job, seg: int, shard: int, corpus: Any) -> Iterator[tuple[Document, str, str | None]]:
-    """(doc, stage, reason) for each document entering the segment; reason None means not yet rejected."""
+def _segment_input(job: Job, seg: int, shard: int, corpus: Any,
+                   piece_docs: list[int]) -> Iterator[tuple[Document, str, str | None]]:
+    """(doc, stage, reason) for each document entering the segment; reason None means not yet rejected.
+    Segment 0 counts the documents read from each piece of the shard into ``piece_docs``."""
     if seg == 0:
         for piece in job.shards[shard]:
+            piece_docs.append(0)
             for doc, reason in read_piece(piece, job.inputs):
+                piece_docs[-1] += 1
                 yield doc, "read", reason
         return
-    docs = read_docs(seg_dir(job, seg - 1) / f"shard-{shard:06d}.kept.jsonl")
+    docs = segment_docs(job, seg - 1, shard)
     decisions = corpus.apply_shard(shard, docs, seg_dir(job, seg) / "step")
     if len(decisions) != len(docs):
         raise RuntimeError(f"{job.segments[seg].corpus.label}.apply_shard returned {len(decisions)} decisions "
@@ -314,7 +326,7 @@ def run_index_shard(job: Job, seg: int, shard: int) -> bool:
     if marker.exists():
         return True
     corpus, _ = _steps_of(job, seg)
-    docs = read_docs(seg_dir(job, seg - 1) / f"shard-{shard:06d}.kept.jsonl")
+    docs = segment_docs(job, seg - 1, shard)
     corpus.index_shard(shard, docs, directory / "step")
     atomic_write_bytes(marker, b"")
     return False
@@ -328,14 +340,14 @@ def finalize_shard(job: Job, shard: int) -> dict:
         return {"skipped": True, **json.loads(marker.read_text())}
     last = len(job.segments) - 1
     stats = ShardStats()
-    docs = read_docs(seg_dir(job, last) / f"shard-{shard:06d}.kept.jsonl")
+    docs = segment_docs(job, last, shard)
     for doc in docs:
         stats.add(doc.metadata, None, None)
     write_output(root / "output" / f"shard-{shard:06d}.{job.output_format}", docs, job.output_format)
     rejects = JsonlWriter(root / "rejects" / f"shard-{shard:06d}.jsonl")
     try:
         for seg in range(last + 1):
-            for record in read_records(seg_dir(job, seg) / f"shard-{shard:06d}.rejects.jsonl"):
+            for record in segment_rejects(job, seg, shard):
                 stats.add(record["metadata"], record["stage"], record["reason"])
                 rejects.write(record)
         rejects.commit()
@@ -361,6 +373,104 @@ def write_output(path: Path, docs: list[Document], fmt: str) -> None:
         pq.write_table(table, buf)
         data = buf.getvalue()
     atomic_write_bytes(path, data)
+
+
+# --------------------------------------------------------------------------- unique ids
+#
+# Output ids are unique. A document keeps its input id unless a document before it in input
+# order (all inputs, kept or rejected) has the same id; then its id becomes
+# "<id>@<source>#<n>": the file it was read from, and its place among the documents read from
+# that file (counting from 1). So the first holder of an id keeps it, and ids depend on the
+# inputs alone, not on the steps or the sharding. (Unique unless an input id already has that
+# form.) datatrove passes its readers' ids through, repeated or not; here every id names one
+# document, as the dedup reasons ("exact-duplicate of <id>"), clusters and the report need.
+#
+# Segment 0 hashes each shard's ids into exact_dedup's bucket files (work/seg-0/ids/), the
+# buckets are resolved in parallel (the first (shard, position) of each hash wins; two ids
+# sharing a 64-bit hash would only cost one an unneeded suffix), and the repeats are renamed
+# when segment 0's documents are read back, so no process holds all ids.
+
+ID_BUCKETS = 8
+
+
+def _ids_dir(job: Job) -> Path:
+    return seg_dir(job, 0) / "ids"
+
+
+def index_ids(job: Job, shard: int, ids: list[str], kept_mask: list[bool]) -> None:
+    """Write the shard's id hashes (by reading position) and which documents segment 0 kept."""
+    import numpy as np
+    import xxhash
+
+    from lmforge.curate.exact_dedup import ROW, write_rows
+
+    rows = np.array([(xxhash.xxh3_64_intdigest(i.encode()), p, 0) for p, i in enumerate(ids)], dtype=ROW)
+    write_rows(_ids_dir(job), shard, rows, ID_BUCKETS)
+    atomic_write_npy(_ids_dir(job) / "kept" / f"s{shard:06d}.npy", np.array(kept_mask, dtype=bool))
+
+
+def resolve_ids(job: Job, results: list[dict], pool: Any) -> bool:
+    """Find the repeated ids, and where each piece's documents start among its file's; True if
+    an earlier run had done it."""
+    from lmforge.curate.exact_dedup import resolve_bucket
+
+    done = _ids_dir(job) / "resolve.done"
+    if done.exists():
+        return True
+    pool(partial(resolve_bucket, _ids_dir(job), len(job.shards)), list(range(ID_BUCKETS)))
+    read_before: Counter = Counter()  # documents read from each file in earlier pieces
+    for shard, (pieces, result) in enumerate(zip(job.shards, results)):
+        starts = []
+        for piece, n in zip(pieces, result["piece_docs"]):
+            starts.append(read_before[piece.path])
+            read_before[piece.path] += n
+        atomic_write_json(_ids_dir(job) / "starts" / f"s{shard:06d}.json", starts)
+    atomic_write_bytes(done, b"")
+    return False
+
+
+def _id_suffixes(job: Job, shard: int, kept: bool) -> list[str] | None:
+    """What to append to the id of each document segment 0 kept (or rejected) of ``shard``, in
+    file order: "" or "@<source>#<n>"; None when none of the shard's ids is a repeat."""
+    import numpy as np
+
+    from lmforge.curate.exact_dedup import read_repeats
+
+    ids_dir = _ids_dir(job)
+    repeats = read_repeats(ids_dir, shard)["doc"]
+    if not len(repeats):
+        return None
+    counts = json.loads((seg_dir(job, 0) / f"shard-{shard:06d}.done.json").read_text())["piece_docs"]
+    starts = json.loads((ids_dir / "starts" / f"s{shard:06d}.json").read_text())
+    ends = np.cumsum(counts)  # reading position where each piece's documents end
+    suffix = {}
+    for position in repeats.tolist():
+        piece = int(np.searchsorted(ends, position, side="right"))
+        n = starts[piece] + position - (int(ends[piece]) - counts[piece]) + 1
+        suffix[position] = f"@{job.shards[shard][piece].path}#{n}"
+    kept_mask = np.load(ids_dir / "kept" / f"s{shard:06d}.npy")
+    return [suffix.get(p, "") for p in np.flatnonzero(kept_mask == kept).tolist()]
+
+
+def segment_docs(job: Job, seg: int, shard: int) -> list[Document]:
+    """The documents segment ``seg`` kept of ``shard``, with unique ids."""
+    docs = read_docs(seg_dir(job, seg) / f"shard-{shard:06d}.kept.jsonl")
+    if seg == 0 and (suffixes := _id_suffixes(job, shard, kept=True)) is not None:
+        for doc, suffix in zip(docs, suffixes, strict=True):
+            doc.id += suffix
+    return docs
+
+
+def segment_rejects(job: Job, seg: int, shard: int) -> Iterator[dict]:
+    """The reject records segment ``seg`` wrote for ``shard``, with unique ids."""
+    records = read_records(seg_dir(job, seg) / f"shard-{shard:06d}.rejects.jsonl")
+    suffixes = _id_suffixes(job, shard, kept=False) if seg == 0 else None
+    if suffixes is None:
+        yield from records
+        return
+    for record, suffix in zip(records, suffixes, strict=True):
+        record["id"] += suffix
+        yield record
 
 
 # --------------------------------------------------------------------------- statistics
@@ -500,6 +610,9 @@ def run_curate(cfg: CurateConfig) -> dict:
             ran += sum(not r["skipped"] for r in results)
             if seg == 0:
                 n_input = sum(r["in"] for r in results)
+                reused = resolve_ids(job, results, pool)
+                skipped += reused
+                ran += not reused
         final_fp = _digest(fingerprints[-1], cfg.output_format)
         _fresh(run_dir / "work" / "final", final_fp, clear=(run_dir / "output", run_dir / "rejects"))
         parts = run_tasks(pool, partial(finalize_shard, job), list(range(n)), "write output")

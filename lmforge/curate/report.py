@@ -2,9 +2,10 @@
 
 Dedup quality: documents that reached the first dedup step (kept, or rejected by it or a
 later step) are grouped into predicted clusters: the same ``metadata["dup_cluster"]``
-(MinHash), or a rejection "... of <id>" by a dedup step (exact or near duplicate of a
-kept document). Every pair of URLs in a cluster is a predicted pair; precision and recall
-are measured against the known pairs whose two pages both reached dedup.
+(MinHash), or a rejection "exact-duplicate of <id>" / "near-duplicate of <id>" by a dedup
+step. The pipeline makes ids unique (``pipeline.py``, "unique ids"), so an id names one page.
+Every pair of URLs in a cluster is a predicted pair; precision and recall are measured
+against the known pairs whose two pages both reached dedup.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
 from lmforge.curate.steps import StepSpec
 
 DEDUP_TYPES = ("exact_dedup", "minhash")
-_OF_ID = re.compile(r"\bof (\S+)\s*$")
+_DUPLICATE_OF = re.compile(r"(?:exact|near)-duplicate of (.+)")  # the reasons of exact_dedup and minhash
 
 
 def load_known_pairs(path: str | Path) -> dict[tuple[str, str], float | None]:
@@ -79,7 +80,7 @@ def dedup_quality(run_dir: Path, specs: list[StepSpec], known_path: str | Path) 
         uf.find(doc_id)
         if meta.get("dup_cluster") is not None:
             uf.union(doc_id, ("cluster", str(meta["dup_cluster"])))
-        if stage in dedup_labels and reason and (m := _OF_ID.search(reason)):
+        if stage in dedup_labels and reason and (m := _DUPLICATE_OF.fullmatch(reason)):
             uf.union(doc_id, m.group(1))
     clusters: dict[Any, list[str]] = {}
     for doc_id, url in url_of.items():

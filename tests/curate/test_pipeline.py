@@ -104,7 +104,7 @@ def test_changed_step_reruns_from_that_segment_and_jsonl_output(tmp_path, crawl)
     cfg = config(tmp_path, crawl, output_format="jsonl")
     cfg.steps[-1]["lowercase"] = True
     stats = run_curate(cfg)
-    assert stats["tasks_skipped"] == 4  # segment 0 reused; dedup and output redone
+    assert stats["tasks_skipped"] == 5  # segment 0's 4 shards and its ids reused; dedup and output redone
     assert sorted(p.suffix for p in (tmp_path / "run" / "output").iterdir()) == [".jsonl"] * 4
 
 
@@ -160,6 +160,38 @@ def test_minhash_removes_copies_whose_ids_collide_across_inputs(tmp_path):
     assert stats["dup_cluster_sizes"] == {2: 1, 4: 2}
 
 
+def test_repeated_ids_are_qualified_with_their_file_and_the_report_pairs_the_right_pages(tmp_path):
+    # ids 1, 2 in each file (and 1 twice in the second); a repeat keeps its id when the first holder is rejected
+    first, second = tmp_path / "dump-a" / "part.jsonl", tmp_path / "dump b" / "part.jsonl"
+    story, other = PROSE["en"], PROSE["en"][::-1]
+    for path, rows in ((first, [("1", story, "https://a.org/1"), ("2", "spam page", "https://a.org/spam")]),
+                       (second, [("1", other, "https://b.org/1"), ("2", story, "https://b.org/2"),
+                                 ("1", other, "https://b.org/3")])):
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps({"id": i, "text": t, "url": u}) + "\n" for i, t, u in rows))
+    (tmp_path / "known.tsv").write_text("url_a\turl_b\nhttps://a.org/1\thttps://b.org/2\n"
+                                        "https://b.org/1\thttps://b.org/3\n")
+
+    def run(name, records_per_shard):
+        cfg = CurateConfig(run_dir=str(tmp_path / name), workers=1, output_format="jsonl",
+                           inputs=InputsConfig(paths=[str(first), str(second)], records_per_shard=records_per_shard),
+                           steps=[{"type": "url_filter", "banned_words": ["spam"]}, {"type": "exact_dedup"}],
+                           known_duplicates=str(tmp_path / "known.tsv"))
+        stats = run_curate(cfg)
+        kept = [(r["id"], r["metadata"]["url"]) for p in sorted((tmp_path / name / "output").iterdir())
+                for r in map(json.loads, p.open())]
+        rejected = [(r["id"], r["metadata"]["url"], r["reason"]) for r in rejects(tmp_path / name)]
+        return stats, kept, rejected
+
+    stats, kept, rejected = run("run", 2)  # shards: a/1 a/2 | b/1 b/2 | b/3
+    assert kept == [("1", "https://a.org/1"), (f"1@{second}#1", "https://b.org/1")]
+    assert rejected == [("2", "https://a.org/spam", "hard_blacklisted: 'spam' in URL"),
+                        (f"2@{second}#2", "https://b.org/2", "exact-duplicate of 1"),
+                        (f"1@{second}#3", "https://b.org/3", f"exact-duplicate of 1@{second}#1")]
+    assert stats["dedup"]["predicted_pairs"] == 2 and stats["dedup"]["precision"] == stats["dedup"]["recall"] == 1.0
+    assert run("one-shard-per-file", 0)[1:] == (kept, rejected)  # ids depend on the inputs, not on sharding
+
+
 def test_extract_changes_only_html_documents(tmp_path):
     code = "Use #include <stdio.h> in C programs\nand compare if a<b.\n\n  Second paragraph <br> here.\n"
     jsonl = tmp_path / "docs.jsonl"
@@ -199,7 +231,7 @@ def test_a_changed_file_named_by_a_step_reruns_that_step_and_the_later_ones(tmp_
     assert run_curate(cfg)["tasks_run"] == 0
     rewrite(second, "c.org\n", 1)  # a later step's file: segment 0 is reused
     stats = run_curate(cfg)
-    assert stats["kept"] == 2 and stats["tasks_skipped"] == 1
+    assert stats["kept"] == 2 and stats["tasks_skipped"] == 2  # segment 0's shard and ids
     assert rejected() == [("a.org-0", "url_filter"), ("a.org-1", "url_filter"), ("c.org-0", "second"),
                           ("c.org-1", "second")]
     rewrite(first, "b.org\n", 2)  # the first step's file, same size: everything reruns
