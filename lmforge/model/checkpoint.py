@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmforge.core.io import InputError, atomic_write_json, sha256_file
+from lmforge.core.io import InputError, atomic_write_json, file_stamps, sha256_file
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer, rope_tables
 
@@ -70,7 +70,14 @@ def write_checksums(directory: Path) -> None:
     atomic_write_json(directory / CHECKSUMS, {name: sha256_file(directory / name) for name in files})
 
 
+# What this process has verified: checkpoint directory -> (its checksums, each file's size and
+# mtime then). Resume, the precision choice and loading each verify, and hashing a large
+# checkpoint takes seconds; a file changed since, or different checksums, verifies anew.
+_verified: dict[Path, tuple[dict[str, str], list]] = {}
+
+
 def verify_checksums(directory: str | Path) -> None:
+    """Check every file against ``checksums.json``; an ``InputError`` names the first that fails."""
     directory = Path(directory)
     path = directory / CHECKSUMS
     if not path.is_file():
@@ -81,12 +88,17 @@ def verify_checksums(directory: str | Path) -> None:
         raise InputError(f"{path}: unreadable ({exc}); the checkpoint is truncated or corrupted") from exc
     if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
         raise InputError(f"{path}: not a mapping of file name to sha256; the checkpoint is corrupted")
+    key, stamps = directory.resolve(), file_stamps([directory])
+    if _verified.get(key) == (checksums, stamps):
+        return
     for name, digest in checksums.items():
         f = directory / name
         if not f.is_file():
             raise InputError(f"{f}: missing from checkpoint")
         if sha256_file(f) != digest:
             raise InputError(f"{f}: checksum mismatch; the checkpoint is truncated or corrupted")
+    if file_stamps([directory]) == stamps:  # nothing changed while hashing
+        _verified[key] = (checksums, stamps)
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:

@@ -133,3 +133,24 @@ def test_tensorboard_shows_each_step_once_after_a_resume_and_after_starting_over
     assert loss_steps() == [1, 2, 3, 4, 5, 6]
     run_pretrain(make_recipe(**{"train.max_steps": 3, "train.tensorboard": True, "train.resume": "never"}))
     assert loss_steps() == [1, 2, 3]
+
+
+def test_a_verified_checkpoint_is_hashed_once_until_a_file_changes(make_recipe, tmp_path, monkeypatch):
+    import lmforge.model.checkpoint as checkpoint
+
+    run_pretrain(make_recipe())
+    newest = tmp_path / "run" / "checkpoints" / "step_00000008"
+    hashed = []
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda f: hashed.append(f.name) or real(f))
+    monkeypatch.setattr(checkpoint, "_verified", {})
+    verify_checksums(newest)
+    files = len(hashed)
+    assert files >= 4
+    verify_checksums(newest)
+    latest_valid_checkpoint(tmp_path / "run")  # resume, the precision choice and loading all ask
+    assert len(hashed) == files
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])  # truncated since: verified anew, and refused
+    with pytest.raises(InputError, match="model.safetensors: checksum mismatch"):
+        verify_checksums(newest)
