@@ -11,11 +11,12 @@ against the known pairs whose two pages both reached dedup.
 from __future__ import annotations
 
 import csv
+import io
 import re
 from pathlib import Path
 from typing import Any
 
-from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
+from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json, atomic_write_text
 from lmforge.curate.steps import StepSpec
 
 DEDUP_TYPES = ("exact_dedup", "minhash")
@@ -186,6 +187,8 @@ def plot_stats(stats: dict, path: Path) -> bool:
     for rest in ax:
         rest.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    atomic_write_bytes(path, buf.getvalue())  # as stats.json and report.md: a killed run leaves no half image
     plt.close(fig)
     return True
