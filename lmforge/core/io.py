@@ -6,6 +6,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -21,13 +22,31 @@ class InputError(ValueError):
     """Bad user input (a file, a record); the message names the file and, where known, the line."""
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+# Every temporary file or folder a write fills before renaming it into place is a hidden
+# sibling named ".<name>." + 8 characters of [a-z0-9_] (tempfile's) + ".tmp".
+TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def is_temporary(path: str | Path) -> bool:
+    """Whether ``path`` is a temporary file or folder of an unfinished write (never a symbolic link)."""
+    path = Path(path)
+    return TEMPORARY_NAME.fullmatch(path.name) is not None and not path.is_symlink()
+
+
+def temporary_file(path: str | Path) -> tuple[int, Path]:
+    """A new empty sibling of ``path`` (hidden, with the usual permissions), open as a descriptor,
+    to fill and then ``os.replace`` onto ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600
+    return fd, Path(tmp)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+    fd, tmp = temporary_file(path)
     try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

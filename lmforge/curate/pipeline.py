@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -38,7 +37,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.config import dump_config, save_config
-from lmforge.core.io import atomic_write_bytes, atomic_write_json, atomic_write_npy, file_stamps, named_paths
+from lmforge.core.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_npy,
+    file_stamps,
+    is_temporary,
+    named_paths,
+    temporary_file,
+)
 from lmforge.core.run import log, progress_bar
 from lmforge.curate.base import Document
 from lmforge.curate.executor import make_executor
@@ -156,17 +163,6 @@ def seg_dir(job: Job, seg: int) -> Path:
     return Path(job.run_dir) / "work" / f"seg-{seg}"
 
 
-# core.io's atomic_write_* and temporary_directory (so atomic_directory), and JsonlWriter below,
-# fill a sibling that tempfile.mkstemp/mkdtemp(prefix=".<name>.", suffix=".tmp") creates:
-# ".<name>." + 8 characters of [a-z0-9_] + ".tmp". core.io exports no matcher for that name yet.
-_TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
-
-
-def _is_temporary(path: Path) -> bool:
-    """Whether ``path`` is a file or folder named as the temporary siblings of atomic writes are (a link never is)."""
-    return _TEMPORARY_NAME.fullmatch(path.name) is not None and not path.is_symlink()
-
-
 def clean_leftovers(run_dir: Path, num_segments: int) -> None:
     """Remove what a killed run leaves behind: the temporary files and folders of writes it did
     not finish (in ``work/``, ``output/``, ``rejects/`` and the run folder itself), and the work
@@ -179,10 +175,10 @@ def clean_leftovers(run_dir: Path, num_segments: int) -> None:
     for d in work.glob("seg-*"):
         if re.fullmatch(r"seg-\d+", d.name) and int(d.name[4:]) >= num_segments and d.is_dir():
             shutil.rmtree(d)
-    temps = [p for p in run_dir.iterdir() if _is_temporary(p)]
+    temps = [p for p in run_dir.iterdir() if is_temporary(p)]
     for top in (work, run_dir / "output", run_dir / "rejects"):
         for root, dirs, files in os.walk(top):
-            found = [Path(root) / name for name in dirs + files if _is_temporary(Path(root) / name)]
+            found = [Path(root) / name for name in dirs + files if is_temporary(Path(root) / name)]
             dirs[:] = [name for name in dirs if Path(root) / name not in found]  # removed whole, not walked
             temps += found
     for path in temps:
@@ -200,8 +196,7 @@ class JsonlWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, self.tmp = temporary_file(path)
         self.f = os.fdopen(fd, "w", encoding="utf-8")
         self.count = 0
 

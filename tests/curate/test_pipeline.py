@@ -74,6 +74,11 @@ def test_kept_plus_rejected_is_the_input_and_every_reject_has_stage_and_reason(t
     assert stats["dedup"]["precision"] == 1.0 and stats["dedup"]["recall"] == 1.0
     assert (run_dir / "report.png").stat().st_size > 0 and "kept" in (run_dir / "report.md").read_text()
     assert json.loads((run_dir / "stats.json").read_text())["kept"] == 6
+    # rejects are written by JsonlWriter, outputs by core.io: both get the usual permissions, not mkstemp's 0600
+    modes = {f.stat().st_mode & 0o777 for f in [*(run_dir / "rejects").iterdir(), *(run_dir / "output").iterdir()]}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert modes == {0o666 & ~umask}
 
 
 def test_interrupted_run_resumes_to_identical_output(tmp_path, crawl, monkeypatch):
