@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -39,20 +40,20 @@ METHODS = {
 
 
 def run_method(name: str, args: argparse.Namespace) -> dict:
+    data = Path(args.data)
     common = [f"checkpoint={args.checkpoint}", f"run_dir={Path(args.out) / name}", f"train.max_steps={args.steps}",
-              f"train.lr={args.lr}", f"train.micro_batch_size={args.batch}", "train.warmup_steps=10",
+              f"train.lr={args.lr}", f"train.micro_batch_size={args.batch}", f"train.warmup_steps={min(10, args.steps)}",
               "train.eval_every=0", "train.checkpoint_every=100000", "train.tensorboard=false", "train.resume=never",
-              "data.max_length=128", "eval.tasks=[data/sft/val.jsonl]", "eval.max_examples=75",
+              "data.max_length=128", f"eval.tasks=[{args.tasks}]", f"eval.max_examples={args.eval_examples}",
               "eval.max_new_tokens=24"]
     t0 = time.perf_counter()
     if name == "kto":
-        recipe = load_config(KTORecipe, None, [*common, *METHODS[name], "data.train=[data/preference/kto_train.jsonl]",
-                                               "data.val=[data/preference/kto_val.jsonl]",
-                                               "pairs=[data/preference/val.jsonl]"])
+        recipe = load_config(KTORecipe, None, [*common, *METHODS[name], f"data.train=[{data / 'kto_train.jsonl'}]",
+                                               f"data.val=[{data / 'kto_val.jsonl'}]", f"pairs=[{data / 'val.jsonl'}]"])
         summary = run_kto(recipe)
     else:
-        recipe = load_config(DPORecipe, None, [*common, *METHODS[name], "data.train=[data/preference/train.jsonl]",
-                                               "data.val=[data/preference/val.jsonl]"])
+        recipe = load_config(DPORecipe, None, [*common, *METHODS[name], f"data.train=[{data / 'train.jsonl'}]",
+                                               f"data.val=[{data / 'val.jsonl'}]"])
         summary = run_dpo(recipe)
     before, after = summary["before"], summary["after"]
     return {"method": name, "overrides": METHODS[name], "exact_match_before": before["exact_match"]["exact_match"],
@@ -79,16 +80,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--data", default="data/preference",
+                        help="directory of train.jsonl and val.jsonl pairs, kto_train.jsonl and kto_val.jsonl")
+    parser.add_argument("--tasks", default="data/sft/val.jsonl", help="SFT-format tasks scored by greedy exact match")
+    parser.add_argument("--eval-examples", type=int, default=75, help="tasks scored before and after")
     parser.add_argument("--out", default="runs/bench-alignment")
     parser.add_argument("--json", default="benchmarks/results/alignment.json")
     args = parser.parse_args()
     rows = [run_method(name, args) for name in args.methods]
     print(table(rows))
-    result = {"benchmark": "alignment", "checkpoint": args.checkpoint, "steps": args.steps, "lr": args.lr,
-              "micro_batch_size": args.batch, "machine": platform.processor() or platform.machine(),
-              "command": "benchmarks/alignment.py " + " ".join(f"--{k} {v}" for k, v in
-                                                              (("steps", args.steps), ("lr", args.lr))),
-              "results": rows}
+    result = {"benchmark": "alignment", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "checkpoint": args.checkpoint, "data": args.data, "tasks": args.tasks, "eval_examples": args.eval_examples,
+              "steps": args.steps, "lr": args.lr, "micro_batch_size": args.batch,
+              "machine": platform.processor() or platform.machine(), "results": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -2,6 +2,7 @@
 
     python benchmarks/finetune.py                         # tiny preset (17M), batch 4 x 256, bf16 autocast
     python benchmarks/finetune.py --precision fp32 --batch 8
+    python benchmarks/finetune.py --model n_layers=1 --batch 1 --seq 16 --steps 1 --rounds 1   # smoke run
 
 Each mode runs in its own child process (so peak memory is that mode's alone) with the
 same model, batch and precision: forward, backward, clip, AdamW on the trainable
@@ -28,6 +29,7 @@ MODES = ("full", "lora", "qlora")
 def child(args: argparse.Namespace) -> dict:
     import torch
 
+    from lmforge.core.config import load_config
     from lmforge.model.config import ModelConfig
     from lmforge.model.transformer import Transformer
     from lmforge.objectives.clm import CausalLMObjective
@@ -38,7 +40,7 @@ def child(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     torch.manual_seed(0)
-    cfg = ModelConfig.from_preset(args.preset, max_seq_len=max(256, args.seq))
+    cfg = load_config(ModelConfig, None, [f"preset={args.preset}", f"max_seq_len={max(256, args.seq)}", *args.model])
     with torch.device(device):
         model = Transformer(cfg)
     if args.mode != "full":
@@ -80,6 +82,8 @@ def child(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--model", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="model fields set over the preset's (QLoRA needs matrices of a multiple of 64 x 256 elements)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
@@ -94,9 +98,10 @@ def main() -> None:
         return
     rows = []
     for mode in MODES:
-        cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k}={v}" for k, v in vars(args).items()
-                                                            if k not in ("mode", "out") and v is not None]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"the {mode} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     full = rows[0]
     print(f"{'mode':<7}{'tokens/s':>10}{'vs full':>9}{'peak MB':>10}{'weights MB':>12}{'trainable':>12}{'optim MB':>10}")

@@ -1,6 +1,6 @@
 """Greedy decoding throughput: lmforge's KV-cache engine against transformers' `generate`.
 
-    python benchmarks/generate.py [--batch-sizes 1 8] [--dtypes float32 bfloat16] [--repeats 5]
+    python benchmarks/generate.py [--batch-sizes 1 8] [--dtypes float32 bfloat16] [--repeats 5] [--model n_layers=1 ...]
 
 Both sides hold the same weights (lmforge's random init of the `tiny` preset, mapped with
 `lmforge.model.hf`), decode the same prompts (random token ids, --prompt-len long) greedily
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from lmforge.core.config import load_config
 from lmforge.model.config import ModelConfig
 from lmforge.model.generate import GenerationConfig, generate
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
@@ -37,9 +38,13 @@ from lmforge.model.transformer import Transformer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_pair(preset: str) -> tuple[Transformer, torch.nn.Module]:
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return load_config(ModelConfig, None, [f"preset={args.preset}", *args.model])
+
+
+def build_pair(cfg: ModelConfig) -> tuple[Transformer, torch.nn.Module]:
     torch.manual_seed(0)
-    ours = Transformer(ModelConfig.from_preset(preset)).eval()
+    ours = Transformer(cfg).eval()
     config = {k: v for k, v in hf_config_dict(ours.cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     missing, unexpected = theirs.load_state_dict(state_dict_to_hf(ours.state_dict(), ours.cfg), strict=False)
@@ -71,7 +76,7 @@ def git_commit() -> str | None:
 
 
 def measure(batch: int, dtype: str, args: argparse.Namespace) -> dict:
-    ours, theirs = build_pair(args.preset)
+    ours, theirs = build_pair(model_config(args))
     ours.to(DTYPES[dtype])
     theirs.to(DTYPES[dtype])
     prompts = torch.randint(3, ours.cfg.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
@@ -117,6 +122,8 @@ def measure(batch: int, dtype: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--model", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="model fields set over the preset's (e.g. n_layers=1 for a smoke run)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -133,7 +140,8 @@ def main() -> None:
         "benchmark": "generate",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": git_commit(),
-        "model": {"preset": args.preset, "params": ModelConfig.from_preset(args.preset).num_params(), "init": "random (seed 0)"},
+        "model": {"preset": args.preset, "overrides": args.model, "params": model_config(args).num_params(),
+                  "init": "random (seed 0)"},
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
