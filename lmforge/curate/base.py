@@ -29,7 +29,8 @@ PoolMap = Callable[[Callable[[Any], Any], Iterable[Any]], list]
 
 @dataclass
 class Document:
-    id: str  # the WARC record id, file path, or JSONL id; may repeat across inputs, so steps decide by position
+    id: str  # the WARC record id, file path, or JSONL id; steps decide by position, since input ids may repeat
+    # (the pipeline makes output ids unique after segment 0: see pipeline.py, "unique ids")
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)  # url, source, language, scores, cluster, ...
 
