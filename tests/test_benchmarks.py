@@ -1,0 +1,189 @@
+"""Every script in benchmarks/ runs end to end at its smallest size and writes sane JSON.
+
+Each script runs as a subprocess from the repository root with the root on PYTHONPATH, as
+`benchmarks/train_step_gpu.sh` runs them on machines where lmforge is not installed, and writes
+only under tmp_path. No timing is asserted: the figures only have to be positive and finite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.data.preference_demo import make_pairs, unpair
+from lmforge.data.sft_demo import make_examples
+from lmforge.model.checkpoint import write_checksums, write_model_files
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
+from tests.conftest import REPO, write_jsonl
+from tests.curate.warc_fixtures import PROSE, html_record, write_warc
+
+BENCHMARKS = REPO / "benchmarks"
+TINY_LLAMA = ["d_model=64", "n_layers=2", "n_heads=4", "n_kv_heads=1", "ffn_hidden=128", "vocab_size=512"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def results_untouched():
+    """The committed figures in benchmarks/results/ are only ever written by a person running a benchmark."""
+    def stamp() -> dict[str, int]:
+        return {p.name: p.stat().st_mtime_ns for p in (BENCHMARKS / "results").iterdir()}
+
+    before = stamp()
+    yield
+    assert stamp() == before
+
+
+def run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run benchmarks/<script> from the repository root; its stdout, after checking it exited 0."""
+    command = ["bash" if script.endswith(".sh") else sys.executable, str(BENCHMARKS / script), *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def read_json(path: Path) -> dict:
+    assert path.is_file(), f"{path} was not written"
+    return json.loads(path.read_text())
+
+
+def positive(*values: float) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def check_train_step_json(result: dict, models: set[str], precisions: list[str]) -> None:
+    assert result["benchmark"] == "train_step"
+    assert {(r["precision"], r["model"]) for r in result["rows"]} == {(p, m) for p in precisions for m in models}
+    for row in result["rows"]:
+        assert positive(row["step_s"], row["tokens_per_s"]), row
+        assert row["mfu"] is None or positive(row["mfu"])
+    assert result["rounds_done"] == {p: result["config"]["rounds"] for p in precisions}
+    assert positive(result["peak_memory_bytes"], result["config"]["params"], result["config"]["flops_per_token"])
+    if "transformers" in models:
+        assert set(result["ratio_lmforge_over_transformers"]) == set(precisions)
+        assert positive(*result["ratio_lmforge_over_transformers"].values())
+    assert {"platform", "torch", "device"} <= set(result["machine"])
+
+
+def test_train_step_runs_each_precision_in_turn(tmp_path):
+    out = tmp_path / "train_step.json"
+    run("train_step.py", "--model", *TINY_LLAMA, "--batch", 2, "--seq", 16, "--rounds", 2, "--steps", 1,
+        "--peer", "none", "--out", out)  # the peer runs in the GPU script's dry run below
+    result = read_json(out)
+    check_train_step_json(result, {"lmforge"}, ["bf16", "fp32"])
+    assert result["config"]["model_overrides"] == TINY_LLAMA and result["config"]["compile"] is False
+
+
+def test_gpu_script_dry_run_on_cpu_writes_both_presets_and_copies_them_to_out(tmp_path):
+    results, out = tmp_path / "results", tmp_path / "out"
+    stdout = run("train_step_gpu.sh", env={"DEVICE": "cpu", "EAGER": "1", "RESULTS": str(results), "OUT": str(out),
+                                           "PY": sys.executable})
+    assert "torch " + torch.__version__ in stdout
+    gpt2 = read_json(results / "train_step_cpu_gpt2-124m.json")
+    llama = read_json(results / "train_step_cpu_llama3-1b.json")
+    check_train_step_json(gpt2, {"lmforge"}, ["bf16"])
+    check_train_step_json(llama, {"lmforge", "transformers"}, ["bf16"])
+    assert gpt2["config"]["preset"] == "gpt2-124m" and llama["config"]["preset"] == "llama3-1b"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "train_step_cpu_gpt2-124m.json", "train_step_cpu_llama3-1b.json", "train_step_gpu_cpu.log"]
+    assert read_json(out / "train_step_cpu_llama3-1b.json") == llama
+    assert "== llama3-1b: exit 0" in (out / "train_step_gpu_cpu.log").read_text()
+
+
+def test_generate_decodes_the_same_greedy_rows_as_transformers_in_fp32(tmp_path):
+    out = tmp_path / "generate.json"
+    run("generate.py", "--model", *TINY_LLAMA, "--batch-sizes", 2, "--dtypes", "float32", "--prompt-len", 4,
+        "--new-tokens", 8, "--repeats", 1, "--out", out)
+    result = read_json(out)
+    assert [(r["batch"], r["dtype"]) for r in result["results"]] == [(2, "float32")]
+    for r in result["results"]:
+        assert r["identical_greedy_rows"] == f"{r['batch']}/{r['batch']}"
+        assert positive(r["lmforge_tokens_per_s"], r["transformers_tokens_per_s"], r["ratio"], r["lmforge_first_call_s"])
+
+
+def test_prepare_reports_its_rate_and_the_tokenizers_peer(tmp_path, corpus_jsonl, small_tokenizer_dir):
+    out = tmp_path / "prepare.json"
+    run("prepare.py", "--data", corpus_jsonl, "--tokenizer", small_tokenizer_dir, "--repeats", 1, "--out", out)
+    result = read_json(out)
+    assert result["documents"] == 60
+    assert positive(result["tokens"], result["lmforge_prepare_mb_per_s"], result["tokenizers_encode_batch_mb_per_s"],
+                    result["tokenizers_encode_batch_fast_mb_per_s"], result["ratio"], result["ratio_vs_encode_batch_fast"])
+
+
+def test_finetune_measures_full_lora_and_qlora(tmp_path):
+    out = tmp_path / "finetune.json"
+    run("finetune.py", "--model", "n_layers=1", "--batch", 1, "--seq", 16, "--precision", "fp32", "--steps", 1,
+        "--rounds", 1, "--out", out)
+    rows = {r["mode"]: r for r in read_json(out)["rows"]}
+    assert list(rows) == ["full", "lora", "qlora"]
+    for r in rows.values():
+        assert positive(r["tokens_per_s"], r["peak_memory_bytes"], r["weights_and_buffers_bytes"], r["trainable_params"],
+                        r["optimizer_state_bytes"], r["speed_vs_full"])
+    assert rows["lora"]["trainable_params"] == rows["qlora"]["trainable_params"] < rows["full"]["trainable_params"]
+    assert rows["qlora"]["weights_and_buffers_bytes"] < rows["full"]["weights_and_buffers_bytes"]
+
+
+@pytest.fixture()
+def sft_checkpoint(tmp_path, small_tokenizer_dir) -> Path:
+    path = tmp_path / "sft"
+    path.mkdir()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64, max_seq_len=128))
+    write_model_files(path, model, small_tokenizer_dir)
+    write_checksums(path)
+    return path
+
+
+def test_alignment_scores_a_paired_and_an_unpaired_method_before_and_after(tmp_path, sft_checkpoint):
+    data = tmp_path / "preference"
+    data.mkdir()
+    pairs = make_pairs(make_examples(12, seed=3))
+    for name, rows in {"train": pairs[:8], "val": pairs[8:], "kto_train": unpair(pairs[:8]),
+                       "kto_val": unpair(pairs[8:])}.items():
+        write_jsonl(data / f"{name}.jsonl", rows)
+    tasks = write_jsonl(tmp_path / "tasks.jsonl", make_examples(4, seed=4))
+    out = tmp_path / "alignment.json"
+    stdout = run("alignment.py", "--checkpoint", sft_checkpoint, "--methods", "dpo", "kto", "--steps", 2, "--batch", 2,
+                 "--data", data, "--tasks", tasks, "--eval-examples", 4, "--out", tmp_path / "runs", "--json", out)
+    result = read_json(out)
+    assert [r["method"] for r in result["results"]] == ["dpo", "kto"]
+    for r in result["results"]:
+        for key in ("exact_match_before", "exact_match_after", "logp_accuracy_before", "logp_accuracy_after"):
+            assert 0.0 <= r[key] <= 1.0, (key, r)
+        assert math.isfinite(r["logp_margin_before"]) and math.isfinite(r["logp_margin_after"])
+        assert positive(r["wall_s"])
+    assert "| dpo |" in stdout and "| kto |" in stdout
+
+
+def test_curate_signatures_and_pipeline_on_a_small_crawl(tmp_path):
+    warc = write_warc(tmp_path / "pages.warc.gz",
+                      [html_record(f"https://example.org/{i}", f"Page {i}. " + PROSE["en"] * 3) for i in range(6)])
+    paragraph = (PROSE["en"] * 20)[:3500]  # two make a piece of >= 7,000 characters
+    pretrain = write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "\n\n".join([paragraph] * 6)}])
+    recipe = tmp_path / "curate.yaml"
+    recipe.write_text(f"run_dir: {tmp_path / 'unused'}\ninputs:\n  paths: [{warc}]\nworkers: 1\n"
+                      "steps:\n  - type: extract\n  - type: exact_dedup\n  - type: minhash\n")
+    out = tmp_path / "curate.json"
+    run("curate.py", "--warc", warc, "--pretrain", pretrain, "--recipe", recipe, "--repeats", 1, "--out", out)
+    result = read_json(out)
+    assert result["documents"] == 6 + 3  # the pages, and the document cut into three pieces
+    assert positive(result["ratio"], *result["minhash"]["docs_per_s"].values())
+    assert result["pipeline"]["input_documents"] == 6 and positive(result["pipeline"]["docs_per_s"])
+
+
+def test_curate_read_reads_every_shard_of_each_input_kind(tmp_path):
+    out = tmp_path / "curate_read.json"
+    run("curate_read.py", "--records", 200, "--shards", 3, "--repeats", 1, "--workdir", tmp_path / "inputs",
+        "--out", out)
+    rows = read_json(out)["results"]
+    assert [r["input"] for r in rows] == ["jsonl", "jsonl.gz", "warc", "warc.gz"]
+    for r in rows:
+        assert r["shards"] == 3 and r["records"] == (20 if r["input"].startswith("warc") else 200)
+        assert positive(r["sharded_s"], r["one_piece_s"], r["ratio"])
