@@ -78,6 +78,12 @@ if torch.cuda.is_available():
     mkdir -p "$RESULTS"
     local failed=0 compile=(--compile)
     if [[ "${EAGER:-0}" == 1 ]]; then compile=(); fi
+    # torch.compile needs Triton (GPU) or a C++ compiler (CPU): a few seconds here rather than a lost run
+    if [[ ${#compile[@]} -gt 0 ]] &&
+        ! "$PY" -c "import torch; torch.compile(lambda x: x.sin() * 2)(torch.ones(8, device='$DEVICE'))"; then
+        echo "== torch.compile fails on this machine (above): lmforge runs eager, a lower figure"
+        compile=()
+    fi
     # GPT-2-124M shape (LayerNorm/GELU: transformers has no Llama equivalent, so no peer)
     bench gpt2-124m "$GPT2_LIMIT_S" --device "$DEVICE" "${GPT2[@]}" --dtypes bf16 "${compile[@]}" --peer none \
         --rounds "$ROUNDS" --steps "$STEPS" || failed=1
