@@ -83,10 +83,10 @@ def dedup_quality(run_dir: Path, specs: list[StepSpec], known_path: str | Path) 
             uf.union(doc_id, ("cluster", str(meta["dup_cluster"])))
         if stage in dedup_labels and reason and (m := _DUPLICATE_OF.fullmatch(reason)):
             uf.union(doc_id, m.group(1))
-    clusters: dict[Any, list[str]] = {}
+    clusters: dict[Any, dict[str, None]] = {}  # a page fetched twice is one URL of its cluster, not a pair
     for doc_id, url in url_of.items():
-        clusters.setdefault(uf.find(doc_id), []).append(url)
-    predicted = {tuple(sorted((a, b))) for urls in clusters.values() for i, a in enumerate(urls) for b in urls[i + 1:]}
+        clusters.setdefault(uf.find(doc_id), {})[url] = None
+    predicted = {tuple(sorted((a, b))) for urls in map(list, clusters.values()) for i, a in enumerate(urls) for b in urls[i + 1:]}
     reached = set(url_of.values())
     evaluable = {p: j for p, j in known.items() if p[0] in reached and p[1] in reached}
     hits = predicted & set(evaluable)

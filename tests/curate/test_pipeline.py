@@ -197,6 +197,18 @@ def test_repeated_ids_are_qualified_with_their_file_and_the_report_pairs_the_rig
     assert run("one-shard-per-file", 0)[1:] == (kept, rejected)  # ids depend on the inputs, not on sharding
 
 
+def test_a_page_fetched_twice_is_not_a_predicted_pair_with_itself(tmp_path):
+    # the crawl fetched https://a.org/1 twice; its copies and b.org/2's are one cluster: one pair, not two
+    docs = tmp_path / "docs.jsonl"
+    rows = [("x", "https://a.org/1"), ("y", "https://a.org/1"), ("z", "https://b.org/2")]
+    docs.write_text("".join(json.dumps({"id": i, "text": PROSE["en"], "url": u}) + "\n" for i, u in rows))
+    (tmp_path / "known.tsv").write_text("url_a\turl_b\nhttps://a.org/1\thttps://b.org/2\n")
+    stats = run_curate(CurateConfig(run_dir=str(tmp_path / "run"), workers=1, inputs=InputsConfig(paths=[str(docs)]),
+                                    steps=[{"type": "exact_dedup"}], known_duplicates=str(tmp_path / "known.tsv")))
+    assert stats["kept"] == 1
+    assert stats["dedup"]["predicted_pairs"] == 1 and stats["dedup"]["precision"] == stats["dedup"]["recall"] == 1.0
+
+
 def test_extract_changes_only_html_documents(tmp_path):
     code = "Use #include <stdio.h> in C programs\nand compare if a<b.\n\n  Second paragraph <br> here.\n"
     jsonl = tmp_path / "docs.jsonl"
