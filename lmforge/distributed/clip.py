@@ -31,6 +31,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, ctx) -> torch.T
         total_sq += norm.float() ** 2
     total = ctx.all_reduce_pp(total_sq).sqrt()
     if max_norm > 0:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        # torch.nn.utils.clip_grads_with_norm_ leaves DTensor gradients (FSDP2, TP) unscaled: scale
+        # each rank's local shard instead, by the coefficient torch uses
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
