@@ -282,6 +282,11 @@ def parallel_backward(model, objective, micro_batches, precision, parallel: Para
     return loss_total, n_targets, metric_sums
 
 
+def batch_rows(batch: Any) -> int:
+    """Rows of a batch: a tensor's first dimension, or that of a dict of tensors (SFT and preference rows)."""
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: torch.device, precision: str,
              max_batches: int | None, parallel: ParallelContext | None = None,
@@ -302,12 +307,12 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
         if max_batches is not None and i >= max_batches:
             break
         if parallel is not None:
-            rows = torch.tensor(len(batch), device=device)
+            rows = torch.tensor(batch_rows(batch), device=device)
             dist.all_reduce(rows, op=dist.ReduceOp.MIN)
             full_rows = full_rows or int(rows)
             if int(rows) == 0 or int(rows) < full_rows:
                 break
-        if len(batch) == 0:
+        if batch_rows(batch) == 0:
             continue
         if pipeline is not None:
             with autocast_context(device, precision):
@@ -373,6 +378,8 @@ def train(
     eval_batches = -(-cfg.eval_batches // dp) if cfg.eval_batches is not None else None
     pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+    if parallel is not None:  # DCP's flattened optimizer state cannot load an empty group (LoRA: no undecayed vectors)
+        optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
     params = [p for p in model.parameters() if p.requires_grad]
 
     start_step, tokens_seen = 0, 0
