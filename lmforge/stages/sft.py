@@ -9,27 +9,39 @@ exact-match accuracy before and after training.
 
   lmforge sft recipes/demo/sft.yaml
   lmforge sft recipes/demo/sft.yaml lora.r=16 lora.alpha=32 train.lr=1e-3
+
+Under torchrun it trains data-parallel with FSDP2 (full fine-tuning or LoRA/DoRA), laid out
+by its `parallel:` section (dp_shard, dp_replicate; see docs/distributed.md):
+
+  torchrun --standalone --nproc_per_node=2 -m lmforge sft recipes/distributed/cpu_fsdp_sft.yaml
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
+from lmforge.core.config import ConfigError
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
+from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.mesh import Layout, ParallelContext, init_parallel, launched_world_size, resolve_layout
+from lmforge.distributed.parallelize import parallelize_model
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.train.finetune import (
     ExactMatchConfig,
     exact_match_accuracy,
     exact_match_tasks,
+    gather_model,
     row_accumulation_steps,
     save_finetuned,
     start_finetune_run,
@@ -61,6 +73,7 @@ class SFTRecipe:
     lora: LoraConfig | None = None  # set to fine-tune adapters only (use_dora for DoRA)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
     eval: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
 
 
 def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> dict[str, torch.Tensor]:
@@ -69,19 +82,56 @@ def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> d
 
 
 def run_sft(recipe: SFTRecipe) -> dict:
+    layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
+    if layout.world_size == 1:
+        return train_sft(recipe)
+    check_sft_layout(layout, recipe)
+    created = not dist.is_initialized()
+    ctx = init_parallel(recipe.parallel, recipe.train.device)
+    if not ctx.is_logging_rank:
+        log.setLevel(logging.WARNING)
+    try:
+        summary = train_sft(recipe, ctx)
+        dist.barrier()
+        return summary
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def check_sft_layout(layout: Layout, recipe: SFTRecipe) -> None:
+    """SFT runs data-parallel only (FSDP2 / HSDP); every other layout is refused before any work."""
+    problems = []
+    if layout.tp > 1 or layout.pp > 1:
+        problems.append(f"parallel.tp={layout.tp} and parallel.pp={layout.pp}: sft shards data-parallel only "
+                        f"(parallel.dp_shard, parallel.dp_replicate); set parallel.tp=1 and parallel.pp=1")
+    if recipe.lora is not None and recipe.lora.quantize_base:
+        problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
+                        "or set lora.quantize_base=false")
+    if problems:
+        raise ConfigError(f"sft under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
+
+
+def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
+    """The SFT run in one process, or on one rank of a data-parallel ``torchrun`` job (``ctx``):
+    there every rank loads the whole base and shards it with FSDP2, reads its own rows of
+    each global batch, and rank 0 alone scores, logs and writes the final model and summary."""
     d = recipe.data
+    logging_rank = ctx is None or ctx.is_logging_rank
+    rank, dp = (ctx.dp_rank, ctx.layout.dp) if ctx is not None else (0, 1)
 
     def read_examples(paths: list[str], tok, max_length: int, **read) -> list:
         return list(read_sft_examples(paths, tok, max_length, assistant_only=d.assistant_only, **read))
 
-    run = start_finetune_run(recipe, "sft", read_examples)
+    run = start_finetune_run(recipe, "sft", read_examples, parallel=ctx)
     run_dir, model, tok = run.run_dir, run.model, run.tok
     train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
     train_rows = build_rows(train_examples, d.max_length, d.packing, tok.pad_id)
     log.info("sft: %d training examples in %d rows of %d tokens (%s)",
              len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded")
 
-    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
+    # scored by rank 0 alone; greedy decoding draws no random numbers, so every rank's LoRA init stays the same
+    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples) if logging_rank else ([], [])
     before = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     if before:
         log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])
@@ -89,8 +139,12 @@ def run_sft(recipe: SFTRecipe) -> dict:
         wrap_lora(model, recipe.lora, "sft")
 
     cfg = run.train_config(recipe.train)
-    loader = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed)
+    if ctx is not None:
+        parallelize_model(model, ctx, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=cfg.compile)
+    loader = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp)
     val_rows = build_rows(val_examples, d.max_length, d.packing, tok.pad_id) if val_examples else None
+    grad_accum = row_accumulation_steps(cfg, d.max_length, world_size=dp)
     summary = train(
         model=model,
         objective=SFTObjective(),
@@ -98,11 +152,20 @@ def run_sft(recipe: SFTRecipe) -> dict:
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
-        grad_accum=row_accumulation_steps(cfg, d.max_length),
-        val_batches=validation_batches(val_rows, cfg.micro_batch_size),
+        grad_accum=grad_accum,
+        val_batches=validation_batches(val_rows, cfg.micro_batch_size, rank, dp),
         flops_per_token=model.cfg.flops_per_token(d.max_length),
         tokenizer_dir=run.tok_dir,
+        parallel=ctx,
     )
+    summary["tokens_per_step"] = grad_accum * cfg.micro_batch_size * d.max_length * dp
+    if ctx is not None:
+        summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
+        run.model = None  # the shards are freed once gathered: rank 0's whole copy takes their place
+        model = gather_model(model, recipe.checkpoint, recipe.lora, ctx)
+        if model is None:
+            return summary
+        model.to(run.device)
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),

@@ -7,14 +7,15 @@ plain checkpoint plus a PEFT adapter.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError, expand_paths
@@ -24,6 +25,7 @@ from lmforge.data.documents import SkipLog
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.distributed.mesh import ParallelContext, launched_world_size
 from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
 from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
@@ -40,25 +42,34 @@ class ExactMatchConfig:
     max_new_tokens: int = 32
 
 
-def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int) -> tuple[Transformer, Tokenizer, Path, Path]:
+def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int,
+              parallel: ParallelContext | None = None) -> tuple[Transformer, Tokenizer, Path, Path]:
     """The base model, and the run's tokenizer (the base's, with the ChatML template that HF's
     ``apply_chat_template`` uses): (model, tokenizer, tokenizer_dir, base_dir).
 
-    Fine-tuning runs in one process: under ``torchrun`` every rank would train its own copy
-    into the same run directory, so a world size above 1 is refused."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ConfigError(f"fine-tuning (sft, reward, dpo, kto) runs in one process, but WORLD_SIZE={world_size}: "
-                          f"launch it without torchrun (only `lmforge pretrain` reads a `parallel:` layout so far)")
+    Under ``parallel`` every rank loads the whole model (to be sharded after) and rank 0
+    alone writes the run's tokenizer, which the others read once it is there."""
     model, base_dir = load_model(checkpoint, device=device)
-    tok_dir = run_dir / "tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(base_dir / name, tok_dir / name)
-    add_chat_template(tok_dir)
     if max_length > model.cfg.max_seq_len:
         raise InputError(f"data.max_length {max_length} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    tok_dir = run_dir / "tokenizer"
+    if parallel is None or parallel.is_logging_rank:
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(base_dir / name, tok_dir / name)
+        add_chat_template(tok_dir)
+    if parallel is not None:
+        dist.barrier()
     return model, Tokenizer.load(tok_dir), tok_dir, base_dir
+
+
+def refuse_torchrun(stage: str) -> None:
+    """Stages that train in one process stop before any work when launched by ``torchrun``:
+    every rank would train its own copy into the same run directory."""
+    world_size = launched_world_size()
+    if world_size > 1:
+        raise ConfigError(f"{stage} runs in one process, but WORLD_SIZE={world_size}: launch it without torchrun "
+                          f"(of the fine-tuning stages only `lmforge sft` runs distributed so far)")
 
 
 @dataclass
@@ -81,17 +92,28 @@ class FinetuneRun:
         return dataclasses.replace(cfg, precision=self.precision)
 
 
-def start_finetune_run(recipe, stage: str, read_examples: Callable) -> FinetuneRun:
+def start_finetune_run(recipe, stage: str, read_examples: Callable,
+                       parallel: ParallelContext | None = None) -> FinetuneRun:
     """The run directory, device and precision, the base model with its chat tokenizer, and the
     recipe's training and validation examples (bad ones counted in ``skipped``).
 
-    ``read_examples(paths, tok, max_length, on_bad=, on_too_long=, skipped=)`` returns a list."""
+    ``read_examples(paths, tok, max_length, on_bad=, on_too_long=, skipped=)`` returns a list.
+    Without ``parallel`` a ``torchrun`` launch is refused; with it (a data-parallel stage)
+    every rank reads all examples and loads the whole base, rank 0 alone writes the run
+    directory and chooses the precision for all."""
+    if parallel is None:
+        refuse_torchrun(stage)
     check_data_paths(recipe, stage)
-    run_dir = start_run(recipe, recipe.run_dir)
-    device = resolve_device(recipe.train.device)
-    precision = run_precision(recipe.train, run_dir, device)
+    logging_rank = parallel is None or parallel.is_logging_rank
+    run_dir = start_run(recipe, recipe.run_dir) if logging_rank else Path(recipe.run_dir)
+    device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
+    precision = run_precision(recipe.train, run_dir, device) if logging_rank else None
+    if parallel is not None:
+        chosen = [precision]
+        dist.broadcast_object_list(chosen, src=0)  # every rank must train in the same
+        precision = chosen[0]
     torch.manual_seed(recipe.train.seed)
-    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length)
+    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length, parallel)
     d = recipe.data
     skipped = SkipLog()
     read = dict(on_bad=d.on_bad, on_too_long=d.on_too_long, skipped=skipped)
@@ -105,20 +127,22 @@ def start_finetune_run(recipe, stage: str, read_examples: Callable) -> FinetuneR
                        skipped)
 
 
-def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: int = 1) -> int:
+def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: int = 1, world_size: int = 1) -> int:
     """Micro-batches per optimizer step of a fine-tuning run. ``train.batch_tokens`` counts each
     example as ``rows_per_example`` rows (a preference pair is two) of ``data.max_length``
-    tokens, whatever their real length, so the step does not change with the data. A target
-    that is not a whole number of micro-batches is rounded to the nearest (at least one) and
-    logged, as in pre-training; fine-tuning runs in one process, so a round is one micro-batch."""
-    return accumulation_steps(cfg, rows_per_example * max_length * cfg.micro_batch_size)
+    tokens, whatever their real length, so the step does not change with the data. A round
+    is one micro-batch on each of ``world_size`` data-parallel ranks; a target that is not a
+    whole number of rounds is rounded to the nearest (at least one) and logged, as in pre-training."""
+    return accumulation_steps(cfg, rows_per_example * max_length * cfg.micro_batch_size, world_size)
 
 
-def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int) -> Callable[[], Iterator] | None:
-    """The loop's ``val_batches``: the validation rows once, in order, from the first each time (None without rows)."""
+def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int, rank: int = 0,
+                       world_size: int = 1) -> Callable[[], Iterator] | None:
+    """The loop's ``val_batches``: the validation rows once, in order, from the first each time
+    (this rank's share of each global batch; None without rows)."""
     if not rows:
         return None
-    return lambda: RowLoader(rows, batch_size, shuffle=False, loop=False)
+    return lambda: RowLoader(rows, batch_size, shuffle=False, loop=False, rank=rank, world_size=world_size)
 
 
 def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
@@ -142,6 +166,20 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: P
     write_model_files(final, model, tok_dir)
     write_checksums(final)
     return final
+
+
+def gather_model(model: nn.Module, checkpoint: str, lora: LoraConfig | None, parallel: ParallelContext) -> Transformer | None:
+    """The trained weights of a sharded (FSDP) model as a plain model on rank 0, in CPU memory
+    (None on the other ranks): what ``save_finetuned`` writes and exact match scores. Every
+    rank must call it; the shards are gathered once, to rank 0."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not parallel.is_logging_rank:
+        return None
+    plain, _ = load_model(checkpoint, device="cpu")  # the base's architecture, then the trained weights
+    if lora is not None:
+        apply_lora(plain, lora)
+    plain.load_state_dict(state)
+    return plain
 
 
 def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:

@@ -1,6 +1,7 @@
 """Runs inside ``torchrun``: the jobs of a JSON spec, one after another, on every rank.
 
-A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe) or
+A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe),
+``{"kind": "sft", "recipe": <yaml>}`` (``run_sft`` on an SFT recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
 parallelized model against the same model unsharded (fp32) in this process, written by
 rank 0 with the dtypes the blocks computed in and the gradients were kept in.
@@ -23,6 +24,7 @@ from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
+from lmforge.stages.sft import SFTRecipe, run_sft
 from lmforge.train.loop import parallel_backward
 
 
@@ -82,6 +84,9 @@ def main(spec_path: str) -> None:
     dist.init_process_group("gloo")
     try:
         for job in jobs:
+            if job["kind"] == "sft":
+                run_sft(load_config(SFTRecipe, job["recipe"]))
+                continue
             recipe = load_config(PretrainRecipe, job["recipe"])
             if job["kind"] == "pretrain":
                 run_pretrain(recipe)

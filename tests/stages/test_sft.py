@@ -114,3 +114,14 @@ def test_a_missing_data_path_names_its_key_before_the_model_loads(tmp_path, base
     with pytest.raises(InputError, match=rf"sft {key} path '{missing}' matches no file"):
         run_sft(recipe(tmp_path, base_checkpoint, sft_data, f"{key}=[{missing}]"))
     assert not (tmp_path / "run").exists()  # nor is the run directory made
+
+
+@pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["parallel.pp=2"], ["lora={r: 4, quantize_base: true}"]])
+def test_sft_under_torchrun_refuses_tensor_pipeline_and_qlora_layouts_before_any_work(tmp_path, base_checkpoint, sft_data,
+                                                                                      monkeypatch, overrides):
+    from lmforge.core.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"(?s)sft under torchrun .*(parallel\.tp=1 and parallel\.pp=1|quantize_base=false)"):
+        run_sft(recipe(tmp_path, base_checkpoint, sft_data, *overrides))
+    assert not (tmp_path / "run").exists()
