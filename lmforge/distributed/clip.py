@@ -31,8 +31,9 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, ctx) -> torch.T
         total_sq += norm.float() ** 2
     total = ctx.all_reduce_pp(total_sq).sqrt()
     if max_norm > 0:
-        # torch.nn.utils.clip_grads_with_norm_ leaves DTensor gradients (FSDP2, TP) unscaled: scale
-        # each rank's local shard instead, by the coefficient torch uses
+        # scale the gradients themselves (a DTensor's local shard on each rank) by torch's
+        # coefficient; torch.nn.utils.clip_grads_with_norm_ takes parameters and reads their
+        # .grad, so handed gradients (as this code once did) it silently clipped nothing
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
