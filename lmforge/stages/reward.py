@@ -77,8 +77,7 @@ def run_reward(recipe: RewardRecipe) -> dict:
         tokenizer_dir=run.tok_dir,
     )
     after = evaluate(model, objective, val_batches(), device, precision, None) if val_batches else {}
-    final = save_finetuned(backbone, run_dir, run.tok_dir, run.base_dir, recipe.lora)
-    model.save_head(final)
+    final = save_finetuned(backbone, run_dir, run.tok_dir, run.base_dir, recipe.lora, write_extra=model.save_head)
     summary.update(train_pairs=len(train_pairs), val_pairs=len(val_pairs), skipped=run.skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None)
     atomic_write_json(run_dir / "summary.json", summary)

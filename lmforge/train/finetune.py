@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmforge.core.config import ConfigError
-from lmforge.core.io import InputError, expand_paths
+from lmforge.core.io import InputError, atomic_directory, expand_paths
 from lmforge.core.run import log, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
 from lmforge.data.documents import SkipLog
@@ -155,16 +155,20 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
     log.info("%s: LoRA r=%d on %d linears: %.3fM trainable parameters", stage, cfg.r, len(wrapped), trainable / 1e6)
 
 
-def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: Path, lora: LoraConfig | None) -> Path:
+def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: Path, lora: LoraConfig | None,
+                   write_extra: Callable[[Path], None] | None = None) -> Path:
     """The fine-tuned model as a plain checkpoint in ``run_dir/final`` (LoRA merged) that
-    generate/export read, plus, for LoRA, the adapter in PEFT's format in ``run_dir/adapter``."""
+    generate/export read, plus, for LoRA, the adapter in PEFT's format in ``run_dir/adapter``.
+    ``write_extra(directory)`` adds files (a reward head) before the checksums are written."""
     if lora is not None:
         save_adapter(model, lora, run_dir / "adapter", base_model_name_or_path=str(base_dir))
         merge_lora(model)
     final = run_dir / "final"
-    final.mkdir(parents=True, exist_ok=True)
-    write_model_files(final, model, tok_dir)
-    write_checksums(final)
+    with atomic_directory(final) as tmp:  # a rerun's final/ is replaced whole, never left half new
+        write_model_files(tmp, model, tok_dir)
+        if write_extra is not None:
+            write_extra(tmp)
+        write_checksums(tmp)
     return final
 
 

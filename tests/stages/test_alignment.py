@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmforge.core.config import load_config
+from lmforge.core.io import InputError
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
 from lmforge.data.sft_demo import make_examples
 from lmforge.model.checkpoint import load_model
@@ -136,6 +137,10 @@ def test_reward_model_learns_the_pairs_and_reloads_with_its_head(tmp_path, base_
     model = load_reward_model(tmp_path / "rm")
     ids = torch.tensor([[1, 5, 9, 11]])
     assert model(ids).shape == (1,)
+    head = tmp_path / "rm" / "final" / "reward_head.safetensors"
+    head.write_bytes(head.read_bytes()[:-8])  # the head is checksummed with the rest of final/
+    with pytest.raises(InputError, match="reward_head.safetensors: checksum mismatch"):
+        load_reward_model(tmp_path / "rm")
 
 
 def test_reward_model_skips_and_counts_over_long_pairs_by_default_while_dpo_truncates(tmp_path, base_checkpoint,
@@ -211,7 +216,6 @@ def test_pairwise_preference_restores_train_mode_when_scoring_fails():
 def test_a_missing_data_path_names_its_recipe_key_before_the_model_loads(tmp_path, base_checkpoint, data,
                                                                          monkeypatch, key):
     import lmforge.train.finetune as finetune
-    from lmforge.core.io import InputError
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load before the data paths are checked")
@@ -230,7 +234,6 @@ def test_a_missing_data_path_names_its_recipe_key_before_the_model_loads(tmp_pat
 
 
 def test_kto_held_out_pairs_follow_the_recipes_on_bad(tmp_path, base_checkpoint, data):
-    from lmforge.core.io import InputError
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text((data / "val.jsonl").read_text() + '{"prompt": "Q", "chosen": " same", "rejected": " same"}\n')
