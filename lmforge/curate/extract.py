@@ -19,8 +19,8 @@ for WARC records and ``.html`` files:
   extracts them as HTML instead).
 
 The time limit: a page that hangs does so inside C code (resiliparse's parser, lxml inside
-trafilatura), which no signal can interrupt, so the extractor runs in a child process that
-can be killed, as datatrove's ``ExtractorSandbox`` does. Each curate worker forks one child
+trafilatura), where a SIGALRM handler runs only once the C call returns, so the extractor
+runs in a child process that can be killed, as datatrove's ``ExtractorSandbox`` does. Each curate worker forks one child
 on its first HTML page and sends it every page over a pipe, waiting at most ``timeout_s``
 for the text. A page that overruns is rejected as ``extraction-timeout`` and the child
 killed; a page that kills the child (a segfault, the OOM killer, which is told to pick it
