@@ -248,6 +248,15 @@ def _steps_of(job: Job, seg: int) -> tuple[Any, list[tuple[str, Any]]]:
     return _BUILT[key]
 
 
+def close_built_steps() -> None:
+    """Release what the steps built in this process hold (extract: its child process); a later
+    page starts it again. Pool workers need not: a worker's exit ends its children."""
+    for corpus, steps in _BUILT.values():
+        for step in [corpus, *(step for _, step in steps)]:
+            if callable(getattr(step, "close", None)):
+                step.close()
+
+
 def apply_steps(doc: Document, steps: list[tuple[str, Any]]) -> tuple[str, str] | None:
     """(stage, reason) of the first step that rejects ``doc``; a step that raises rejects it too."""
     for label, step in steps:
@@ -615,6 +624,7 @@ def run_curate(cfg: CurateConfig) -> dict:
         ran += sum(not p["skipped"] for p in parts)
     finally:
         pool.close()
+        close_built_steps()
     stats = merge_stats(parts, specs)
     if stats["documents"] != n_input:
         raise RuntimeError(f"curate lost documents: read {n_input}, kept {stats['kept']} + rejected {stats['rejected']}")
