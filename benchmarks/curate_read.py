@@ -75,8 +75,8 @@ def main() -> None:
                 best_whole = min(best_whole, t)
                 if n != m:
                     raise RuntimeError(f"{path}: {n} documents from the shards, {m} from the whole file")
-            rows.append({"input": kind, "records": total, "shards": n_shards, "sharded_s": round(best_sharded, 3),
-                         "one_piece_s": round(best_whole, 3), "ratio": round(best_sharded / best_whole, 3)})
+            rows.append({"input": kind, "records": total, "shards": n_shards, "sharded_s": round(best_sharded, 6),
+                         "one_piece_s": round(best_whole, 6), "ratio": round(best_sharded / best_whole, 3)})
             r = rows[-1]
             print(f"{kind:9s} {total:>7d} records {r['shards']:>4d} shards: all shards {r['sharded_s']:6.2f} s, "
                   f"one piece {r['one_piece_s']:6.2f} s, ratio {r['ratio']:.2f}", flush=True)
