@@ -8,6 +8,7 @@ checkpoint loads into any other layout, world size, or a single process.
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -58,5 +59,7 @@ def read_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # no_dist is the intent here: torch's "assuming single process" is noise
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {key.removeprefix("model."): value for key, value in state.items()}
