@@ -98,18 +98,35 @@ def temporary_directory(path: str | Path) -> Path:
     return tmp
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the filesystem cannot."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_fdcwd, rename_exchange = -100, 2
+        return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    except (AttributeError, OSError):  # no renameat2 in this C library
+        return False
+
+
 def replace_directory(tmp: str | Path, path: str | Path) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first and removed after,
-    so ``path`` is always either the old directory or the new one."""
+    """Rename ``tmp`` to ``path``. An existing ``path`` is swapped with ``tmp`` in one step where
+    the system can (Linux), so ``path`` is always the old directory or the new one, and the old
+    one is removed after; elsewhere it is moved aside to ``.<name>.old`` first, which leaves a
+    moment without ``path``."""
     tmp, path = Path(tmp), Path(path)
-    if path.exists():
+    if not path.exists():
+        tmp.rename(path)
+    elif _exchange(tmp, path):
+        shutil.rmtree(tmp)  # now the old directory
+    else:
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(path)
 
 
 def named_paths(value: Any, skip_keys: tuple[str, ...] = ()) -> list[Path]:
