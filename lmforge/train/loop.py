@@ -32,6 +32,7 @@ from tqdm import tqdm
 from lmforge.core.config import to_dict
 from lmforge.core.io import InputError
 from lmforge.core.run import log, progress_bar
+from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.clip import clip_grad_norm_
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
@@ -378,8 +379,6 @@ def train(
     eval_batches = -(-cfg.eval_batches // dp) if cfg.eval_batches is not None else None
     pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
-    if parallel is not None:  # DCP's flattened optimizer state cannot load an empty group (LoRA: no undecayed vectors)
-        optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
     params = [p for p in model.parameters() if p.requires_grad]
 
     start_step, tokens_seen = 0, 0
@@ -391,6 +390,10 @@ def train(
     state = read_resume_state(ckpt) if ckpt is not None else None
     precision = choose_precision(cfg, state.trainer_state.get("precision") if state else None, device)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    if parallel is not None or (ckpt is not None and is_sharded_checkpoint(ckpt)):
+        # DCP's flattened optimizer state cannot hold or load an empty group (LoRA: no undecayed vectors),
+        # also when one process resumes a distributed run's checkpoint
+        optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
     if state is not None:
         load_training_checkpoint(ckpt, state, model, optimizer, sharded_model=parallel is not None)
         train_batches.load_state_dict(state.trainer_state["loader"])

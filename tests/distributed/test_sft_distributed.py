@@ -53,6 +53,9 @@ def sft_runs(tmp_path_factory, base_checkpoint):  # noqa: F811
         {"kind": "sft", "recipe": make("lora_fsdp", *lora_fsdp, "train.stop_at_step=2")},
         {"kind": "sft", "recipe": make("lora_fsdp", *lora_fsdp)},  # resumes from step 2's sharded checkpoint
     ], root)
+    # one process resumes the 2-rank LoRA run's sharded step-2 checkpoint (DCP loads into any layout)
+    dirs["lora_resumed_in_one_process"] = root / "lora_1p"
+    run_sft(make("lora_1p", LORA, f"train.resume={root / 'lora_fsdp' / 'checkpoints' / 'step_00000002'}"))
     return dirs
 
 
@@ -102,3 +105,9 @@ def test_two_rank_lora_sft_saves_the_peft_adapter_once(sft_runs):
     for key, value in expected.items():
         assert torch.allclose(got[key], value, rtol=0, atol=2e-5), key
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_one_process_resumes_a_two_rank_lora_checkpoint(sft_runs):
+    resumed, reference = sft_runs["lora_resumed_in_one_process"], sft_runs["lora"]
+    assert column(resumed, "step") == [3, 4]
+    assert column(resumed, "loss") == pytest.approx(column(reference, "loss")[2:], rel=1e-5, abs=1e-6)
