@@ -150,7 +150,13 @@ def test_a_verified_checkpoint_is_hashed_once_until_a_file_changes(make_recipe, 
     verify_checksums(newest)
     latest_valid_checkpoint(tmp_path / "run")  # resume, the precision choice and loading all ask
     assert len(hashed) == files
+    import os
+
     weights = newest / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-1])  # truncated since: verified anew, and refused
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))  # one byte changed, size and mtime put back: verified anew, and refused
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(InputError, match="model.safetensors: checksum mismatch"):
         verify_checksums(newest)
