@@ -239,9 +239,12 @@ _BUILT: dict[tuple[str, int], tuple[Any, list[tuple[str, Any]]]] = {}
 
 
 def _steps_of(job: Job, seg: int) -> tuple[Any, list[tuple[str, Any]]]:
-    """The segment's built steps, once per worker process (a language model loads once)."""
+    """The segment's built steps, once per worker process (a language model loads once). Steps of
+    other segments or runs are closed first: segments run one after another, and a long-lived
+    worker (a Ray cluster's) would otherwise keep every run's steps, extraction processes included."""
     key = (job.fingerprints[seg], seg)
     if key not in _BUILT:
+        close_built_steps()
         segment = job.segments[seg]
         corpus = segment.corpus.build() if segment.corpus else None
         _BUILT[key] = (corpus, [(spec.label, spec.build()) for spec in segment.steps])
@@ -249,12 +252,12 @@ def _steps_of(job: Job, seg: int) -> tuple[Any, list[tuple[str, Any]]]:
 
 
 def close_built_steps() -> None:
-    """Release what the steps built in this process hold (extract: its child process); a later
-    page starts it again. Pool workers need not: a worker's exit ends its children."""
+    """Close and forget the steps built in this process (extract: its child process)."""
     for corpus, steps in _BUILT.values():
         for step in [corpus, *(step for _, step in steps)]:
             if callable(getattr(step, "close", None)):
                 step.close()
+    _BUILT.clear()
 
 
 def apply_steps(doc: Document, steps: list[tuple[str, Any]]) -> tuple[str, str] | None:

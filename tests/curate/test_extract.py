@@ -192,6 +192,7 @@ def test_a_run_rejects_the_hanging_page_and_leaves_no_extraction_process(tmp_pat
         rejects = [r for p in (run_dir / "rejects").iterdir() for r in map(json.loads, p.open())]
         assert [r["reason"] for r in rejects] == ["extraction-timeout: over 0.5 s"], rejects
         assert all(gone(pid) for pid in pids)  # workers=1 too: run_curate closes the steps it built here
+        assert pipeline._BUILT == {}  # and forgets them
 
 
 def test_language_is_annotated_and_filtered_by_set_and_threshold():
