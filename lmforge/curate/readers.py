@@ -387,6 +387,17 @@ META_CHARSET = re.compile(rb"""<meta\s[^>]*?charset\s*=\s*["']?\s*([\w.:+-]+)"""
 META_SCAN_BYTES = 2048  # the HTML standard wants the declaration in the first 1024; pages often put it a little later
 
 
+def _whatwg_windows_1252(exc: UnicodeError) -> tuple[str, int]:
+    """Decode error handler for cp1252 alone: the five bytes Python's cp1252 leaves undefined (0x81,
+    0x8D, 0x8F, 0x90, 0x9D) are the C1 controls U+0081... in the WHATWG windows-1252 browsers use."""
+    if isinstance(exc, UnicodeDecodeError) and exc.object[exc.start] in b"\x81\x8d\x8f\x90\x9d":
+        return chr(exc.object[exc.start]), exc.start + 1
+    raise exc
+
+
+codecs.register_error("lmforge-whatwg-1252", _whatwg_windows_1252)
+
+
 @lru_cache(maxsize=512)
 def charset_codec(label: str) -> str | None:
     """The Python codec for a charset label, read as browsers read it (the WHATWG Encoding Standard);
@@ -451,7 +462,8 @@ def decode_payload(payload: bytes, declared: str | None = None, html: bool = Fal
             failures[codec][1].append(source)
         else:
             try:
-                return payload.decode(codec), codec, source
+                errors = "lmforge-whatwg-1252" if codec == "cp1252" else "strict"
+                return payload.decode(codec, errors=errors), codec, source
             except UnicodeDecodeError as exc:
                 failures[codec] = (f"invalid {codec} at byte {exc.start}", [source])
         return None

@@ -338,3 +338,10 @@ def test_an_unparsable_uncompressed_warc_is_an_input_error_naming_file_and_byte(
     path.write_bytes(data[:starts[3]] + b"garbage\r\n" + data[starts[3]:])
     with pytest.raises(InputError, match=f"{path}: cannot read WARC after the record at byte {starts[2]}"):
         read_all(InputsConfig(paths=[str(path)]))
+
+
+def test_windows_1252_decodes_its_five_undefined_bytes_as_browsers_do():
+    # Python's cp1252 refuses 0x81, 0x8D, 0x8F, 0x90, 0x9D; the WHATWG windows-1252 makes them C1 controls
+    text, codec, source = decode_payload(b"caf\xe9 \x81\x8d\x8f\x90\x9d \x93q\x94", "iso-8859-1", html=True)
+    assert (text, codec, source) == ("caf\u00e9 \x81\x8d\x8f\x90\x9d \u201cq\u201d", "cp1252", "http-header")
+    assert decode_payload(b"\x81\x81", "shift_jis", html=True)[0] is None  # other codecs stay strict
