@@ -312,6 +312,12 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
             dist.all_reduce(rows, op=dist.ReduceOp.MIN)
             full_rows = full_rows or int(rows)
             if int(rows) == 0 or int(rows) < full_rows:
+                left = torch.tensor(batch_rows(batch), device=device)
+                dist.all_reduce(left)  # said, not dropped silently: rank 0 logs it
+                if int(left) and parallel.is_logging_rank:
+                    log.warning("validation: the last, partial global batch (%d rows over the data-parallel ranks) is "
+                                "left out under torchrun (every rank must run the same forwards); a validation set "
+                                "that is a multiple of micro_batch_size x ranks is evaluated whole", int(left))
                 break
         if batch_rows(batch) == 0:
             continue
