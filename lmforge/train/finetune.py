@@ -22,6 +22,7 @@ from lmforge.core.io import InputError, atomic_directory, expand_paths
 from lmforge.core.run import log, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
 from lmforge.data.documents import SkipLog
+from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
@@ -139,9 +140,19 @@ def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: 
 def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int, rank: int = 0,
                        world_size: int = 1) -> Callable[[], Iterator] | None:
     """The loop's ``val_batches``: the validation rows once, in order, from the first each time
-    (this rank's share of each global batch; None without rows)."""
+    (this rank's share of each global batch; None without rows).
+
+    Under torchrun every rank must run the same forwards, so the rows are padded to whole global
+    batches with rows that have no targets (labels all ignored): they add nothing to the loss
+    sums, and the validation loss is the one process's, every row counted."""
     if not rows:
         return None
+    n, per_batch = len(rows["labels"]), batch_size * world_size
+    if world_size > 1 and n % per_batch:
+        pad = per_batch - n % per_batch
+        filler = {key: value[:1].expand(pad, *value.shape[1:]) for key, value in rows.items()}
+        filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
+        rows = {key: torch.cat([value, filler[key]]) for key, value in rows.items()}
     return lambda: RowLoader(rows, batch_size, shuffle=False, loop=False, rank=rank, world_size=world_size)
 
 

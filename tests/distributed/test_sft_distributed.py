@@ -44,12 +44,17 @@ def sft_runs(tmp_path_factory, base_checkpoint):  # noqa: F811
             "train.checkpoint_every=2", "train.keep_checkpoints=4", "train.tensorboard=false", "train.device=cpu",
             "eval.max_examples=4", "eval.max_new_tokens=4", *overrides])
 
-    dirs = {name: root / name for name in ("full", "lora", "full_fsdp", "lora_fsdp")}
+    dirs = {name: root / name for name in ("full", "lora", "full_fsdp", "lora_fsdp", "val3", "val3_fsdp")}
+    # 3 validation rows: no whole global batch of 2 ranks x 4 rows; padded with target-free rows under torchrun
+    (data / "val3.jsonl").write_text("".join((data / "val.jsonl").read_text().splitlines(keepends=True)[:3]))
+    val3 = (f"data.val=[{data / 'val3.jsonl'}]", "data.packing=false", "train.max_steps=2", "eval.exact_match=false")
+    run_sft(make("val3", *val3))
     run_sft(make("full"))
     run_sft(make("lora", LORA))
     lora_fsdp = (LORA, "train.micro_batch_size=2", "train.eval_batches=4")  # 2 micro-batches of 2 rows per rank
     torchrun(2, [
         {"kind": "sft", "recipe": make("full_fsdp")},
+        {"kind": "sft", "recipe": make("val3_fsdp", *val3)},
         {"kind": "sft", "recipe": make("lora_fsdp", *lora_fsdp, "train.stop_at_step=2")},
         {"kind": "sft", "recipe": make("lora_fsdp", *lora_fsdp)},  # resumes from step 2's sharded checkpoint
     ], root)
@@ -111,3 +116,9 @@ def test_one_process_resumes_a_two_rank_lora_checkpoint(sft_runs):
     resumed, reference = sft_runs["lora_resumed_in_one_process"], sft_runs["lora"]
     assert column(resumed, "step") == [3, 4]
     assert column(resumed, "loss") == pytest.approx(column(reference, "loss")[2:], rel=1e-5, abs=1e-6)
+
+
+def test_a_validation_set_smaller_than_a_global_batch_is_evaluated_whole_under_torchrun(sft_runs):
+    reference, fsdp = column(sft_runs["val3"], "val_loss"), column(sft_runs["val3_fsdp"], "val_loss")
+    assert len(reference) == 1
+    assert fsdp == pytest.approx(reference, rel=1e-5)
