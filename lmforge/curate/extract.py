@@ -119,11 +119,8 @@ def _serve(conn: Connection, parent_end: Connection, extractor: Callable[[str, b
         try:
             answer = (True, extractor(html, main_content))
         except Exception as exc:  # noqa: BLE001 -- raised again in the worker, which rejects the page
-            answer = (False, exc)
-        try:
-            conn.send(answer)
-        except Exception as exc:  # noqa: BLE001 -- an exception that does not pickle
-            conn.send((False, RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} (and sending it: {exc})")))
+            answer = (False, (type(exc).__name__, str(exc)))  # names travel; not every exception unpickles
+        conn.send(answer)
 
 
 class ExtractorSandbox:
@@ -158,7 +155,8 @@ class ExtractorSandbox:
         except EOFError:
             raise ExtractionCrash(f"the extraction process died ({self._reap()})") from None
         if not ok:
-            raise value
+            name, message = value
+            raise type(name, (Exception,), {})(message)  # the extractor's error, by its name and message
         return value
 
     def _start(self) -> None:

@@ -203,3 +203,20 @@ def test_language_is_annotated_and_filtered_by_set_and_threshold():
     assert LanguageFilter(LanguageConfig(languages=[]))(Document("f", PROSE["fr"])) is None  # any language
     strict = LanguageFilter(LanguageConfig(languages=["en"], threshold=0.999999))
     assert strict(Document("m", "ok ok computer")).startswith(("language_score", "language:"))
+
+
+class NeedsTwo(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def test_an_extractor_error_that_does_not_unpickle_keeps_its_name_and_message(monkeypatch):
+    def fails(html, main_content):
+        raise NeedsTwo("x", "y")
+
+    monkeypatch.setitem(extract.EXTRACTORS, "resiliparse", fails)
+    step = HtmlExtract(ExtractConfig(timeout_s=5))
+    try:
+        assert pipeline.apply_steps(html_doc("a"), [("extract", step)]) == ("extract", "step-error: NeedsTwo: x and y")
+    finally:
+        step.close()
