@@ -247,9 +247,11 @@ def _warc_records(path: Path, cfg: InputsConfig, origin: int = 0) -> Iterator[_W
                 raise InputError(f"{path}: cannot read WARC {where}: {exc.strerror or exc}") from exc
             error = exc
         damage = _damaged_gzip_member(path, start, last_offset) if gz else _damaged_tail(path, last_offset, start)
-        if error is not None and damage is None:
-            where = last_offset if last_offset is not None else start
-            raise InputError(f"{path}: cannot read WARC after byte {where}: {error}") from error
+        if error is not None and damage is None:  # whole gzip members, but a WARC record fastwarc cannot parse
+            damage = _malformed_record_member(path, start if last_offset is None else last_offset)
+            if damage is None:
+                where = last_offset if last_offset is not None else start
+                raise InputError(f"{path}: cannot read WARC after byte {where}: {error}") from error
         start = None
         if damage is not None and gz:
             offset, problem = damage
@@ -316,6 +318,29 @@ def _damaged_gzip_member(path: Path, origin: int, last_offset: int | None) -> tu
                 if problem == ENDS_EARLY:
                     return position, f"truncated-record: {path}: the gzip member at byte {position} {problem}"
                 return position, f"damaged-gzip-member: {path}: the gzip member at byte {position} is damaged ({problem})"
+            position = end
+    return None
+
+
+def _malformed_record_member(path: Path, position: int) -> tuple[int, str] | None:
+    """(offset, reason) of the first gzip member from ``position`` on whose content is not one
+    well-formed WARC record (a ``WARC/`` version line, headers, a numeric Content-Length that the
+    member holds), or None. fastwarc may parse such a member into an empty record and then fail
+    on the next one, so the walk starts at the last record it parsed."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        while position < size:
+            f.seek(position)
+            d = zlib.decompressobj(wbits=31)
+            content = d.decompress(f.read(1 << 26))  # a member of one record; 64 MiB read at most
+            end = position + (f.tell() - position) - len(d.unused_data) if d.eof else size
+            head, sep, body = content.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length:[ \t]*(\d+)[ \t]*\r?$", head)
+            if not (content.startswith(b"WARC/") and sep and length and len(body) >= int(length.group(1))):
+                return position, (f"damaged-gzip-member: {path}: the gzip member at byte {position} holds no "
+                                  f"well-formed WARC record")
+            if not d.eof:
+                return None
             position = end
     return None
 

@@ -345,3 +345,22 @@ def test_windows_1252_decodes_its_five_undefined_bytes_as_browsers_do():
     text, codec, source = decode_payload(b"caf\xe9 \x81\x8d\x8f\x90\x9d \x93q\x94", "iso-8859-1", html=True)
     assert (text, codec, source) == ("caf\u00e9 \x81\x8d\x8f\x90\x9d \u201cq\u201d", "cp1252", "http-header")
     assert decode_payload(b"a\x81 b", "shift_jis", html=True)[0] is None  # other codecs stay strict
+
+
+@pytest.mark.parametrize("member", [
+    b"WARC/1.0\r\nWARC-Type: response\r\nWARC-Record-ID: <urn:x>\r\nContent-Length: abc\r\n\r\nhello\r\n\r\n",
+    b"WARC/1.0\r\nWARC-Type: response\r\nWARC-Record-ID: <urn:x>\r\n\r\nhello\r\n\r\n",  # no Content-Length
+    b"WARC/garbage",
+])
+def test_a_whole_gzip_member_with_a_malformed_warc_record_is_one_counted_reject(tmp_path, member):
+    path = write_warc(tmp_path / "a.warc.gz", [html_record(f"https://x.org/{i}", PROSE["en"]) for i in range(6)])
+    data, bad = path.read_bytes(), record_offsets(path)[3]  # before https://x.org/2
+    packed = gzip.compress(member)
+    path.write_bytes(data[:bad] + packed + data[bad:])
+    cfg = InputsConfig(paths=[str(path)], records_per_shard=2)
+    whole = list(read_piece(Piece(str(path), "warc", 0, 1 << 62), cfg))
+    assert [d.metadata["url"] for d, r in whole if r is None] == [f"https://x.org/{i}" for i in range(6)]
+    end = bad + len(packed)
+    assert [r for _, r in whole if r] == [f"damaged-gzip-member: {path}: the gzip member at byte {bad} holds no "
+                                          f"well-formed WARC record; bytes {bad}-{end} skipped, reading resumes at byte {end}"]
+    assert _items(read_all(cfg)) == _items(whole)  # read in shards alike
