@@ -147,8 +147,8 @@ def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int, ra
     sums, and the validation loss is the one process's, every row counted."""
     if not rows:
         return None
-    n, per_batch = len(rows["labels"]), batch_size * world_size
-    if world_size > 1 and n % per_batch:
+    n, per_batch = len(next(iter(rows.values()))), batch_size * world_size
+    if world_size > 1 and n % per_batch:  # sft's rows (the one stage that runs distributed)
         pad = per_batch - n % per_batch
         filler = {key: value[:1].expand(pad, *value.shape[1:]) for key, value in rows.items()}
         filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
