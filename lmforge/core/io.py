@@ -150,10 +150,12 @@ def named_paths(value: Any, skip_keys: tuple[str, ...] = ()) -> list[Path]:
     return found
 
 
-def file_stamps(paths: list[Path], exclude: tuple[Path, ...] | list[Path] = ()) -> list[tuple[str, int | None, int | None]]:
+def file_stamps(paths: list[Path], exclude: tuple[Path, ...] | list[Path] = (), identity: bool = False) -> list[tuple]:
     """(path, size, mtime_ns) of every file under ``paths`` (folders walked in sorted order),
     leaving out ``exclude`` and what is under it: one ``stat`` per file, and it changes when a
-    file does. A file gone while walking stamps as (path, None, None)."""
+    file does. A file gone while walking stamps as (path, None, None). ``identity`` adds the
+    device, inode and ctime, which a write changes even when the size and mtime are put back
+    (``cp -p``, ``os.utime``)."""
     skip = {os.path.realpath(p) for p in exclude}
     stamps = []
 
@@ -165,7 +167,8 @@ def file_stamps(paths: list[Path], exclude: tuple[Path, ...] | list[Path] = ()) 
         except OSError:  # a dangling link, or removed while walking
             stamps.append((path, None, None))
             return
-        stamps.append((path, st.st_size, st.st_mtime_ns))
+        stamps.append((path, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns) if identity
+                      else (path, st.st_size, st.st_mtime_ns))
 
     for root in map(str, paths):
         if not os.path.isdir(root):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmforge.core.io import InputError, atomic_write_json, sha256_file
+from lmforge.core.io import InputError, atomic_write_json, file_stamps, sha256_file
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer, rope_tables
 
@@ -71,19 +71,10 @@ def write_checksums(directory: Path) -> None:
 
 
 # What this process has verified: checkpoint directory -> (its checksums, each file's identity
-# then). Resume, the precision choice and loading each verify, and hashing a large checkpoint
-# takes seconds; a file changed since, or different checksums, verifies anew.
+# then, ``file_stamps(identity=True)``). Resume, the precision choice and loading each verify,
+# and hashing a large checkpoint takes seconds; a file changed since, or different checksums,
+# verifies anew.
 _verified: dict[Path, tuple[dict[str, str], list]] = {}
-
-
-def _identities(directory: Path) -> list[tuple]:
-    """(name, device, inode, size, mtime, ctime) of each file: a write changes the ctime even when
-    the size and mtime are put back (``cp -p``, ``touch -r``, ``os.utime``)."""
-    out = []
-    for path in sorted(directory.iterdir()):
-        st = path.stat()
-        out.append((path.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    return out
 
 
 def verify_checksums(directory: str | Path) -> None:
@@ -98,7 +89,7 @@ def verify_checksums(directory: str | Path) -> None:
         raise InputError(f"{path}: unreadable ({exc}); the checkpoint is truncated or corrupted") from exc
     if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
         raise InputError(f"{path}: not a mapping of file name to sha256; the checkpoint is corrupted")
-    key, stamps = directory.resolve(), _identities(directory)
+    key, stamps = directory.resolve(), file_stamps([directory], identity=True)
     if _verified.get(key) == (checksums, stamps):
         return
     for name, digest in checksums.items():
@@ -107,7 +98,7 @@ def verify_checksums(directory: str | Path) -> None:
             raise InputError(f"{f}: missing from checkpoint")
         if sha256_file(f) != digest:
             raise InputError(f"{f}: checksum mismatch; the checkpoint is truncated or corrupted")
-    if _identities(directory) == stamps:  # nothing changed while hashing
+    if file_stamps([directory], identity=True) == stamps:  # nothing changed while hashing
         _verified[key] = (checksums, stamps)
 
 
