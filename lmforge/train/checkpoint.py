@@ -123,15 +123,6 @@ def read_resume_state(ckpt: Path) -> ResumeState:
     return ResumeState(step=state.pop("step"), python_random=state.pop("python_random"), trainer_state=state)
 
 
-def recorded_precision(ckpt: Path) -> str | None:
-    """The precision a checkpoint's run trained in, peeked at before the checkpoint is verified
-    and loaded (None where it can't be read: loading it reports the damage)."""
-    try:
-        return json.loads((ckpt / TRAINER_STATE).read_text()).get("precision")
-    except (OSError, ValueError):
-        return None
-
-
 def load_training_checkpoint(ckpt: Path, state: ResumeState, model: Transformer, optimizer: torch.optim.Optimizer,
                              sharded_model: bool = False) -> None:
     """Restore the weights, optimizer and RNG states of ``ckpt``, whose ``state`` ``read_resume_state``

@@ -41,7 +41,6 @@ from lmforge.train.checkpoint import (
     PendingCheckpoint,
     load_training_checkpoint,
     read_resume_state,
-    recorded_precision,
     save_sharded_training_checkpoint,
     save_training_checkpoint,
     set_aside_later_checkpoints,
@@ -548,7 +547,8 @@ def run_precision(cfg: TrainConfig, run_dir: str | Path, device: torch.device) -
     evaluate, score a reference or parallelize first): it passes the result to ``train`` in
     ``cfg.precision``, so the loop does not choose again."""
     ckpt = resume_checkpoint(cfg, run_dir)
-    return choose_precision(cfg, recorded_precision(ckpt) if ckpt is not None else None, device)
+    state = read_resume_state(ckpt) if ckpt is not None else None  # verified once: the loop's read is cached
+    return choose_precision(cfg, state.trainer_state.get("precision") if state else None, device)
 
 
 def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:
