@@ -108,6 +108,17 @@ def test_generate_decodes_the_same_greedy_rows_as_transformers_in_fp32(tmp_path)
         assert positive(r["lmforge_tokens_per_s"], r["transformers_tokens_per_s"], r["ratio"], r["lmforge_first_call_s"])
 
 
+def test_attention_times_both_routes_for_each_shape_and_dtype(tmp_path):
+    out = tmp_path / "attention.json"
+    run("attention.py", "--shapes", "2x4x2x16x8", "1x2x2x8x8", "--steps", 1, "--repeats", 1, "--out", out)
+    result = read_json(out)
+    assert [(r["shape"], r["dtype"]) for r in result["rows"]] == [
+        ("2x4x2x16x8", "bf16"), ("2x4x2x16x8", "fp16"), ("1x2x2x8x8", "bf16"), ("1x2x2x8x8", "fp16")]
+    for r in result["rows"]:
+        assert positive(r["sdpa_ms"], r["attend_ms"], r["speedup"])
+    assert isinstance(result["cpu_has_amx"], bool)
+
+
 def test_prepare_reports_its_rate_and_the_tokenizers_peer(tmp_path, corpus_jsonl, small_tokenizer_dir):
     out = tmp_path / "prepare.json"
     run("prepare.py", "--data", corpus_jsonl, "--tokenizer", small_tokenizer_dir, "--repeats", 1, "--out", out)

@@ -2,9 +2,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lmforge.model.config import PRESETS, ModelConfig
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, attend
 
 VARIANTS = [
     dict(),
@@ -125,3 +126,57 @@ def test_recipe_sets_rope_scaling_and_old_model_json_loads_without_it(tmp_path):
     old = {k: v for k, v in dataclasses.asdict(small()).items() if not k.startswith("rope_") or k == "rope_theta"}
     (tmp_path / "model.json").write_text(json.dumps(old))  # written before RoPE scaling existed
     assert load_model_config(tmp_path) == small()
+
+
+def attention_case(dtype: torch.dtype, requires_grad: bool):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 48, 16, dtype=dtype, requires_grad=requires_grad)
+    k, v = (torch.randn(2, 2, 48, 16, dtype=dtype, requires_grad=requires_grad) for _ in range(2))
+    return q, k, v
+
+
+def reference_attention(q, k, v):
+    """Causal GQA attention in float64, written out."""
+    q, k, v = q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril(), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attend_in_training_is_at_least_as_accurate_as_16_bit_sdpa(dtype):
+    """``attend``'s float32 route for CPU training (no AMX) keeps the 16-bit output dtype and is
+    no further from the float64 answer, in value and in gradients, than the 16-bit kernel."""
+    grad = torch.randn(2, 4, 48, 16, dtype=torch.float64)
+    errors = {}
+    for name in ("attend", "sdpa", "reference"):
+        q, k, v = attention_case(dtype, requires_grad=True)
+        if name == "attend":
+            y = attend(q, k, v, None, True)
+        elif name == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            y = reference_attention(q, k, v)
+        assert y.dtype == (torch.float64 if name == "reference" else dtype)
+        y.backward(grad.to(y.dtype))
+        errors[name] = [y.double(), q.grad.double(), k.grad.double(), v.grad.double()]
+    ref = errors.pop("reference")
+    for name in ("attend", "sdpa"):
+        errors[name] = [(a - b).abs().max().item() for a, b in zip(errors[name], ref)]
+    for ours, theirs in zip(errors["attend"], errors["sdpa"]):
+        assert ours <= theirs * 1.05 + 1e-6, errors
+
+
+def test_attend_under_autocast_and_without_gradients():
+    """Under bf16 autocast the output is bf16 as SDPA's is; without gradients (decoding)
+    ``attend`` is exactly the 16-bit SDPA call."""
+    q, k, v = attention_case(torch.float32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attend(q, k, v, None, True)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert y.dtype == sdpa.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32
+    q, k, v = attention_case(torch.bfloat16, requires_grad=False)
+    assert torch.equal(attend(q, k, v, None, True), F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
