@@ -27,6 +27,7 @@ from torch import nn
 
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.transformer import (
+    CPU_HAS_AMX,
     KVCache,
     Transformer,
     cached_prefix_mask,
@@ -76,14 +77,37 @@ def sample_next_token(
 # --------------------------------------------------------------------------- the model laid out for decoding
 
 
+def decoding_matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the decoding view's matrices for a model in ``dtype``: float32 for a 16-bit
+    model on a CPU without AMX, else ``dtype``.
+
+    Without AMX tiles a CPU's bf16/fp16 matmuls at decoding's few rows ran 1.3-4x slower than
+    float32's (oneDNN's avx512_core_bf16 kernels, 2026-11-30), so there the view keeps the 16-bit
+    weights upcast (exactly) to float32 and ``linear_t`` rounds each product back to the model's
+    dtype: the arithmetic of a 16-bit matmul with float32 accumulation, at float32's speed, for
+    twice the view's memory.
+    """
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_HAS_AMX:
+        return torch.float32
+    return dtype
+
+
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` with the weight stored transposed, (in, out)."""
+    """``F.linear`` with the weight stored transposed, (in, out); a float32 weight with 16-bit
+    ``x`` computes in float32 and rounds the result to ``x``'s dtype (``decoding_matmul_dtype``)."""
+    if x.dtype != weight_t.dtype:
+        y = x.to(weight_t.dtype) @ weight_t
+        return (y if bias is None else y.add_(bias)).to(x.dtype)
     y = x @ weight_t
     return y if bias is None else y + bias
 
 
 def residual_linear(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + h @ weight_t (+ bias)`` for 2-D ``x`` and ``h``: the add rides on the matmul (BLAS's beta = 1)."""
+    """``x + h @ weight_t (+ bias)`` for 2-D ``x`` and ``h``: the add rides on the matmul (BLAS's beta = 1).
+    Dtypes as ``linear_t``."""
+    if x.dtype != weight_t.dtype:
+        y = torch.addmm(x.to(weight_t.dtype), h.to(weight_t.dtype), weight_t)
+        return (y if bias is None else y.add_(bias)).to(x.dtype)
     y = torch.addmm(x, h, weight_t)
     return y if bias is None else y.add_(bias)
 
@@ -114,16 +138,16 @@ def rotation_pair_order(head_dim: int, n_heads: int) -> torch.Tensor:
     return (torch.arange(n_heads)[:, None] * head_dim + pairs).flatten()
 
 
-def fold(linears: Sequence[nn.Linear], norm: nn.Module | None = None, gain_scale: float = 1.0,
+def fold(linears: Sequence[nn.Linear], dtype: torch.dtype, norm: nn.Module | None = None, gain_scale: float = 1.0,
          columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One (in, sum of outs) matrix for linears that read the same input, and their joint bias.
+    """One (in, sum of outs) matrix in ``dtype`` for linears that read the same input, and their joint bias.
 
     With ``norm``, its affine part moves into the matrix: ``(n(x) * g + b) @ W + c`` is
     ``n(x) @ (g W) + (b @ W + c)``, so decoding applies only the norm's normalisation.
     ``columns`` reorders the outputs.
     """
-    weight = torch.cat([m.weight for m in linears]).t()
-    bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+    weight = torch.cat([m.weight for m in linears]).t().to(dtype)
+    bias = torch.cat([m.bias for m in linears]).to(dtype) if linears[0].bias is not None else None
     if norm is not None:
         norm_bias = getattr(norm, "bias", None)
         if norm_bias is not None:
@@ -157,7 +181,8 @@ class FusedTransformer:
     multiply; the residual stream kept as (tokens, d_model) so each residual add rides on its
     matmul (``addmm``). Queries and keys in the cache are in that reordered layout, which
     attention does not see (it only takes dot products). The arithmetic is the model's up to
-    float rounding (``tests/model/test_generate.py``).
+    float rounding (``tests/model/test_generate.py``); a 16-bit model on a CPU without AMX keeps
+    float32 matrices (``decoding_matmul_dtype``).
     """
 
     def __init__(self, model: Transformer):
@@ -171,13 +196,14 @@ class FusedTransformer:
         qkv_columns = torch.cat((order, torch.arange((H + Hkv) * D, (H + 2 * Hkv) * D)))
         self.embed = model.embed
         self.rotation = torch.complex(model.rope_cos.float(), model.rope_sin.float())[:, None]  # (max_seq_len, 1, head_dim / 2)
+        dtype = decoding_matmul_dtype(model.embed.weight.dtype, model.embed.weight.device)
         self.layers = []
         for block in model.layers:
             attn, mlp = block.attn, block.mlp
-            wqkv, bqkv = fold([attn.wq, attn.wk, attn.wv], block.attn_norm, gain_scale, qkv_columns)
-            wo, bo = fold([attn.wo])
-            w13, b13 = fold([mlp.w1, mlp.w3] if mlp.gated else [mlp.w1], block.mlp_norm, gain_scale)
-            w2, b2 = fold([mlp.w2])
+            wqkv, bqkv = fold([attn.wq, attn.wk, attn.wv], dtype, block.attn_norm, gain_scale, qkv_columns)
+            wo, bo = fold([attn.wo], dtype)
+            w13, b13 = fold([mlp.w1, mlp.w3] if mlp.gated else [mlp.w1], dtype, block.mlp_norm, gain_scale)
+            w2, b2 = fold([mlp.w2], dtype)
             head_order = order[:D]
             self.layers.append(FusedBlock(
                 wqkv=wqkv, bqkv=bqkv,
@@ -186,7 +212,7 @@ class FusedTransformer:
                 wo=wo, bo=bo, w13=w13, b13=b13, w2=w2, b2=b2,
             ))
         self.final_norm = model.norm
-        self.head = model.lm_head.weight.t().contiguous()
+        self.head = model.lm_head.weight.t().to(dtype).contiguous()
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """A block norm without its affine part (folded into the next matrix); see ``__init__``."""
@@ -250,7 +276,7 @@ class FusedTransformer:
         return self.final_norm(x).view(B, T, -1)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.head
+        return linear_t(hidden, self.head, None)
 
 
 _fused_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights fingerprint, view)
@@ -287,7 +313,7 @@ def decoding_view(model: Transformer) -> Transformer | FusedTransformer:
 
 def release_decoding_view(model: Transformer) -> None:
     """Drop the cached decoding copy of ``model``'s weights: it costs as much memory as the
-    weights, so a caller that goes back to training the model releases it first."""
+    weights (twice as much for float32 matrices, ``decoding_matmul_dtype``), so a caller that goes back to training the model releases it first."""
     _fused_views.pop(model, None)
 
 

@@ -10,11 +10,13 @@ import os
 import pytest
 import torch
 
+from lmforge.model import generate as generate_module
 from lmforge.model.config import ModelConfig
 from lmforge.model.generate import (
     FusedTransformer,
     GenerationConfig,
     decode_step,
+    decoding_matmul_dtype,
     decoding_view,
     generate,
     prefill,
@@ -174,7 +176,36 @@ def test_decoding_view_is_reused_until_a_parameter_changes():
     assert changed is not view
     assert [r.tokens for r in generate(model, PROMPTS, greedy(8))] != [r.tokens for r in before]
     model.to(torch.bfloat16)
-    assert decoding_view(model).head.dtype == torch.bfloat16
+    bf16_view = decoding_view(model)
+    assert bf16_view is not changed
+    assert bf16_view.head.dtype == decoding_matmul_dtype(torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cpu_has_amx", [False, True])
+@torch.no_grad()
+def test_a_16_bit_view_computes_in_its_dtype_whichever_matrices_it_keeps(monkeypatch, dtype, cpu_has_amx):
+    """Without AMX a 16-bit model's view keeps float32 matrices (16-bit matmuls are slow there) and
+    rounds each product back; with AMX it keeps the model's dtype. Either way the hidden states
+    stay in the model's dtype, and the logits are the 16-bit model's within 16-bit rounding, no
+    further from the float32 model's than the 16-bit model's own."""
+    monkeypatch.setattr(generate_module, "CPU_HAS_AMX", cpu_has_amx)
+    torch.manual_seed(3)
+    model = Transformer(ModelConfig(**{**CFG, **VARIANTS["qwen-like"]})).eval()
+    low = copy.deepcopy(model).to(dtype)
+    fused = FusedTransformer(low)
+    assert fused.head.dtype == (dtype if cpu_has_amx else torch.float32)
+    assert {w.wqkv.dtype for w in fused.layers} == {fused.head.dtype}
+    tokens = torch.tensor([PROMPTS[0]])
+    hidden = fused.hidden_states(tokens)
+    assert hidden.dtype == dtype
+    logits, reference, exact = fused.lm_head(hidden), low(tokens), model(tokens)
+    assert logits.dtype == dtype
+    torch.testing.assert_close(logits.float(), reference.float(), atol=0.1, rtol=0.05)
+    assert (logits.float() - exact).abs().max() <= 1.5 * (reference.float() - exact).abs().max()
+    cached, state = prefill(fused, [PROMPTS[0]], max_new_tokens=2)
+    assert state.cache.k.dtype == dtype
+    torch.testing.assert_close(cached[0], logits[0, -1])
 
 
 def test_a_model_with_lora_adapters_generates_through_its_own_modules(model):
