@@ -50,14 +50,16 @@ def split_into_stage(model: nn.Module, pp_rank: int, pp: int) -> TransformerStag
 
 
 class StageLoss:
-    """The last stage's loss of one pipeline micro-batch: summed loss / ``divisor`` (set per step)."""
+    """The last stage's loss of one pipeline micro-batch: summed loss / ``divisor`` x ``scale``
+    (both set per step; ``scale`` is fp16's loss scale, a power of two)."""
 
     def __init__(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.loss_sum = loss_sum
         self.divisor = 1.0
+        self.scale = 1.0
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum(output, target) / self.divisor
+        return self.loss_sum(output, target) / self.divisor * self.scale
 
 
 class PipelineRunner:
@@ -98,14 +100,15 @@ class PipelineRunner:
             return torch.zeros((), device=self.ctx.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
-    def train_batch(self, batch: torch.Tensor, divisor: float) -> torch.Tensor:
-        """Forward and backward of one loop micro-batch; returns its loss sum / divisor (last stage)."""
-        self.loss.divisor = divisor
-        return self._run(batch, train=True)
+    def train_batch(self, batch: torch.Tensor, divisor: float, scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one loop micro-batch, the backward of the loss times ``scale``
+        (fp16's loss scale); returns its loss sum / divisor, unscaled (last stage)."""
+        self.loss.divisor, self.loss.scale = divisor, scale
+        return self._run(batch, train=True) / scale
 
     def eval_batch(self, batch: torch.Tensor) -> tuple[float, int]:
         """(loss sum, bytes of the targets) of one batch, known on every pipeline rank."""
-        self.loss.divisor = 1.0
+        self.loss.divisor, self.loss.scale = 1.0, 1.0
         with torch.no_grad():
             loss_sum = self.ctx.all_reduce_pp(self._run(batch, train=False))
         n_bytes = self.count_bytes(self.split(batch)[1]) if self.count_bytes is not None else 0

@@ -36,6 +36,7 @@ from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.clip import clip_grad_norm_
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
+from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.checkpoint import latest_valid_checkpoint
 from lmforge.train.checkpoint import (
     PendingCheckpoint,
@@ -266,7 +267,8 @@ def parallel_backward(model, objective, micro_batches, precision, parallel: Para
     for batch in micro_batches:
         with autocast_context(device, precision):
             if pipeline is not None:
-                loss_total += pipeline.train_batch(batch, divisor=n_targets / dp) / dp
+                scale = scaler.get_scale() if scaler is not None else 1.0
+                loss_total += pipeline.train_batch(batch, divisor=n_targets / dp, scale=scale) / dp
                 continue
             with loss_context(parallel):
                 out = forward_loss(model, to_device(batch, device))
@@ -394,7 +396,9 @@ def train(
         ckpt = Path(found[0]) if found[0] is not None else None
     state = read_resume_state(ckpt) if ckpt is not None else None
     precision = choose_precision(cfg, state.trainer_state.get("precision") if state else None, device)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    scaler = None
+    if precision == "fp16":
+        scaler = DistributedGradScaler(device) if parallel is not None else torch.amp.GradScaler(device.type)
     if parallel is not None or (ckpt is not None and is_sharded_checkpoint(ckpt)):
         # DCP's flattened optimizer state cannot hold or load an empty group (LoRA: no undecayed vectors),
         # also when one process resumes a distributed run's checkpoint

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def torchrun(nproc: int, jobs: list[dict], spec_dir: Path, timeout: float = 300) -> None:
     """Run ``jobs`` (see worker.py) in one ``torchrun --nproc_per_node=nproc`` launch; fail with its output."""
     for i, job in enumerate(jobs):
-        if not isinstance(job["recipe"], (str, Path)):
+        if "recipe" in job and not isinstance(job["recipe"], (str, Path)):
             job["recipe"] = str(save_config(job["recipe"], spec_dir, f"job{i}.yaml"))
     spec = spec_dir / f"spec_{nproc}.json"
     spec.write_text(json.dumps(jobs))

@@ -28,6 +28,10 @@ TWO_RANK_RUNS = {
     "pp_1f1b": {"parallel.pp": 2, "parallel.pp_microbatches": 2},
     "pp_gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "parallel.pp_microbatches": 4},
 }
+FP16_RUNS = {  # dynamic loss scaling: one overflow verdict and one scale for all ranks (DistributedGradScaler)
+    "fsdp_fp16": {"parallel.dp_shard": 2, "train.precision": "fp16"},
+    "pp_fp16": {"parallel.pp": 2, "parallel.pp_microbatches": 2, "train.precision": "fp16"},
+}
 FOUR_RANK_RUNS = {
     "fsdp_x_tp": {"parallel.dp_shard": 2, "parallel.tp": 2},
     "hsdp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2},
@@ -46,8 +50,9 @@ GRADIENT_CHECKS = {
 def runs(tmp_path_factory, recipe_for):
     """Run directories by name: the single-process reference and every distributed job."""
     root = tmp_path_factory.mktemp("parallel")
-    dirs = {"reference": root / "reference"}
+    dirs = {"reference": root / "reference", "reference_fp16": root / "reference_fp16"}
     run_pretrain(recipe_for(dirs["reference"]))
+    run_pretrain(recipe_for(dirs["reference_fp16"], **{"train.precision": "fp16"}))
 
     def pretrain_jobs(specs: dict) -> list[dict]:
         jobs = []
@@ -71,8 +76,10 @@ def runs(tmp_path_factory, recipe_for):
         "resume_as_tp": {"parallel.tp": 2, "train.resume": str(fsdp_ckpts / "step_00000001")},
         "resume_as_pp": {"parallel.pp": 2, "train.resume": str(fsdp_ckpts / "step_00000002")},
     })
-    others = pretrain_jobs({k: v for k, v in TWO_RANK_RUNS.items() if k != "fsdp"})
-    torchrun(2, first + resumes + others + gradient_jobs(GRADIENT_CHECKS[2]), root)
+    others = pretrain_jobs({**{k: v for k, v in TWO_RANK_RUNS.items() if k != "fsdp"}, **FP16_RUNS})
+    dirs["scaler"] = root / "scaler.json"
+    scaler_job = {"kind": "scaler", "out": str(dirs["scaler"])}
+    torchrun(2, first + resumes + others + gradient_jobs(GRADIENT_CHECKS[2]) + [scaler_job], root)
     torchrun(4, pretrain_jobs(FOUR_RANK_RUNS) + gradient_jobs(GRADIENT_CHECKS[4]), root)
 
     dirs["resume_in_one_process"] = root / "resume_in_one_process"
@@ -91,6 +98,29 @@ def test_losses_and_gradient_norms_match_a_single_process_run(runs, name):
     assert losses(runs[name]) == pytest.approx(reference, rel=1e-5, abs=1e-6)
     assert losses(runs[name], "grad_norm") == pytest.approx(losses(runs["reference"], "grad_norm"), rel=1e-4)
     assert losses(runs[name], "val_loss") == pytest.approx(losses(runs["reference"], "val_loss"), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FP16_RUNS))
+def test_fp16_loss_scaling_matches_a_single_process_run(runs, name):
+    """Before DistributedGradScaler an early pipeline stage had no loss scale (unscale_ failed) and
+    the last stage's loss was never scaled; the scale must also move in step on every rank."""
+    reference = losses(runs["reference_fp16"])
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    assert losses(runs[name]) == pytest.approx(reference, rel=2e-3)
+    assert losses(runs[name], "grad_norm") == pytest.approx(losses(runs["reference_fp16"], "grad_norm"), rel=2e-2)
+    final = f"checkpoints/step_{STEPS:08d}"
+    scales = [json.loads((runs[r] / final / "trainer_state.json").read_text())["scaler"]["scale"]
+              for r in ("reference_fp16", name)]
+    assert scales[0] == scales[1]
+
+
+def test_an_overflow_on_one_rank_skips_the_step_and_halves_the_scale_on_every_rank(runs):
+    """With torch.amp.GradScaler the rank without the overflow stepped and kept its scale."""
+    initial = torch.amp.GradScaler("cpu").get_scale()
+    for rank in json.loads(runs["scaler"].read_text()):
+        skipped, taken = rank
+        assert skipped == {"param": [1.0, 1.0, 1.0], "scale": initial / 2}
+        assert taken == {"param": [0.5, 0.5, 0.5], "scale": initial / 2}
 
 
 @pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])

@@ -4,7 +4,10 @@ A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the rec
 ``{"kind": "sft", "recipe": <yaml>}`` (``run_sft`` on an SFT recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
 parallelized model against the same model unsharded (fp32) in this process, written by
-rank 0 with the dtypes the blocks computed in and the gradients were kept in.
+rank 0 with the dtypes the blocks computed in and the gradients were kept in; or
+``{"kind": "scaler", "out": <json>}``: two fp16 loss-scaler steps in which only rank 0's
+gradient overflows (the first) or none does (the second), each rank's parameter and scale
+after each, written by rank 0.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from lmforge.core.config import load_config
 from lmforge.distributed.mesh import init_parallel
 from lmforge.distributed.parallelize import parallelize_model
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
+from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
@@ -78,6 +82,28 @@ def gradients(recipe: PretrainRecipe, out: str) -> None:
     dist.barrier()
 
 
+def scaler_steps(out: str) -> None:
+    """Each rank holds a different parameter, as pipeline stages do; only rank 0's gradient overflows."""
+    rank = dist.get_rank()
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = DistributedGradScaler(torch.device("cpu"))
+    seen = []
+    for overflow in (True, False):
+        (scaler.scale(param.sum()) * (float("inf") if overflow and rank == 0 else 1.0)).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        seen.append({"param": param.detach().tolist(), "scale": scaler.get_scale()})
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seen)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         jobs = json.load(f)
@@ -86,6 +112,9 @@ def main(spec_path: str) -> None:
         for job in jobs:
             if job["kind"] == "sft":
                 run_sft(load_config(SFTRecipe, job["recipe"]))
+                continue
+            if job["kind"] == "scaler":
+                scaler_steps(job["out"])
                 continue
             recipe = load_config(PretrainRecipe, job["recipe"])
             if job["kind"] == "pretrain":
