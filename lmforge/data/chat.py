@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 from lmforge.core.io import InputError, atomic_write_json, expand_paths, read_json
 from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, SkipLog, jsonl_records, parquet_rows
+from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 GENERATION_PROMPT = f"{IM_START}assistant\n"

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # label of a position without a target (torch cross_entropy's ignore_index); the one definition
 Example = tuple[Sequence[int], Sequence[int]]  # (input_ids, labels)
 
 
