@@ -162,7 +162,7 @@ def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
     if ctx is not None:
         summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
         run.model = None  # the shards are freed once gathered: rank 0's whole copy takes their place
-        model = gather_model(model, recipe.checkpoint, recipe.lora, ctx)
+        model = gather_model(model, recipe.lora, ctx)
         if model is None:
             return summary
         model.to(run.device)

@@ -27,7 +27,7 @@ from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.mesh import ParallelContext, launched_world_size
-from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, write_checksums, write_model_files
+from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, load_weights, write_checksums, write_model_files
 from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
@@ -183,17 +183,19 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: P
     return final
 
 
-def gather_model(model: nn.Module, checkpoint: str, lora: LoraConfig | None, parallel: ParallelContext) -> Transformer | None:
+def gather_model(model: nn.Module, lora: LoraConfig | None, parallel: ParallelContext) -> Transformer | None:
     """The trained weights of a sharded (FSDP) model as a plain model on rank 0, in CPU memory
     (None on the other ranks): what ``save_finetuned`` writes and exact match scores. Every
     rank must call it; the shards are gathered once, to rank 0."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not parallel.is_logging_rank:
         return None
-    plain, _ = load_model(checkpoint, device="cpu")  # the base's architecture, then the trained weights
-    if lora is not None:
-        apply_lora(plain, lora)
-    plain.load_state_dict(state)
+    with torch.device("meta"):  # the architecture alone; the gathered weights fill it
+        plain = Transformer(model.cfg)
+        if lora is not None:
+            apply_lora(plain, lora)
+    plain.to_empty(device="cpu")
+    load_weights(plain, state, where="the gathered shards")
     return plain
 
 
