@@ -114,11 +114,14 @@ def test_mixed_precision_runs_train_the_model(make_recipe, tmp_path, precision):
     assert all(math.isfinite(v) for v in ls) and ls[-1] < ls[0]
 
 
-def test_activation_checkpointing_and_compile_keep_the_losses(make_recipe, tmp_path):
-    run_pretrain(make_recipe(tmp_path / "plain", **{"train.max_steps": 3}))
-    run_pretrain(make_recipe(tmp_path / "ac", **{"train.max_steps": 3, "train.activation_checkpointing": True}))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_checkpointing_and_compile_keep_the_losses(make_recipe, tmp_path, precision):
+    """bf16 too: its training attention takes ``attend``'s float32 route on this CPU, recomputed by AC."""
+    base = {"train.max_steps": 3, "train.precision": precision}
+    run_pretrain(make_recipe(tmp_path / "plain", **base))
+    run_pretrain(make_recipe(tmp_path / "ac", **base, **{"train.activation_checkpointing": True}))
     assert losses(tmp_path / "ac") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
-    run_pretrain(make_recipe(tmp_path / "compiled", **{"train.max_steps": 3, "train.compile": True}))
+    run_pretrain(make_recipe(tmp_path / "compiled", **base, **{"train.compile": True}))
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-4)
     # parameter names are unchanged by the wrapper: the checkpoint loads into a plain model
     from lmforge.model.checkpoint import load_model
