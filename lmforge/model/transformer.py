@@ -117,23 +117,26 @@ CPU_HAS_AMX = cpu_has_amx()  # read once: a constant to torch.compile
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+    decoding: bool = False,
 ) -> torch.Tensor:
     """softmax(q kᵀ / √d + mask) v through ``F.scaled_dot_product_attention``, in q's dtype (or autocast's).
 
-    When training on a CPU without AMX, 16-bit attention runs on the same values upcast to
-    float32: PyTorch's CPU flash-attention backward is fast in bf16/fp16 only with AMX tiles,
-    and without them the 16-bit forward and backward took 1.1-1.8x as long as float32's on the
-    same values (``benchmarks/attention.py``). The upcast is exact and the float32 kernel keeps
-    the softmax probabilities in float32 where the 16-bit one rounds them, so the result, cast
-    back, is at least as accurate. Inference (no gradient), GPUs and AMX CPUs keep the 16-bit
-    kernels: without a backward the upcast only adds copies (a decode step took ~4x as long).
+    On a CPU without AMX, 16-bit attention over whole sequences (training, evaluation, a
+    reference model's scores) runs on the same values upcast to float32: PyTorch's CPU
+    flash-attention kernel is fast in bf16/fp16 only with AMX tiles, and without them the
+    16-bit forward and backward took 1.1-1.8x as long as float32's on the same values
+    (``benchmarks/attention.py``). The upcast is exact and the float32 kernel keeps the
+    softmax probabilities in float32 where the 16-bit one rounds them, so the result, cast
+    back, is at least as accurate. Every full-sequence pass takes the same route, with or
+    without gradients, so a policy and its no-grad reference compute alike (DPO starts at
+    exactly ln 2). ``decoding`` (a step against a KV cache), GPUs and AMX CPUs keep the 16-bit
+    kernel: a decode step has no backward to win back its copies (it took ~4x as long).
     """
     gqa = k.shape[1] != q.shape[1]
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not training or device != "cpu" or dtype not in (torch.bfloat16, torch.float16) or CPU_HAS_AMX:
+    if decoding or device != "cpu" or dtype not in (torch.bfloat16, torch.float16) or CPU_HAS_AMX:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa)
     with torch.autocast(device, enabled=False):
         q32, k32, v32 = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
@@ -197,7 +200,7 @@ class Attention(nn.Module):
         # Without a mask, causal when queries and keys are the same positions; a single new
         # token may see the whole cache (``hidden_states`` masks a multi-token step after a prefix).
         is_causal = attn_mask is None and T > 1
-        y = attend(q, k, v, attn_mask, is_causal)
+        y = attend(q, k, v, attn_mask, is_causal, decoding=kv_cache is not None)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -167,16 +167,20 @@ def test_attend_in_training_is_at_least_as_accurate_as_16_bit_sdpa(dtype):
         assert ours <= theirs * 1.05 + 1e-6, errors
 
 
-def test_attend_under_autocast_and_without_gradients():
-    """Under bf16 autocast the output is bf16 as SDPA's is; without gradients (decoding)
-    ``attend`` is exactly the 16-bit SDPA call."""
+def test_attend_under_autocast_with_and_without_gradients_and_when_decoding():
+    """Under bf16 autocast the output is bf16 as SDPA's is; a full sequence without gradients
+    (evaluation, a DPO reference) computes exactly what it computes with them; ``decoding``
+    (a step against a KV cache) is exactly the 16-bit SDPA call."""
     q, k, v = attention_case(torch.float32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = attend(q, k, v, None, True)
         sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        with torch.no_grad():
+            assert torch.equal(attend(q, k, v, None, True), y.detach())
     assert y.dtype == sdpa.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
     y.float().sum().backward()
     assert q.grad is not None and q.grad.dtype == torch.float32
     q, k, v = attention_case(torch.bfloat16, requires_grad=False)
-    assert torch.equal(attend(q, k, v, None, True), F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    decoded = attend(q, k, v, None, True, decoding=True)
+    assert torch.equal(decoded, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

@@ -55,6 +55,17 @@ def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, ba
     assert where.name == "final"
 
 
+@pytest.mark.parametrize("precompute", ["true", "false"])
+def test_bf16_dpo_starts_at_ln2(tmp_path, base_checkpoint, data, precompute):
+    """In bf16 too the no-grad reference computes what the policy's training forward does
+    (attention included: ``attend`` routes both alike), so the first loss is ln 2."""
+    run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "train.precision=bf16", "train.max_steps=1",
+                       f"precompute_reference={precompute}", "eval.exact_match=false"))
+    first = read_metrics(tmp_path / "dpo")[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["margin"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_lora_dpo_uses_the_model_with_adapters_disabled_as_reference(tmp_path, base_checkpoint, data, monkeypatch):
     import lmforge.objectives.reference as reference
 
