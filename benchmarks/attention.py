@@ -3,8 +3,8 @@
     python benchmarks/attention.py                          # results/attention.json
     python benchmarks/attention.py --shapes 2x4x1x16x16 --repeats 1   # smoke run
 
-``lmforge.model.transformer.attend`` runs 16-bit attention in float32 (on the same values, upcast)
-when it is training on a CPU without AMX. This measures why: forward plus backward of causal
+``lmforge.model.transformer.attend`` runs 16-bit attention over whole sequences in float32 (on
+the same values, upcast) on a CPU without AMX. This measures why: forward plus backward of causal
 ``F.scaled_dot_product_attention`` on bf16/fp16 tensors, as the peer (what transformers'
 ``sdpa`` attention and autocast run), against ``attend`` on the same tensors, side by side,
 alternating, best median of --repeats rounds. Shapes are BxHxKVxTxD (batch, query heads,
