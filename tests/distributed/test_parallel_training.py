@@ -103,7 +103,7 @@ def test_losses_and_gradient_norms_match_a_single_process_run(runs, name):
 @pytest.mark.parametrize("name", list(FP16_RUNS))
 def test_fp16_loss_scaling_matches_a_single_process_run(runs, name):
     """Before DistributedGradScaler an early pipeline stage had no loss scale (unscale_ failed) and
-    the last stage's loss was never scaled; the scale must also move in step on every rank."""
+    the last stage's loss was never scaled. (These few steps do not overflow; the test below does.)"""
     reference = losses(runs["reference_fp16"])
     assert len(reference) == STEPS and reference[-1] < reference[0]
     assert losses(runs[name]) == pytest.approx(reference, rel=2e-3)
@@ -120,7 +120,7 @@ def test_an_overflow_on_one_rank_skips_the_step_and_halves_the_scale_on_every_ra
     for rank in json.loads(runs["scaler"].read_text()):
         skipped, taken = rank
         assert skipped == {"param": [1.0, 1.0, 1.0], "scale": initial / 2}
-        assert taken == {"param": [0.5, 0.5, 0.5], "scale": initial / 2}
+        assert taken["param"] == pytest.approx([0.5, 0.5, 0.5], abs=1e-6) and taken["scale"] == initial / 2
 
 
 @pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])

@@ -86,7 +86,9 @@ def scaler_steps(out: str) -> None:
     """Each rank holds a different parameter, as pipeline stages do; only rank 0's gradient overflows."""
     rank = dist.get_rank()
     param = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([param], lr=0.5)
+    # fused AdamW as the loop builds it: GradScaler hands it the verdict (its amp-scaling path); its first
+    # step moves each weight by lr (m / sqrt(v) = g / |g|)
+    optimizer = torch.optim.AdamW([param], lr=0.5, weight_decay=0.0, fused=True)
     scaler = DistributedGradScaler(torch.device("cpu"))
     seen = []
     for overflow in (True, False):
