@@ -313,7 +313,8 @@ def decoding_view(model: Transformer) -> Transformer | FusedTransformer:
 
 def release_decoding_view(model: Transformer) -> None:
     """Drop the cached decoding copy of ``model``'s weights: it costs as much memory as the
-    weights (twice as much for float32 matrices, ``decoding_matmul_dtype``), so a caller that goes back to training the model releases it first."""
+    weights (twice as much with float32 matrices, ``decoding_matmul_dtype``), so a caller that
+    goes back to training the model releases it first."""
     _fused_views.pop(model, None)
 
 
