@@ -12,7 +12,10 @@ included); runs alternate and the best of N is kept. Target ratio: >= 2.
 
 lmforge's first call on a model also builds its fused decoding view (``decoding_view``),
 which later calls reuse while the weights are unchanged; that first call is the warm-up
-and is reported on its own as ``lmforge_first_call_s``.
+and is reported on its own as ``lmforge_first_call_s``. For a bfloat16 model on a CPU
+without AMX that view holds float32 copies of the matrices and rounds each product back to
+bfloat16 (``decoding_matmul_dtype``): bf16 arithmetic, computed by fp32 kernels, for twice
+the view's memory; the peer's matmuls run in bf16 kernels.
 """
 
 from __future__ import annotations
