@@ -10,9 +10,10 @@ Both models have the same configuration and weights; each step is forward, backw
 gradient clipping at 1.0 and a fused AdamW step on the same batch, under the same dtype
 policy and thread count (on a CPU without AMX lmforge's bf16 attention runs on fp32
 upcasts, ``lmforge.model.transformer.attend``; the peer's runs PyTorch's bf16 kernel).
-Runs alternate and the best median-of-steps is kept. MFU counts 6N + 12·L·H·Dh·T FLOPs per token against the measured matmul peak (CPU; cached by
-`lmforge bench peak`) or the data-sheet peak (GPU). The JSON is rewritten after every
-round, so a run stopped part-way (e.g. by a time limit) keeps the rounds it finished.
+Runs alternate and the best median-of-steps is kept. MFU counts 6N + 12·L·H·Dh·T FLOPs
+per token against the measured matmul peak (CPU; cached by `lmforge bench peak`) or the
+data-sheet peak (GPU). The JSON is rewritten after every round, so a run stopped part-way
+(e.g. by a time limit) keeps the rounds it finished.
 """
 
 from __future__ import annotations
