@@ -7,8 +7,11 @@ node). Every impossible layout is found by ``check_layout`` before any work star
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmforge.core.io import InputError
+from lmforge.core.run import log
 from lmforge.distributed.config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -205,3 +209,19 @@ def init_parallel(cfg: ParallelConfig, device_name: str = "auto") -> ParallelCon
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
     mesh = init_device_mesh(device.type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=MESH_DIMS)
     return ParallelContext(cfg, layout, mesh, device)
+
+
+@contextlib.contextmanager
+def parallel_session(cfg: ParallelConfig, device_name: str = "auto") -> Iterator[ParallelContext]:
+    """``init_parallel`` for one stage's run on a rank of a ``torchrun`` job: ranks other than 0
+    log warnings only, and a process group this call started is destroyed at the end (one the
+    caller had started, as the tests' worker does, is left to it)."""
+    created = not dist.is_initialized()
+    ctx = init_parallel(cfg, device_name)
+    if not ctx.is_logging_rank:
+        log.setLevel(logging.WARNING)
+    try:
+        yield ctx
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -16,7 +16,6 @@ docs/distributed.md):
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,13 @@ from lmforge.data.loader import LoaderConfig, TokenLoader
 from lmforge.data.shards import open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
 from lmforge.distributed.config import ParallelConfig
-from lmforge.distributed.mesh import ParallelContext, check_layout, init_parallel, launched_world_size, resolve_layout
+from lmforge.distributed.mesh import (
+    ParallelContext,
+    check_layout,
+    launched_world_size,
+    parallel_session,
+    resolve_layout,
+)
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model.config import ModelConfig
@@ -155,19 +160,13 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
 def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict]) -> dict:
     """``run_pretrain`` on one rank of a ``torchrun`` job: the model is built whole on every
     rank from the same seed, split into this rank's pipeline stage, then parallelized."""
-    created = not dist.is_initialized()
-    ctx: ParallelContext = init_parallel(recipe.parallel, recipe.train.device)
-    layout = ctx.layout
-    if not ctx.is_logging_rank:
-        log.setLevel(logging.WARNING)
-    try:
+    with parallel_session(recipe.parallel, recipe.train.device) as ctx:
+        layout = ctx.layout
         if ctx.is_logging_rank:
             start_run(recipe, recipe.run_dir)
         dist.barrier()
         run_dir = Path(recipe.run_dir)
-        precision = [run_precision(recipe.train, run_dir, ctx.device) if ctx.is_logging_rank else None]
-        dist.broadcast_object_list(precision, src=0)  # every rank must choose the same
-        cfg = dataclasses.replace(recipe.train, precision=precision[0])
+        cfg = dataclasses.replace(recipe.train, precision=run_precision(recipe.train, run_dir, ctx.device, ctx))
         torch.manual_seed(cfg.seed)
         model = build_model(recipe.model, ctx.device)
         flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
@@ -187,9 +186,6 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
         summary = train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline)
         dist.barrier()
         return summary
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:

@@ -18,7 +18,6 @@ by its `parallel:` section (dp_shard, dp_replicate; see docs/distributed.md):
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -33,7 +32,7 @@ from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.config import ParallelConfig
-from lmforge.distributed.mesh import Layout, ParallelContext, init_parallel, launched_world_size, resolve_layout
+from lmforge.distributed.mesh import Layout, ParallelContext, launched_world_size, parallel_session, resolve_layout
 from lmforge.distributed.parallelize import parallelize_model
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
@@ -86,17 +85,10 @@ def run_sft(recipe: SFTRecipe) -> dict:
     if layout.world_size == 1:
         return train_sft(recipe)
     check_sft_layout(layout, recipe)
-    created = not dist.is_initialized()
-    ctx = init_parallel(recipe.parallel, recipe.train.device)
-    if not ctx.is_logging_rank:
-        log.setLevel(logging.WARNING)
-    try:
+    with parallel_session(recipe.parallel, recipe.train.device) as ctx:
         summary = train_sft(recipe, ctx)
         dist.barrier()
         return summary
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def check_sft_layout(layout: Layout, recipe: SFTRecipe) -> None:

@@ -108,11 +108,7 @@ def start_finetune_run(recipe, stage: str, read_examples: Callable,
     logging_rank = parallel is None or parallel.is_logging_rank
     run_dir = start_run(recipe, recipe.run_dir) if logging_rank else Path(recipe.run_dir)
     device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
-    precision = run_precision(recipe.train, run_dir, device) if logging_rank else None
-    if parallel is not None:
-        chosen = [precision]
-        dist.broadcast_object_list(chosen, src=0)  # every rank must train in the same
-        precision = chosen[0]
+    precision = run_precision(recipe.train, run_dir, device, parallel)  # rank 0 chooses for every rank
     torch.manual_seed(recipe.train.seed)
     model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length, parallel)
     d = recipe.data

@@ -546,13 +546,20 @@ def choose_precision(cfg: TrainConfig, recorded: str | None, device: torch.devic
     return resolve_precision(cfg.precision, device)
 
 
-def run_precision(cfg: TrainConfig, run_dir: str | Path, device: torch.device) -> str:
+def run_precision(cfg: TrainConfig, run_dir: str | Path, device: torch.device,
+                  parallel: ParallelContext | None = None) -> str:
     """``choose_precision`` for a stage that needs the precision before the loop starts (to
     evaluate, score a reference or parallelize first): it passes the result to ``train`` in
-    ``cfg.precision``, so the loop does not choose again."""
-    ckpt = resume_checkpoint(cfg, run_dir)
-    state = read_resume_state(ckpt) if ckpt is not None else None  # verified once: the loop's read is cached
-    return choose_precision(cfg, state.trainer_state.get("precision") if state else None, device)
+    ``cfg.precision``, so the loop does not choose again. Under ``parallel`` rank 0 chooses
+    and every rank gets its choice (``auto``'s quick timings could differ between ranks)."""
+    chosen = [None]
+    if parallel is None or parallel.is_logging_rank:
+        ckpt = resume_checkpoint(cfg, run_dir)
+        state = read_resume_state(ckpt) if ckpt is not None else None  # verified once: the loop's read is cached
+        chosen = [choose_precision(cfg, state.trainer_state.get("precision") if state else None, device)]
+    if parallel is not None:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
 def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:
