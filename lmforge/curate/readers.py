@@ -313,7 +313,7 @@ def _damaged_gzip_member(path: Path, origin: int, last_offset: int | None) -> tu
             if problem is None and warc and head and not head.startswith(b"WARC/"):  # empty members are padding
                 problem = "it holds no WARC record"
             if problem is not None:
-                if _only_nul(f, position):
+                if _blank_from(f, position, b"\0"):
                     return None
                 if problem == ENDS_EARLY:
                     return position, f"truncated-record: {path}: the gzip member at byte {position} {problem}"
@@ -345,11 +345,12 @@ def _malformed_record_member(path: Path, position: int) -> tuple[int, str] | Non
     return None
 
 
-def _only_nul(f: BinaryIO, position: int) -> bool:
-    """Whether the file holds nothing but NUL bytes (padding) from ``position`` on."""
+def _blank_from(f: BinaryIO, position: int, chars: bytes | None = None) -> bool:
+    """Whether the file holds nothing but ``chars`` (``bytes.strip``'s argument: None is
+    whitespace, NUL bytes are padding) from ``position`` on."""
     f.seek(position)
     while chunk := f.read(1 << 20):
-        if chunk.strip(b"\0"):
+        if chunk.strip(chars):
             return False
     return True
 
@@ -379,10 +380,8 @@ def _damaged_tail(path: Path, last_offset: int | None, origin: int = 0) -> tuple
     if last_offset is not None:
         return None
     with open(path, "rb") as f:
-        f.seek(origin)
-        while chunk := f.read(1 << 20):
-            if chunk.strip():
-                return origin, "truncated-record: no WARC record could be parsed"
+        if not _blank_from(f, origin):
+            return origin, "truncated-record: no WARC record could be parsed"
     return None
 
 
@@ -470,7 +469,7 @@ def decode_payload(payload: bytes, declared: str | None = None, html: bool = Fal
                 except UnicodeDecodeError:
                     break  # a stray BOM-like start: the other rules decide
     nul = payload.find(b"\0", 0, 4096) != -1
-    header_codec = "utf-8" if declared == "utf-8" else charset_codec(declared) if declared else None
+    header_codec = charset_codec(declared) if declared else None
     failures: dict[str, tuple[str, list[str]]] = {}  # codec (or unknown label) -> (why it failed, as what)
     if not nul and (header_codec == "utf-8" or not payload.isascii()):  # steps 2 and 3 for most pages, at once
         try:
@@ -539,16 +538,17 @@ def read_warc(path: Path, cfg: InputsConfig, start: int, stop: int,
             m = CHARSET_PARAM.search(rec.headers.get("Content-Type", ""))
             declared = m and m.group(1)
         html = not meta["content_type"] or meta["content_type"].lower() in HTML_TYPES
-        yield _decoded_document(record_id, item.payload, meta, decode_payload(item.payload, declared, html))
+        yield _decoded_document(record_id, item.payload, meta, declared, html)
 
 
-def _decoded_document(doc_id: str, data: bytes, meta: dict[str, Any], decoded: tuple[str | None, str, str]
+def _decoded_document(doc_id: str, data: bytes, meta: dict[str, Any], declared: str | None, html: bool
                       ) -> tuple[Document, str | None]:
-    """The document of a payload ``decode_payload`` read; a reject, with U+FFFD for what is not UTF-8, if it could not.
+    """The document of a payload as ``decode_payload(data, declared, html)`` reads it; a reject,
+    with U+FFFD for what is not UTF-8, if it could not.
 
     Text read in a charset other than UTF-8 names it and the rule that chose it in the metadata.
     """
-    text, charset, note = decoded
+    text, charset, note = decode_payload(data, declared, html)
     if text is None:
         return Document(doc_id, data.decode("utf-8", "replace"), meta), note
     if charset != "utf-8":
@@ -569,7 +569,7 @@ def read_whole_file(path: Path, fmt: str) -> Iterator[tuple[Document, str | None
     meta: dict[str, Any] = {"source": str(path)}
     if fmt == "html":
         meta.update(url=path.as_posix(), content_type="text/html")
-    yield _decoded_document(str(path), data, meta, decode_payload(data, html=fmt == "html"))
+    yield _decoded_document(str(path), data, meta, None, fmt == "html")
 
 
 def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
