@@ -27,12 +27,12 @@ from torch import nn
 
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.transformer import (
-    CPU_HAS_AMX,
     KVCache,
     Transformer,
     cached_prefix_mask,
     check_length,
     positions_and_mask,
+    slow_16bit_kernels,
 )
 
 FinishReason = Literal["stop", "length"]
@@ -87,9 +87,7 @@ def decoding_matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dty
     dtype: the arithmetic of a 16-bit matmul with float32 accumulation, at float32's speed, for
     twice the view's memory.
     """
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_HAS_AMX:
-        return torch.float32
-    return dtype
+    return torch.float32 if slow_16bit_kernels(dtype, device.type) else dtype
 
 
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

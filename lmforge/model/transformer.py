@@ -116,6 +116,12 @@ def cpu_has_amx() -> bool:
 CPU_HAS_AMX = cpu_has_amx()  # read once: a constant to torch.compile
 
 
+def slow_16bit_kernels(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether ``dtype`` is bf16/fp16 on a CPU without AMX, where PyTorch's 16-bit attention and
+    small matmuls run slower than float32's on the same values (``attend``, ``decoding_matmul_dtype``)."""
+    return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_HAS_AMX
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
     decoding: bool = False,
@@ -136,7 +142,7 @@ def attend(
     gqa = k.shape[1] != q.shape[1]
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    if decoding or device != "cpu" or dtype not in (torch.bfloat16, torch.float16) or CPU_HAS_AMX:
+    if decoding or not slow_16bit_kernels(dtype, device):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa)
     with torch.autocast(device, enabled=False):
         q32, k32, v32 = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from lmforge.model import generate as generate_module
+from lmforge.model import transformer as transformer_module
 from lmforge.model.config import ModelConfig
 from lmforge.model.generate import (
     FusedTransformer,
@@ -189,7 +189,7 @@ def test_a_16_bit_view_computes_in_its_dtype_whichever_matrices_it_keeps(monkeyp
     rounds each product back; with AMX it keeps the model's dtype. Either way the hidden states
     stay in the model's dtype, and the logits are the 16-bit model's within 16-bit rounding, no
     further from the float32 model's than the 16-bit model's own."""
-    monkeypatch.setattr(generate_module, "CPU_HAS_AMX", cpu_has_amx)
+    monkeypatch.setattr(transformer_module, "CPU_HAS_AMX", cpu_has_amx)
     torch.manual_seed(3)
     model = Transformer(ModelConfig(**{**CFG, **VARIANTS["qwen-like"]})).eval()
     low = copy.deepcopy(model).to(dtype)
