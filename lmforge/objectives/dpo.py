@@ -6,6 +6,9 @@ function in ``lmforge.objectives.preference``; this module only gathers its inpu
 or length-averaged completion log-probs, the reference's (precomputed in the batch as
 ``ref_chosen_logps``/``ref_rejected_logps``, or from a ``Reference``), and the NLL term of
 ORPO and CPO. The loss is summed over pairs; the loop divides by the pairs of the whole step.
+A pair whose chosen or rejected row has no target token (the filler rows that pad a
+distributed validation set to whole global batches, ``validation_batches``) weighs zero:
+it is left out of the loss, the metrics and the pair count.
 
 Logged per pair, as TRL does: ``reward_chosen``/``reward_rejected`` (β·log-ratio for the
 reference-based losses, β·log-prob for the reference-free ones), ``margin`` (their
@@ -22,7 +25,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.clm import IGNORE_INDEX, LossOutput
 from lmforge.objectives.preference import cpo_loss, dpo_loss, orpo_loss, sequence_logprobs, simpo_loss
 from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
 
@@ -60,6 +63,19 @@ class PreferenceLossConfig:
         return self.loss not in REFERENCE_FREE
 
 
+def scored_pairs(chosen_labels: torch.Tensor, rejected_labels: torch.Tensor) -> torch.Tensor:
+    """(B,) True where both rows have a target token (labels aligned with the inputs, as in ``sequence_logprobs``)."""
+    def has_target(labels: torch.Tensor) -> torch.Tensor:
+        return (labels[:, 1:] != IGNORE_INDEX).any(-1)
+
+    return has_target(chosen_labels) & has_target(rejected_labels)
+
+
+def _sum_over(scored: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` (B,) at the scored pairs (a masked sum, not ``@``, which autocast would run in 16 bits)."""
+    return values.masked_fill(~scored, 0).sum()
+
+
 def _cat(batch: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
     if f"chosen_{key}" not in batch:
         return None
@@ -74,7 +90,8 @@ class PreferenceObjective:
         self.reference = reference
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["chosen_input_ids"].shape[0]
+        """Pairs with a target token on both sides (every pair of the data; not a filler pair)."""
+        return int(scored_pairs(batch["chosen_labels"], batch["rejected_labels"]).sum())
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Real (non-pad) tokens the policy processes, for tokens/s and MFU."""
@@ -94,6 +111,7 @@ class PreferenceObjective:
         logps, n_tokens, logits = completion_logprobs(model, input_ids, labels, attention_mask)
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = n_tokens.chunk(2)
+        scored = (n_chosen > 0) & (n_rejected > 0)  # scored_pairs, from the counts at hand
         avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
         metrics: dict[str, torch.Tensor] = {}
         chosen_nll = -chosen.sum() / n_chosen.sum().clamp(min=1)  # token mean over the micro-batch, as TRL
@@ -106,26 +124,27 @@ class PreferenceObjective:
                 losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, DPO_TYPES[cfg.loss],
                                   cfg.label_smoothing)[0]
             reward_c, reward_r = cfg.beta * (chosen - ref_chosen).detach(), cfg.beta * (rejected - ref_rejected).detach()
-            metrics["kl"] = ((chosen - ref_chosen) + (rejected - ref_rejected)).detach().sum() / 2
+            metrics["kl"] = _sum_over(scored, (chosen - ref_chosen) + (rejected - ref_rejected)).detach() / 2
             if cfg.sft_weight:  # TRL's "sft" loss on the chosen completions
                 losses = losses + cfg.sft_weight * chosen_nll
-                metrics["nll"] = chosen_nll.detach() * len(chosen)
+                metrics["nll"] = chosen_nll.detach() * scored.sum()
         elif cfg.loss == "simpo":
             losses, reward_c, reward_r = simpo_loss(avg_chosen, avg_rejected, cfg.beta, cfg.simpo_gamma,
                                                     cfg.label_smoothing)
         elif cfg.loss == "cpo":  # NLL over the chosen completion
             losses, reward_c, reward_r = cpo_loss(chosen, rejected, chosen_nll, cfg.beta, cfg.cpo_alpha,
                                                   cfg.label_smoothing)
-            metrics["nll"] = chosen_nll.detach() * len(chosen)
+            metrics["nll"] = chosen_nll.detach() * scored.sum()
         else:  # ORPO: TRL's NLL covers the chosen prompt *and* completion (trl PR #1516)
             half = input_ids.shape[0] // 2
             mask = attention_mask[:half] if attention_mask is not None else torch.ones_like(input_ids[:half])
+            mask = mask * scored[:, None]  # a filler pair's prompt is no one's
             nll_logps, nll_tokens = sequence_logprobs(logits[:half], input_ids[:half].masked_fill(mask == 0, -100))
             nll = -nll_logps.sum() / nll_tokens.sum().clamp(min=1)
             losses, reward_c, reward_r = orpo_loss(avg_chosen, avg_rejected, nll, cfg.beta)
-            metrics["nll"] = nll.detach() * half
+            metrics["nll"] = nll.detach() * scored.sum()
         margin = reward_c - reward_r
-        metrics.update(reward_chosen=reward_c.sum(), reward_rejected=reward_r.sum(), margin=margin.sum(),
-                       accuracy=(margin > 0).float().sum(), logp_chosen=chosen.detach().sum(),
-                       logp_rejected=rejected.detach().sum())
-        return LossOutput(losses.sum(), self.num_targets(batch), metrics={k: v.detach() for k, v in metrics.items()})
+        metrics.update(reward_chosen=_sum_over(scored, reward_c), reward_rejected=_sum_over(scored, reward_r),
+                       margin=_sum_over(scored, margin), accuracy=_sum_over(scored, (margin > 0).float()),
+                       logp_chosen=_sum_over(scored, chosen.detach()), logp_rejected=_sum_over(scored, rejected.detach()))
+        return LossOutput(_sum_over(scored, losses), int(scored.sum()), metrics={k: v.detach() for k, v in metrics.items()})

@@ -57,10 +57,13 @@ def adapters_disabled_reference(model: nn.Module) -> Reference:
     return reference
 
 
-def frozen_copy_reference(model: nn.Module) -> Reference:
-    """The reference of a fully fine-tuned policy: a frozen copy of it taken now, in eval mode."""
+def frozen_copy_reference(model: nn.Module, prepare: Callable[[nn.Module], None] | None = None) -> Reference:
+    """The reference of a fully fine-tuned policy: a frozen copy of it taken now, in eval mode.
+    ``prepare(copy)`` changes the copy in place before use (a distributed run shards it as the policy)."""
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
+    if prepare is not None:
+        prepare(ref)
 
     def reference(input_ids, labels, attention_mask=None):
         return _scored_in_eval_mode(ref, input_ids, labels, attention_mask)
@@ -68,9 +71,10 @@ def frozen_copy_reference(model: nn.Module) -> Reference:
     return reference
 
 
-def policy_reference(model: nn.Module) -> Reference:
-    """The reference for a policy as it is now: adapters disabled with LoRA, else a frozen copy."""
-    return adapters_disabled_reference(model) if lora_modules(model) else frozen_copy_reference(model)
+def policy_reference(model: nn.Module, prepare: Callable[[nn.Module], None] | None = None) -> Reference:
+    """The reference for a policy as it is now: adapters disabled with LoRA, else a frozen copy
+    (``prepare`` as in ``frozen_copy_reference``)."""
+    return adapters_disabled_reference(model) if lora_modules(model) else frozen_copy_reference(model, prepare)
 
 
 def untrained_policy_reference(model: nn.Module) -> Reference:

@@ -12,6 +12,13 @@ before and after training.
   lmforge dpo recipes/demo/dpo.yaml
   lmforge dpo recipes/demo/dpo.yaml loss=ipo beta=0.5
   lmforge dpo recipes/demo/dpo.yaml loss=cdpo label_smoothing=0.1 lora.r=16
+
+Under torchrun it trains data-parallel with FSDP2 (full fine-tuning or LoRA/DoRA), laid out
+by its `parallel:` section (dp_shard, dp_replicate; see docs/distributed.md). Each rank
+precomputes the reference log-probs of its share of the rows, and a live full fine-tuning
+reference is sharded as the policy is:
+
+  torchrun --standalone --nproc_per_node=2 -m lmforge dpo recipes/distributed/cpu_fsdp_dpo.yaml
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
+from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.parallelize import parallelize_model
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.objectives.reference import (
     Reference,
@@ -41,7 +52,9 @@ from lmforge.train.finetune import (
     ExactMatchConfig,
     exact_match_accuracy,
     exact_match_tasks,
+    gather_model,
     row_accumulation_steps,
+    run_data_parallel,
     save_finetuned,
     start_finetune_run,
     task_files,
@@ -74,14 +87,28 @@ class DPORecipe(PreferenceLossConfig):
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=4, batch_tokens=4096))
     eval: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
 
 
 def attach_reference(reference: Reference, rows: dict[str, torch.Tensor], names: dict[str, str],
-                     batch_size: int, device: torch.device, precision: str) -> None:
-    """Add the reference's log-probs to ``rows``: ``names`` maps row prefix -> new column."""
+                     batch_size: int, device: torch.device, precision: str,
+                     parallel: ParallelContext | None = None) -> None:
+    """Add the reference's log-probs to ``rows``: ``names`` maps row prefix -> new column.
+
+    Under ``parallel`` (data-parallel ranks, each with the whole model) every rank scores its
+    own contiguous share of the rows and the shares are gathered, so each rank ends with every column."""
+    n = len(next(iter(rows.values())))
+    rank, world = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
+    share = slice(rank * n // world, (rank + 1) * n // world)
+    mine = {key: value[share] for key, value in rows.items()}
     for prefix, column in names.items():
-        rows[column] = precompute_logprobs(reference, rows, prefix, batch_size, device,
-                                           lambda: autocast_context(device, precision))
+        logps = precompute_logprobs(reference, mine, prefix, batch_size, device,
+                                    lambda: autocast_context(device, precision))
+        if parallel is not None:
+            shares: list[torch.Tensor | None] = [None] * world
+            dist.all_gather_object(shares, logps)
+            logps = torch.cat(shares)
+        rows[column] = logps
 
 
 @torch.no_grad()
@@ -114,28 +141,51 @@ def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], b
 def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
                             reference_columns: dict[str, str], needs_reference: bool, stage: str,
                             read_examples: Callable, rows_per_example: int, loss_name: str,
-                            measure: Callable | None = None, check_examples: Callable | None = None) -> dict:
+                            measure: Callable | None = None, check_examples: Callable | None = None,
+                            parallel: ParallelContext | None = None) -> dict:
     """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result.
 
     ``measure(model, tok, val_rows, batch_size, device, precision)`` scores the model before and
     after training; ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
+
+    Under ``parallel`` (a data-parallel ``torchrun`` job) every rank loads the whole base,
+    scores its share of the reference log-probs, then shards the policy (and a live frozen
+    reference) with FSDP2 and trains on its rows of each global batch; rank 0 alone scores the
+    whole model before and after (gathered after training) and writes the result.
     """
-    run = start_finetune_run(recipe, stage, read_examples)
+    run = start_finetune_run(recipe, stage, read_examples, parallel=parallel)
     if check_examples is not None:
         check_examples(run.train_examples)
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
     cfg, d = run.train_config(recipe.train), recipe.data
+    logging_rank = parallel is None or parallel.is_logging_rank
+    rank, dp = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
     train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
     val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
 
-    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
-    before = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
-    if measure is not None:
-        before.update(measure(model, tok, val_rows, cfg.micro_batch_size, device, precision))
-    log.info("%s: before training %s", stage, before)
+    def score(model) -> dict:
+        """Exact match and ``measure`` of the whole model (rank 0 only: greedy decoding draws no
+        random numbers, so the ranks' LoRA initialisations stay the same)."""
+        if not logging_rank:
+            return {}
+        result = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
+        if measure is not None:
+            result.update(measure(model, tok, val_rows, cfg.micro_batch_size, device, precision))
+        return result
+
+    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples) if logging_rank else ([], [])
+    before = score(model)
+    if logging_rank:
+        log.info("%s: before training %s", stage, before)
     if recipe.lora is not None:
         wrap_lora(model, recipe.lora, stage)
+
+    def shard_reference(module: torch.nn.Module) -> None:
+        """A frozen copy sharded as the policy; it never runs backward, so every group, the root
+        too, frees its gathered weights after each forward."""
+        parallelize_model(module, parallel, precision=cfg.precision, activation_checkpointing=False, compile=False)
+        module.set_reshard_after_forward(True)
 
     reference = None
     if needs_reference and recipe.precompute_reference:
@@ -143,32 +193,41 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         scorer = untrained_policy_reference(model)  # not yet updated, so the policy is its own reference: no copy
         for rows in (train_rows, val_rows):
             if rows is not None:
-                attach_reference(scorer, rows, reference_columns, 2 * cfg.micro_batch_size, device, precision)
+                attach_reference(scorer, rows, reference_columns, 2 * cfg.micro_batch_size, device, precision, parallel)
         log.info("%s: reference log-probs precomputed in %.1f s", stage, time.perf_counter() - t0)
-    elif needs_reference:
-        reference = policy_reference(model)  # adapters disabled with LoRA, else a frozen copy
+    elif needs_reference:  # adapters disabled with LoRA, else a frozen copy (sharded as the policy is)
+        reference = policy_reference(model, prepare=shard_reference if parallel is not None else None)
+    if parallel is not None:
+        parallelize_model(model, parallel, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=cfg.compile)
     objective = objective_for(reference)
-    val_batches = validation_batches(val_rows, cfg.micro_batch_size)
-    start = evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches) if val_batches else {}
-    before.update(start)
+    val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
+    if val_batches:
+        before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
     per_token = model.cfg.flops_per_token(d.max_length)
     summary = train(
         model=model,
         objective=objective,
-        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed),
+        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp),
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
-        grad_accum=row_accumulation_steps(cfg, d.max_length, rows_per_example),
+        grad_accum=row_accumulation_steps(cfg, d.max_length, rows_per_example, world_size=dp),
         val_batches=val_batches,
         # a live reference adds a forward (2N) to the policy's forward and backward (6N) per token
         flops_per_token=per_token * (4 / 3 if reference is not None else 1),
         tokenizer_dir=run.tok_dir,
+        parallel=parallel,
     )
+    if parallel is not None:
+        summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
+        run.model = reference = None  # the shards are freed once gathered: rank 0's whole copy takes their place
+        model = gather_model(model, recipe.lora, parallel)
+        if model is None:
+            return summary
+        model.to(device)
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
-    after = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
-    if measure is not None:
-        after.update(measure(model, tok, val_rows, cfg.micro_batch_size, device, precision))
+    after = score(model)
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None,
@@ -179,6 +238,11 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
 
 
 def run_dpo(recipe: DPORecipe) -> dict:
+    return run_data_parallel(recipe, "dpo", lambda ctx: train_dpo(recipe, ctx))
+
+
+def train_dpo(recipe: DPORecipe, parallel: ParallelContext | None = None) -> dict:
+    """The DPO run in one process, or on one rank of a data-parallel ``torchrun`` job."""
     loss_cfg = PreferenceLossConfig(recipe.loss, recipe.beta, recipe.label_smoothing, recipe.simpo_gamma,
                                     recipe.cpo_alpha, recipe.sft_weight)
     return run_preference_training(
@@ -192,6 +256,7 @@ def run_dpo(recipe: DPORecipe) -> dict:
         rows_per_example=2,  # chosen and rejected
         loss_name=recipe.loss,
         measure=lambda model, _tok, rows, *args: pairwise_preference(model, rows, *args) if rows is not None else {},
+        parallel=parallel,
     )
 
 

@@ -23,16 +23,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
-from lmforge.core.config import ConfigError
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.config import ParallelConfig
-from lmforge.distributed.mesh import Layout, ParallelContext, launched_world_size, parallel_session, resolve_layout
+from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import parallelize_model
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
@@ -42,6 +40,7 @@ from lmforge.train.finetune import (
     exact_match_tasks,
     gather_model,
     row_accumulation_steps,
+    run_data_parallel,
     save_finetuned,
     start_finetune_run,
     task_files,
@@ -81,27 +80,7 @@ def build_rows(examples: list, max_length: int, packing: bool, pad_id: int) -> d
 
 
 def run_sft(recipe: SFTRecipe) -> dict:
-    layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
-    if layout.world_size == 1:
-        return train_sft(recipe)
-    check_sft_layout(layout, recipe)
-    with parallel_session(recipe.parallel, recipe.train.device) as ctx:
-        summary = train_sft(recipe, ctx)
-        dist.barrier()
-        return summary
-
-
-def check_sft_layout(layout: Layout, recipe: SFTRecipe) -> None:
-    """SFT runs data-parallel only (FSDP2 / HSDP); every other layout is refused before any work."""
-    problems = []
-    if layout.tp > 1 or layout.pp > 1:
-        problems.append(f"parallel.tp={layout.tp} and parallel.pp={layout.pp}: sft shards data-parallel only "
-                        f"(parallel.dp_shard, parallel.dp_replicate); set parallel.tp=1 and parallel.pp=1")
-    if recipe.lora is not None and recipe.lora.quantize_base:
-        problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
-                        "or set lora.quantize_base=false")
-    if problems:
-        raise ConfigError(f"sft under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
+    return run_data_parallel(recipe, "sft", lambda ctx: train_sft(recipe, ctx))
 
 
 def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:

@@ -26,7 +26,7 @@ from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.distributed.mesh import ParallelContext, launched_world_size
+from lmforge.distributed.mesh import ParallelContext, launched_world_size, parallel_session, resolve_layout
 from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, load_weights, write_checksums, write_model_files
 from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
@@ -70,7 +70,29 @@ def refuse_torchrun(stage: str) -> None:
     world_size = launched_world_size()
     if world_size > 1:
         raise ConfigError(f"{stage} runs in one process, but WORLD_SIZE={world_size}: launch it without torchrun "
-                          f"(of the fine-tuning stages only `lmforge sft` runs distributed so far)")
+                          f"(of the fine-tuning stages `lmforge sft` and `lmforge dpo` run distributed so far)")
+
+
+def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None], dict]) -> dict:
+    """``body(None)`` in one process, or ``body(ctx)`` on every rank of a ``torchrun`` launch laid
+    out by ``recipe.parallel``: data-parallel only (FSDP2 / HSDP). Any other layout, and QLoRA,
+    are refused before any work."""
+    layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
+    if layout.world_size == 1:
+        return body(None)
+    problems = []
+    if layout.tp > 1 or layout.pp > 1:
+        problems.append(f"parallel.tp={layout.tp} and parallel.pp={layout.pp}: {stage} shards data-parallel only "
+                        f"(parallel.dp_shard, parallel.dp_replicate); set parallel.tp=1 and parallel.pp=1")
+    if recipe.lora is not None and recipe.lora.quantize_base:
+        problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
+                        "or set lora.quantize_base=false")
+    if problems:
+        raise ConfigError(f"{stage} under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
+    with parallel_session(recipe.parallel, recipe.train.device) as ctx:
+        summary = body(ctx)
+        dist.barrier()
+        return summary
 
 
 @dataclass
@@ -139,15 +161,19 @@ def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int, ra
     (this rank's share of each global batch; None without rows).
 
     Under torchrun every rank must run the same forwards, so the rows are padded to whole global
-    batches with rows that have no targets (labels all ignored): they add nothing to the loss
-    sums, and the validation loss is the one process's, every row counted."""
+    batches with copies of the first row whose targets are all ignored (every ``*labels``
+    column: SFT's ``labels``, a pair's ``chosen_labels`` and ``rejected_labels``). The
+    objectives count no targets in them (a preference pair without targets weighs zero), so
+    they add nothing to the sums, and the validation figures are the one process's, every
+    row counted."""
     if not rows:
         return None
     n, per_batch = len(next(iter(rows.values()))), batch_size * world_size
-    if world_size > 1 and n % per_batch:  # sft's rows (the one stage that runs distributed)
+    if world_size > 1 and n % per_batch:
         pad = per_batch - n % per_batch
         filler = {key: value[:1].expand(pad, *value.shape[1:]) for key, value in rows.items()}
-        filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
+        for key in [k for k in filler if k.endswith("labels")]:
+            filler[key] = torch.full_like(filler[key], IGNORE_INDEX)
         rows = {key: torch.cat([value, filler[key]]) for key, value in rows.items()}
     return lambda: RowLoader(rows, batch_size, shuffle=False, loop=False, rank=rank, world_size=world_size)
 

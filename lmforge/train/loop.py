@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
@@ -337,6 +338,8 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
         for name, value in getattr(out, "metrics", {}).items():
             metric_sums[name] = metric_sums.get(name, 0.0) + float(_local(value))
     model.train(was_training)
+    if isinstance(model, FSDPModule):  # FSDP2's root keeps its gathered weights after a forward with no backward:
+        model.reshard()  # free them, so the model holds its shards again (the ones an optimizer built next must see)
     if parallel is not None:
         names = sorted(metric_sums)
         sums = parallel.all_reduce_dp(torch.tensor([loss_sum, n_targets, n_bytes, *[metric_sums[k] for k in names]],

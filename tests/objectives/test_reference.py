@@ -39,3 +39,32 @@ def test_untrained_policy_scores_like_a_frozen_copy_without_copying_the_model(sm
         assert torch.equal(got, logps) and torch.isfinite(got).all() and (got < 0).all()
     assert model.training  # scored in eval mode, then put back
     assert len(list(model.parameters())) == n_params and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "cpo", "simpo"])
+def test_filler_pairs_that_pad_a_distributed_validation_set_weigh_zero(small_tokenizer, loss):
+    """The target-free copies ``validation_batches`` adds to make whole global batches change
+    nothing: the objective over the real pairs plus filler equals it over the real pairs alone."""
+    from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
+    from lmforge.train.finetune import validation_batches
+
+    tok = small_tokenizer
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      max_seq_len=64)
+    model = randomized(cfg).eval()
+    rows = pair_rows([parse_pair(tok, r, 64, "error")[0] for r in RECORDS], tok.pad_id)
+    generator = torch.Generator().manual_seed(0)
+    rows["ref_chosen_logps"] = -10 * torch.rand(3, generator=generator)  # a reference other than the policy
+    rows["ref_rejected_logps"] = -10 * torch.rand(3, generator=generator)
+    # 3 pairs over 2 ranks x 2 rows: one filler pair
+    shares = [list(validation_batches(rows, 2, rank, 2)()) for rank in range(2)]
+    padded = {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+    assert len(padded["chosen_input_ids"]) == 4
+    objective = PreferenceObjective(PreferenceLossConfig(loss=loss, sft_weight=0.5 if loss == "dpo" else 0.0))
+    with torch.no_grad():
+        alone, with_filler = objective(model, rows), objective(model, padded)
+    assert objective.num_targets(padded) == with_filler.n_targets == alone.n_targets == 3
+    assert with_filler.loss_sum.item() == pytest.approx(alone.loss_sum.item(), rel=1e-5)
+    assert with_filler.metrics.keys() == alone.metrics.keys()
+    for name, value in alone.metrics.items():
+        assert with_filler.metrics[name].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), name

@@ -69,7 +69,7 @@ def test_bf16_dpo_starts_at_ln2(tmp_path, base_checkpoint, data, precompute):
 def test_lora_dpo_uses_the_model_with_adapters_disabled_as_reference(tmp_path, base_checkpoint, data, monkeypatch):
     import lmforge.objectives.reference as reference
 
-    def no_copy(model):
+    def no_copy(model, prepare=None):
         raise AssertionError("a LoRA policy must not copy the model for its reference")
 
     monkeypatch.setattr(reference, "frozen_copy_reference", no_copy)
@@ -85,7 +85,7 @@ def test_full_fine_tuning_precomputes_the_reference_with_the_policy_itself_not_a
                                                                                      data, monkeypatch):
     import lmforge.objectives.reference as reference
 
-    def no_copy(model):
+    def no_copy(model, prepare=None):
         raise AssertionError("precomputing the reference must not copy the model")
 
     monkeypatch.setattr(reference, "frozen_copy_reference", no_copy)
@@ -199,13 +199,25 @@ def test_auto_precision_is_chosen_once_so_evaluation_and_training_agree(tmp_path
     assert chosen.count("auto") == 1 and summary["precision"] == "fp32"
 
 
-def test_fine_tuning_under_torchrun_is_refused_before_any_work(tmp_path, base_checkpoint, data, monkeypatch):
+def test_kto_under_torchrun_is_refused_before_any_work(tmp_path, base_checkpoint, data, monkeypatch):
     from lmforge.core.config import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="WORLD_SIZE=2: launch it without torchrun"):
-        run_dpo(dpo_recipe(tmp_path, base_checkpoint, data))
-    assert not (tmp_path / "dpo" / "checkpoints").exists()
+        run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}",
+                                              f"data.train=[{data / 'kto_train.jsonl'}]", *COMMON]))
+    assert not (tmp_path / "kto").exists()
+
+
+@pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["parallel.pp=2"], ["lora={r: 4, quantize_base: true}"]])
+def test_dpo_under_torchrun_refuses_tensor_pipeline_and_qlora_layouts_before_any_work(tmp_path, base_checkpoint, data,
+                                                                                      monkeypatch, overrides):
+    from lmforge.core.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"(?s)dpo under torchrun .*(parallel\.tp=1 and parallel\.pp=1|quantize_base=false)"):
+        run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, *overrides))
+    assert not (tmp_path / "dpo").exists()
 
 
 def test_pairwise_preference_restores_train_mode_when_scoring_fails():
