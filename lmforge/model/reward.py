@@ -68,6 +68,11 @@ class RewardModel(nn.Module):
     def cfg(self):
         return self.backbone.cfg
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The backbone's blocks, where ``distributed.parallelize`` finds them (the head joins the root's FSDP group)."""
+        return self.backbone.layers
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Rewards (B,) at each row's last real token (the last column when there is no mask)."""
         hidden = self.backbone.hidden_states(input_ids, **model_inputs(input_ids, attention_mask))

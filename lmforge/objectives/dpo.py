@@ -25,8 +25,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmforge.objectives.clm import IGNORE_INDEX, LossOutput
-from lmforge.objectives.preference import cpo_loss, dpo_loss, orpo_loss, sequence_logprobs, simpo_loss
+from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.preference import (
+    cpo_loss,
+    dpo_loss,
+    has_targets,
+    masked_sum,
+    orpo_loss,
+    sequence_logprobs,
+    simpo_loss,
+)
 from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
 
 PreferenceLoss = Literal["dpo", "ipo", "cdpo", "rdpo", "hinge", "simpo", "orpo", "cpo"]
@@ -63,19 +71,6 @@ class PreferenceLossConfig:
         return self.loss not in REFERENCE_FREE
 
 
-def scored_pairs(chosen_labels: torch.Tensor, rejected_labels: torch.Tensor) -> torch.Tensor:
-    """(B,) True where both rows have a target token (labels aligned with the inputs, as in ``sequence_logprobs``)."""
-    def has_target(labels: torch.Tensor) -> torch.Tensor:
-        return (labels[:, 1:] != IGNORE_INDEX).any(-1)
-
-    return has_target(chosen_labels) & has_target(rejected_labels)
-
-
-def _sum_over(scored: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Sum of ``values`` (B,) at the scored pairs (a masked sum, not ``@``, which autocast would run in 16 bits)."""
-    return values.masked_fill(~scored, 0).sum()
-
-
 def _cat(batch: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
     if f"chosen_{key}" not in batch:
         return None
@@ -91,7 +86,7 @@ class PreferenceObjective:
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
         """Pairs with a target token on both sides (every pair of the data; not a filler pair)."""
-        return int(scored_pairs(batch["chosen_labels"], batch["rejected_labels"]).sum())
+        return int((has_targets(batch["chosen_labels"]) & has_targets(batch["rejected_labels"])).sum())
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Real (non-pad) tokens the policy processes, for tokens/s and MFU."""
@@ -111,7 +106,7 @@ class PreferenceObjective:
         logps, n_tokens, logits = completion_logprobs(model, input_ids, labels, attention_mask)
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = n_tokens.chunk(2)
-        scored = (n_chosen > 0) & (n_rejected > 0)  # scored_pairs, from the counts at hand
+        scored = (n_chosen > 0) & (n_rejected > 0)  # has_targets on both sides, from the counts at hand
         avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
         metrics: dict[str, torch.Tensor] = {}
         chosen_nll = -chosen.sum() / n_chosen.sum().clamp(min=1)  # token mean over the micro-batch, as TRL
@@ -124,7 +119,7 @@ class PreferenceObjective:
                 losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, DPO_TYPES[cfg.loss],
                                   cfg.label_smoothing)[0]
             reward_c, reward_r = cfg.beta * (chosen - ref_chosen).detach(), cfg.beta * (rejected - ref_rejected).detach()
-            metrics["kl"] = _sum_over(scored, (chosen - ref_chosen) + (rejected - ref_rejected)).detach() / 2
+            metrics["kl"] = masked_sum((chosen - ref_chosen) + (rejected - ref_rejected), scored).detach() / 2
             if cfg.sft_weight:  # TRL's "sft" loss on the chosen completions
                 losses = losses + cfg.sft_weight * chosen_nll
                 metrics["nll"] = chosen_nll.detach() * scored.sum()
@@ -144,7 +139,7 @@ class PreferenceObjective:
             losses, reward_c, reward_r = orpo_loss(avg_chosen, avg_rejected, nll, cfg.beta)
             metrics["nll"] = nll.detach() * scored.sum()
         margin = reward_c - reward_r
-        metrics.update(reward_chosen=_sum_over(scored, reward_c), reward_rejected=_sum_over(scored, reward_r),
-                       margin=_sum_over(scored, margin), accuracy=_sum_over(scored, (margin > 0).float()),
-                       logp_chosen=_sum_over(scored, chosen.detach()), logp_rejected=_sum_over(scored, rejected.detach()))
-        return LossOutput(_sum_over(scored, losses), int(scored.sum()), metrics={k: v.detach() for k, v in metrics.items()})
+        metrics.update(reward_chosen=masked_sum(reward_c, scored), reward_rejected=masked_sum(reward_r, scored),
+                       margin=masked_sum(margin, scored), accuracy=masked_sum((margin > 0).float(), scored),
+                       logp_chosen=masked_sum(chosen.detach(), scored), logp_rejected=masked_sum(rejected.detach(), scored))
+        return LossOutput(masked_sum(losses, scored), int(scored.sum()), metrics={k: v.detach() for k, v in metrics.items()})

@@ -5,8 +5,11 @@ per row and ``kl_*`` rows: each prompt followed by another example's completion
 (``lmforge.data.preference.unpaired_rows``). The loss is ``kto_loss``: the policy's log-ratio
 r against a baseline z0, the mean log-ratio on the mismatched ``kl_*`` rows, clamped at 0
 and detached. As in TRL, the policy scores the KL rows without gradient, and z0 is taken
-over the micro-batch. Reference log-probs come precomputed in the batch (``ref_logps``,
-``ref_kl_logps``) or from a ``Reference``.
+over the micro-batch: over every data-parallel rank's micro-batch under torchrun (TRL
+gathers it across processes), so it is what one process computes over the global
+micro-batch. Reference log-probs come precomputed in the batch (``ref_logps``,
+``ref_kl_logps``) or from a ``Reference``. A row without target tokens (validation filler)
+weighs zero, in the loss, z0 and the metrics.
 
 Logged per example: ``kl`` (z0), ``accuracy`` (r above z0 for a desirable example, below
 for an undesirable one), ``signed_reward`` (β·r, negated for undesirable examples, so it
@@ -16,13 +19,14 @@ summed over each kind, per example of the batch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lmforge.objectives.clm import LossOutput
-from lmforge.objectives.preference import kto_loss
+from lmforge.objectives.preference import has_targets, kto_loss, masked_sum
 from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
 
 
@@ -61,12 +65,18 @@ def weight_balance_warning(n_desirable: int, n_undesirable: int, desirable_weigh
 
 
 class KTOObjective:
-    def __init__(self, cfg: KTOLossConfig, reference: Reference | None = None):
+    """``all_reduce`` sums a tensor over the data-parallel ranks in place and returns it
+    (``ParallelContext.all_reduce_dp``); every rank must then run the same forwards, as the loop's do."""
+
+    def __init__(self, cfg: KTOLossConfig, reference: Reference | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.cfg = cfg
         self.reference = reference
+        self.all_reduce = all_reduce
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["input_ids"].shape[0]
+        """Examples with a target token (every example of the data; not a filler row)."""
+        return int(has_targets(batch["labels"]).sum())
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum() + batch["kl_attention_mask"].sum())
@@ -75,9 +85,9 @@ class KTOObjective:
         cfg = self.cfg
         ids, labels, mask = trim_padding(batch["input_ids"], batch["labels"], batch["attention_mask"])
         kl_ids, kl_labels, kl_mask = trim_padding(batch["kl_input_ids"], batch["kl_labels"], batch["kl_attention_mask"])
-        logps = completion_logprobs(model, ids, labels, mask)[0]
+        logps, n_tokens, _ = completion_logprobs(model, ids, labels, mask)
         with torch.no_grad():
-            kl_logps = completion_logprobs(model, kl_ids, kl_labels, kl_mask)[0]
+            kl_logps, n_kl_tokens, _ = completion_logprobs(model, kl_ids, kl_labels, kl_mask)
         if "ref_logps" in batch:
             ref_logps, ref_kl_logps = batch["ref_logps"], batch["ref_kl_logps"]
         elif self.reference is not None:
@@ -85,16 +95,20 @@ class KTOObjective:
             ref_kl_logps = self.reference(kl_ids, kl_labels, kl_mask)
         else:
             raise ValueError("KTO needs a reference: pass one, or precompute ref_logps and ref_kl_logps")
+        scored, kl_scored = n_tokens > 0, n_kl_tokens > 0
+        # z0's mean log-ratio over the KL rows of this micro-batch, or of every rank's
+        kl_sums = torch.stack([masked_sum((kl_logps - ref_kl_logps).detach().float(), kl_scored), kl_scored.sum()])
+        if self.all_reduce is not None:
+            kl_sums = self.all_reduce(kl_sums)
         desirable = batch["desirable"].bool()
-        losses, rewards, z0 = kto_loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps, cfg.beta,
-                                       cfg.desirable_weight, cfg.undesirable_weight)
+        losses, rewards, z0 = kto_loss(logps, ref_logps, desirable, None, None, cfg.beta, cfg.desirable_weight,
+                                       cfg.undesirable_weight, z0=kl_sums[0] / kl_sums[1].clamp(min=1))
         sign = desirable.float() * 2 - 1
-        n = len(losses)
         metrics = {
-            "kl": z0 * n,
-            "accuracy": ((rewards - cfg.beta * z0) * sign > 0).float().sum(),
-            "signed_reward": (rewards * sign).sum(),
-            "reward_desirable": rewards[desirable].sum(),
-            "reward_undesirable": rewards[~desirable].sum(),
+            "kl": z0 * scored.sum(),
+            "accuracy": masked_sum(((rewards - cfg.beta * z0) * sign > 0).float(), scored),
+            "signed_reward": masked_sum(rewards * sign, scored),
+            "reward_desirable": masked_sum(rewards, scored & desirable),
+            "reward_undesirable": masked_sum(rewards, scored & ~desirable),
         }
-        return LossOutput(losses.sum(), n, metrics={k: v.detach() for k, v in metrics.items()})
+        return LossOutput(masked_sum(losses, scored), int(scored.sum()), metrics={k: v.detach() for k, v in metrics.items()})

@@ -47,6 +47,18 @@ def sequence_logprobs(
     return logps, n_tokens
 
 
+def has_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """(B,) True for rows with at least one target token (``labels`` aligned with the inputs, as
+    in ``sequence_logprobs``). The objectives weigh a row without one zero: the filler rows that
+    pad a distributed validation set to whole global batches (``finetune.validation_batches``)."""
+    return (labels[:, 1:] != ignore_index).any(-1)
+
+
+def masked_sum(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` (B,) where ``keep`` (a masked sum rather than ``@``, which autocast would run in 16 bits)."""
+    return values.masked_fill(~keep, 0).sum()
+
+
 def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     """-(1 - ε) log σ(z) - ε log σ(-z): a Bradley-Terry loss whose labels flip with probability ε."""
     loss = -F.logsigmoid(logits)
@@ -183,11 +195,12 @@ def kto_loss(
     policy: torch.Tensor,
     ref: torch.Tensor,
     desirable: torch.Tensor,
-    policy_kl: torch.Tensor,
-    ref_kl: torch.Tensor,
+    policy_kl: torch.Tensor | None,
+    ref_kl: torch.Tensor | None,
     beta: float = 0.1,
     lambda_d: float = 1.0,
     lambda_u: float = 1.0,
+    z0: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KTO (Ethayarajh et al. 2024) on unpaired examples labelled desirable or not.
 
@@ -198,11 +211,15 @@ def kto_loss(
     Summed log-probs. y' are mismatched completions (each prompt paired with another
     example's completion, e.g. rotated by one, not reversed: trl#1911), scored by both
     models into ``policy_kl``/``ref_kl``. z0 is a baseline, so no gradient flows through
-    it, as in TRL's ``kto_loss``; under data parallelism average it across ranks first.
+    it, as in TRL's ``kto_loss``. Under data parallelism the mean runs over every rank's KL
+    rows (TRL gathers it across processes): the caller computes that mean and passes it as
+    ``z0`` (clamped here), and ``policy_kl``/``ref_kl`` are then None.
     Returns the losses (B,), the detached rewards βr and z0.
     """
     desirable = desirable.bool()
-    z0 = (policy_kl - ref_kl).mean().clamp(min=0).detach()
+    if (z0 is None) == (policy_kl is None or ref_kl is None):
+        raise ValueError("kto_loss needs either policy_kl and ref_kl, or the mean log-ratio z0, not both")
+    z0 = ((policy_kl - ref_kl).mean() if z0 is None else z0).clamp(min=0).detach()
     r = policy - ref
     losses = torch.where(
         desirable, lambda_d * (1 - torch.sigmoid(beta * (r - z0))), lambda_u * (1 - torch.sigmoid(beta * (z0 - r)))

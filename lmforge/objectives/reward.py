@@ -3,7 +3,8 @@
 The model is a ``lmforge.model.reward.RewardModel``; the loss is ``bradley_terry_loss``
 with the pair's optional ``margin`` (Llama 2) and the optional centring term (TRL's
 ``center_rewards_coefficient``). Logged per pair: ``reward_chosen``, ``reward_rejected``,
-``margin`` (r_c − r_r) and ``accuracy`` (r_c > r_r: the pairwise accuracy).
+``margin`` (r_c − r_r) and ``accuracy`` (r_c > r_r: the pairwise accuracy). A pair without
+completion tokens (validation filler under torchrun) weighs zero.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from lmforge.objectives.clm import LossOutput
-from lmforge.objectives.preference import bradley_terry_loss
+from lmforge.objectives.preference import bradley_terry_loss, has_targets, masked_sum
 from lmforge.objectives.reference import trim_padding
 
 
@@ -29,7 +30,12 @@ class RewardObjective:
         self.cfg = cfg
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["chosen_input_ids"].shape[0]
+        """Pairs with a completion on both sides (every pair of the data; not a validation filler pair)."""
+        return int(self.scored(batch).sum())
+
+    @staticmethod
+    def scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return has_targets(batch["chosen_labels"]) & has_targets(batch["rejected_labels"])
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
@@ -43,6 +49,8 @@ class RewardObjective:
         margin = batch.get("margin") if self.cfg.use_margin else None
         losses = bradley_terry_loss(chosen, rejected, margin, self.cfg.center_coef)
         diff = (chosen - rejected).detach()
-        metrics = {"reward_chosen": chosen.detach().sum(), "reward_rejected": rejected.detach().sum(),
-                   "margin": diff.sum(), "accuracy": (diff > 0).float().sum()}
-        return LossOutput(losses.sum(), len(losses), metrics=metrics)
+        scored = self.scored(batch)
+        metrics = {"reward_chosen": masked_sum(chosen.detach(), scored),
+                   "reward_rejected": masked_sum(rejected.detach(), scored),
+                   "margin": masked_sum(diff, scored), "accuracy": masked_sum((diff > 0).float(), scored)}
+        return LossOutput(masked_sum(losses, scored), int(scored.sum()), metrics=metrics)

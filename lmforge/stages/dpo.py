@@ -138,15 +138,17 @@ def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], b
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
 
 
-def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
+def run_preference_training(recipe, objective_for: Callable[[Reference | None, ParallelContext | None], object],
+                            rows_for: Callable,
                             reference_columns: dict[str, str], needs_reference: bool, stage: str,
                             read_examples: Callable, rows_per_example: int, loss_name: str,
                             measure: Callable | None = None, check_examples: Callable | None = None,
                             parallel: ParallelContext | None = None) -> dict:
     """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result.
 
-    ``measure(model, tok, val_rows, batch_size, device, precision)`` scores the model before and
-    after training; ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
+    ``objective_for(reference, parallel)`` makes the objective; ``measure(model, tok, val_rows,
+    batch_size, device, precision)`` scores the model before and after training;
+    ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
 
     Under ``parallel`` (a data-parallel ``torchrun`` job) every rank loads the whole base,
     scores its share of the reference log-probs, then shards the policy (and a live frozen
@@ -154,12 +156,12 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     whole model before and after (gathered after training) and writes the result.
     """
     run = start_finetune_run(recipe, stage, read_examples, parallel=parallel)
-    if check_examples is not None:
+    logging_rank = parallel is None or parallel.is_logging_rank
+    if check_examples is not None and logging_rank:
         check_examples(run.train_examples)
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
     cfg, d = run.train_config(recipe.train), recipe.data
-    logging_rank = parallel is None or parallel.is_logging_rank
     rank, dp = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
     train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
     val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
@@ -200,7 +202,7 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
     if parallel is not None:
         parallelize_model(model, parallel, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
                           compile=cfg.compile)
-    objective = objective_for(reference)
+    objective = objective_for(reference, parallel)
     val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
     if val_batches:
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
@@ -247,7 +249,7 @@ def train_dpo(recipe: DPORecipe, parallel: ParallelContext | None = None) -> dic
                                     recipe.cpo_alpha, recipe.sft_weight)
     return run_preference_training(
         recipe,
-        objective_for=lambda reference: PreferenceObjective(loss_cfg, reference),
+        objective_for=lambda reference, _parallel: PreferenceObjective(loss_cfg, reference),
         rows_for=lambda examples, pad_id, max_length, seed: pair_rows(examples, pad_id),
         reference_columns={"chosen_": "ref_chosen_logps", "rejected_": "ref_rejected_logps"},
         needs_reference=loss_cfg.needs_reference,

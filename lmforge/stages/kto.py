@@ -9,6 +9,12 @@ held-out preference pairs (`pairs:`), the model's own pairwise preference before
 
   lmforge kto recipes/demo/kto.yaml
   lmforge kto recipes/demo/kto.yaml desirable_weight=1.33 lora.r=16
+
+Under torchrun it trains data-parallel with FSDP2, as `lmforge dpo` does (its `parallel:`
+section; see docs/distributed.md); the KL baseline z0 is the mean over every rank's KL rows
+of the micro-batch, as TRL gathers it across processes:
+
+  torchrun --standalone --nproc_per_node=2 -m lmforge kto recipes/demo/kto.yaml train.micro_batch_size=4
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.documents import SkipLog
 from lmforge.data.preference import pair_rows, read_preference_pairs, read_unpaired_examples, unpaired_rows
+from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.kto import KTOLossConfig, KTOObjective, weight_balance_warning
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig, pairwise_preference, report, run_preference_training
-from lmforge.train.finetune import ExactMatchConfig
+from lmforge.train.finetune import ExactMatchConfig, run_data_parallel
 from lmforge.train.loop import TrainConfig
 
 
@@ -39,9 +47,15 @@ class KTORecipe(KTOLossConfig):
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=8))
     eval: ExactMatchConfig = field(default_factory=ExactMatchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
 
 
 def run_kto(recipe: KTORecipe) -> dict:
+    return run_data_parallel(recipe, "kto", lambda ctx: train_kto(recipe, ctx))
+
+
+def train_kto(recipe: KTORecipe, parallel: ParallelContext | None = None) -> dict:
+    """The KTO run in one process, or on one rank of a data-parallel ``torchrun`` job (z0 over every rank's KL rows)."""
     loss_cfg = KTOLossConfig(recipe.beta, recipe.desirable_weight, recipe.undesirable_weight)
     measure = None
     if recipe.pairs:
@@ -69,7 +83,8 @@ def run_kto(recipe: KTORecipe) -> dict:
 
     return run_preference_training(
         recipe,
-        objective_for=lambda reference: KTOObjective(loss_cfg, reference),
+        objective_for=lambda reference, parallel: KTOObjective(
+            loss_cfg, reference, all_reduce=parallel.all_reduce_dp if parallel is not None else None),
         rows_for=unpaired_rows,
         reference_columns={"": "ref_logps", "kl_": "ref_kl_logps"},
         needs_reference=True,
@@ -79,6 +94,7 @@ def run_kto(recipe: KTORecipe) -> dict:
         loss_name="kto",
         measure=measure,
         check_examples=check_balance,
+        parallel=parallel,
     )
 
 

@@ -7,6 +7,11 @@ result in `final/` is the backbone checkpoint plus `reward_head.safetensors`.
 
   lmforge reward recipes/demo/reward.yaml
   lmforge reward recipes/demo/reward.yaml objective.center_coef=0.01 lora.r=16
+
+Under torchrun it trains data-parallel with FSDP2, as `lmforge sft` does (its `parallel:`
+section; see docs/distributed.md); the head is sharded with the backbone's root:
+
+  torchrun --standalone --nproc_per_node=2 -m lmforge reward recipes/demo/reward.yaml train.micro_batch_size=4
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
+from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.parallelize import parallelize_model
 from lmforge.model.reward import RewardModel
 from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig
 from lmforge.train.finetune import (
+    gather_model,
     row_accumulation_steps,
+    run_data_parallel,
     save_finetuned,
     start_finetune_run,
     validation_batches,
@@ -50,33 +60,57 @@ class RewardRecipe:
     lora: LoraConfig | None = None  # adapters on the backbone; the head is always trained
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=8))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
 
 
 def run_reward(recipe: RewardRecipe) -> dict:
-    run = start_finetune_run(recipe, "reward", read_preference_pairs)
+    return run_data_parallel(recipe, "reward", lambda ctx: train_reward(recipe, ctx))
+
+
+def train_reward(recipe: RewardRecipe, parallel: ParallelContext | None = None) -> dict:
+    """The reward run in one process, or on one rank of a data-parallel ``torchrun`` job: there
+    every rank builds the whole model (the same head from ``train.seed``) and shards it, and
+    rank 0 alone writes the gathered result."""
+    run = start_finetune_run(recipe, "reward", read_preference_pairs, parallel=parallel)
     run_dir, device, precision, backbone, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_pairs, val_pairs, cfg, d = run.train_examples, run.val_examples, run.train_config(recipe.train), recipe.data
+    rank, dp = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
     if recipe.lora is not None:
         wrap_lora(backbone, recipe.lora, "reward")
     model = RewardModel(backbone)  # the head is new, so always trainable
+    if parallel is not None:
+        parallelize_model(model, parallel, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=cfg.compile)
     objective = RewardObjective(recipe.objective)
     train_rows = pair_rows(train_pairs, tok.pad_id)
     val_rows = pair_rows(val_pairs, tok.pad_id) if val_pairs else None
-    val_batches = validation_batches(val_rows, cfg.micro_batch_size)
-    before = evaluate(model, objective, val_batches(), device, precision, None) if val_batches else {}
+    val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
+
+    def held_out() -> dict:
+        return evaluate(model, objective, val_batches(), device, precision, None, parallel) if val_batches else {}
+
+    before = held_out()
     summary = train(
         model=model,
         objective=objective,
-        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed),
+        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp),
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
-        grad_accum=row_accumulation_steps(cfg, d.max_length, rows_per_example=2),  # chosen and rejected
+        grad_accum=row_accumulation_steps(cfg, d.max_length, rows_per_example=2, world_size=dp),  # chosen, rejected
         val_batches=val_batches,
         flops_per_token=backbone.cfg.flops_per_token(d.max_length),
         tokenizer_dir=run.tok_dir,
+        parallel=parallel,
     )
-    after = evaluate(model, objective, val_batches(), device, precision, None) if val_batches else {}
+    after = held_out()
+    if parallel is not None:
+        summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
+        run.model = backbone = None  # the shards are freed once gathered: rank 0's whole copy takes their place
+        model = gather_model(model, recipe.lora, parallel, wrap=RewardModel)
+        if model is None:
+            return summary
+        backbone = model.backbone
     final = save_finetuned(backbone, run_dir, run.tok_dir, run.base_dir, recipe.lora, write_extra=model.save_head)
     summary.update(train_pairs=len(train_pairs), val_pairs=len(val_pairs), skipped=run.skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None)

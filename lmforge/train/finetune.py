@@ -64,15 +64,6 @@ def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: 
     return model, Tokenizer.load(tok_dir), tok_dir, base_dir
 
 
-def refuse_torchrun(stage: str) -> None:
-    """Stages that train in one process stop before any work when launched by ``torchrun``:
-    every rank would train its own copy into the same run directory."""
-    world_size = launched_world_size()
-    if world_size > 1:
-        raise ConfigError(f"{stage} runs in one process, but WORLD_SIZE={world_size}: launch it without torchrun "
-                          f"(of the fine-tuning stages `lmforge sft` and `lmforge dpo` run distributed so far)")
-
-
 def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None], dict]) -> dict:
     """``body(None)`` in one process, or ``body(ctx)`` on every rank of a ``torchrun`` launch laid
     out by ``recipe.parallel``: data-parallel only (FSDP2 / HSDP). Any other layout, and QLoRA,
@@ -121,11 +112,9 @@ def start_finetune_run(recipe, stage: str, read_examples: Callable,
     recipe's training and validation examples (bad ones counted in ``skipped``).
 
     ``read_examples(paths, tok, max_length, on_bad=, on_too_long=, skipped=)`` returns a list.
-    Without ``parallel`` a ``torchrun`` launch is refused; with it (a data-parallel stage)
-    every rank reads all examples and loads the whole base, rank 0 alone writes the run
-    directory and chooses the precision for all."""
-    if parallel is None:
-        refuse_torchrun(stage)
+    Under ``parallel`` (a data-parallel ``torchrun`` job, ``run_data_parallel``) every rank
+    reads all examples and loads the whole base, rank 0 alone writes the run directory and
+    chooses the precision for all."""
     check_data_paths(recipe, stage)
     logging_rank = parallel is None or parallel.is_logging_rank
     run_dir = start_run(recipe, recipe.run_dir) if logging_rank else Path(recipe.run_dir)
@@ -205,10 +194,12 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: P
     return final
 
 
-def gather_model(model: nn.Module, lora: LoraConfig | None, parallel: ParallelContext) -> Transformer | None:
+def gather_model(model: nn.Module, lora: LoraConfig | None, parallel: ParallelContext,
+                 wrap: Callable[[Transformer], nn.Module] | None = None) -> nn.Module | None:
     """The trained weights of a sharded (FSDP) model as a plain model on rank 0, in CPU memory
     (None on the other ranks): what ``save_finetuned`` writes and exact match scores. Every
-    rank must call it; the shards are gathered once, to rank 0."""
+    rank must call it; the shards are gathered once, to rank 0. ``wrap`` rebuilds a model
+    around the transformer (``RewardModel``: the backbone and its head)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not parallel.is_logging_rank:
         return None
@@ -216,6 +207,8 @@ def gather_model(model: nn.Module, lora: LoraConfig | None, parallel: ParallelCo
         plain = Transformer(model.cfg)
         if lora is not None:
             apply_lora(plain, lora)
+        if wrap is not None:
+            plain = wrap(plain)
     plain.to_empty(device="cpu")
     load_weights(plain, state, where="the gathered shards")
     return plain

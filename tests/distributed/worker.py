@@ -1,8 +1,8 @@
 """Runs inside ``torchrun``: the jobs of a JSON spec, one after another, on every rank.
 
 A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe),
-``{"kind": "sft", "recipe": <yaml>}`` (``run_sft`` on an SFT recipe), ``{"kind": "dpo", ...}``
-(``run_dpo``) or
+``{"kind": "sft" | "dpo" | "kto" | "reward", "recipe": <yaml>}`` (that fine-tuning stage on
+its recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
 parallelized model against the same model unsharded (fp32) in this process, written by
 rank 0 with the dtypes the blocks computed in and the gradients were kept in; or
@@ -29,9 +29,14 @@ from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.dpo import DPORecipe, run_dpo
+from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
+from lmforge.stages.reward import RewardRecipe, run_reward
 from lmforge.stages.sft import SFTRecipe, run_sft
 from lmforge.train.loop import parallel_backward
+
+STAGES = {"sft": (SFTRecipe, run_sft), "dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto),
+          "reward": (RewardRecipe, run_reward)}
 
 
 def gradients(recipe: PretrainRecipe, out: str) -> None:
@@ -114,11 +119,9 @@ def main(spec_path: str) -> None:
     dist.init_process_group("gloo")
     try:
         for job in jobs:
-            if job["kind"] == "sft":
-                run_sft(load_config(SFTRecipe, job["recipe"]))
-                continue
-            if job["kind"] == "dpo":
-                run_dpo(load_config(DPORecipe, job["recipe"]))
+            if job["kind"] in STAGES:
+                recipe_type, run = STAGES[job["kind"]]
+                run(load_config(recipe_type, job["recipe"]))
                 continue
             if job["kind"] == "scaler":
                 scaler_steps(job["out"])

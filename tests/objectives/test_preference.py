@@ -235,6 +235,19 @@ def test_kto_matches_paper_equation():
     assert_close(kl, torch.tensor(z0, dtype=torch.float64))
 
 
+def test_kto_takes_a_baseline_averaged_elsewhere_as_z0():
+    """Under data parallelism the KTO objective passes the mean log-ratio of every rank's KL rows."""
+    pi, ref, pkl, rkl = four(65)
+    desirable = torch.tensor([True, False, True, True, False, False, True])
+    expected = kto_loss(pi, ref, desirable, pkl, rkl)
+    got = kto_loss(pi, ref, desirable, None, None, z0=(pkl - rkl).mean())
+    for a, b in zip(got, expected):
+        assert_close(a, b)
+    assert kto_loss(pi, ref, desirable, None, None, z0=torch.tensor(-1.0))[2].item() == 0.0  # clamped too
+    with pytest.raises(ValueError, match="either policy_kl and ref_kl, or the mean log-ratio z0"):
+        kto_loss(pi, ref, desirable, pkl, rkl, z0=torch.tensor(0.5))
+
+
 def test_kto_reference_point_is_clamped_at_zero():
     pi, ref, pkl, rkl = four(60)
     _, _, z0 = kto_loss(pi, ref, torch.ones(B, dtype=torch.bool), rkl - 1.0, rkl)

@@ -68,3 +68,55 @@ def test_filler_pairs_that_pad_a_distributed_validation_set_weigh_zero(small_tok
     assert with_filler.metrics.keys() == alone.metrics.keys()
     for name, value in alone.metrics.items():
         assert with_filler.metrics[name].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), name
+
+
+def test_filler_rows_that_pad_a_distributed_kto_validation_set_weigh_zero(small_tokenizer):
+    """As for pairs: KTO's loss, baseline z0 and metrics over real rows plus target-free filler
+    equal those over the real rows alone."""
+    from lmforge.data.preference import parse_unpaired, unpaired_rows
+    from lmforge.objectives.kto import KTOLossConfig, KTOObjective
+    from lmforge.train.finetune import validation_batches
+
+    tok = small_tokenizer
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      max_seq_len=64)
+    model = randomized(cfg).eval()
+    records = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+               for r in RECORDS for side in ("chosen", "rejected")][:5]
+    rows = unpaired_rows([parse_unpaired(tok, r, 64, "error")[0] for r in records], tok.pad_id, 64)
+    generator = torch.Generator().manual_seed(0)
+    rows["ref_logps"] = -10 * torch.rand(5, generator=generator)
+    rows["ref_kl_logps"] = -200 - 20 * torch.rand(5, generator=generator)  # z0 > 0: the baseline counts
+    shares = [list(validation_batches(rows, 3, rank, 2)()) for rank in range(2)]  # 5 rows over 2 x 3: one filler
+    padded = {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+    assert len(padded["input_ids"]) == 6
+    objective = KTOObjective(KTOLossConfig(beta=0.02))
+    with torch.no_grad():
+        alone, with_filler = objective(model, rows), objective(model, padded)
+    assert objective.num_targets(padded) == with_filler.n_targets == alone.n_targets == 5
+    assert alone.metrics["kl"].item() > 0
+    assert with_filler.loss_sum.item() == pytest.approx(alone.loss_sum.item(), rel=1e-5)
+    for name, value in alone.metrics.items():
+        assert with_filler.metrics[name].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), name
+
+
+def test_filler_pairs_that_pad_a_distributed_reward_validation_set_weigh_zero(small_tokenizer):
+    from lmforge.model.reward import RewardModel
+    from lmforge.objectives.reward import RewardLossConfig, RewardObjective
+    from lmforge.train.finetune import validation_batches
+
+    tok = small_tokenizer
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      max_seq_len=64)
+    torch.manual_seed(0)
+    model = RewardModel(randomized(cfg)).eval()
+    rows = pair_rows([parse_pair(tok, r, 64, "error")[0] for r in RECORDS], tok.pad_id)
+    shares = [list(validation_batches(rows, 2, rank, 2)()) for rank in range(2)]  # 3 pairs over 2 x 2: one filler
+    padded = {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+    objective = RewardObjective(RewardLossConfig(center_coef=0.01))
+    with torch.no_grad():
+        alone, with_filler = objective(model, rows), objective(model, padded)
+    assert objective.num_targets(padded) == with_filler.n_targets == alone.n_targets == 3
+    assert with_filler.loss_sum.item() == pytest.approx(alone.loss_sum.item(), rel=1e-5)
+    for name, value in alone.metrics.items():
+        assert with_filler.metrics[name].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), name

@@ -199,25 +199,20 @@ def test_auto_precision_is_chosen_once_so_evaluation_and_training_agree(tmp_path
     assert chosen.count("auto") == 1 and summary["precision"] == "fp32"
 
 
-def test_kto_under_torchrun_is_refused_before_any_work(tmp_path, base_checkpoint, data, monkeypatch):
-    from lmforge.core.config import ConfigError
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="WORLD_SIZE=2: launch it without torchrun"):
-        run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}",
-                                              f"data.train=[{data / 'kto_train.jsonl'}]", *COMMON]))
-    assert not (tmp_path / "kto").exists()
-
-
+@pytest.mark.parametrize("stage", ["dpo", "kto", "reward"])
 @pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["parallel.pp=2"], ["lora={r: 4, quantize_base: true}"]])
-def test_dpo_under_torchrun_refuses_tensor_pipeline_and_qlora_layouts_before_any_work(tmp_path, base_checkpoint, data,
-                                                                                      monkeypatch, overrides):
+def test_preference_stages_under_torchrun_refuse_tensor_pipeline_and_qlora_layouts_before_any_work(
+        tmp_path, base_checkpoint, data, monkeypatch, stage, overrides):
     from lmforge.core.config import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"(?s)dpo under torchrun .*(parallel\.tp=1 and parallel\.pp=1|quantize_base=false)"):
-        run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, *overrides))
-    assert not (tmp_path / "dpo").exists()
+    train = data / ("kto_train.jsonl" if stage == "kto" else "train.jsonl")
+    recipe_type, run = {"dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto), "reward": (RewardRecipe, run_reward)}[stage]
+    recipe = load_config(recipe_type, None, [f"run_dir={tmp_path / stage}", f"checkpoint={base_checkpoint}",
+                                             f"data.train=[{train}]", *COMMON, *overrides])
+    with pytest.raises(ConfigError, match=rf"(?s){stage} under torchrun .*(parallel\.tp=1 and parallel\.pp=1|quantize_base=false)"):
+        run(recipe)
+    assert not (tmp_path / stage).exists()
 
 
 def test_pairwise_preference_restores_train_mode_when_scoring_fails():

@@ -1,0 +1,151 @@
+"""`lmforge dpo`, `kto` and `reward` under torchrun (gloo, 2 CPU processes, FSDP2) against one
+process on the same data and global batch.
+
+DPO: full fine-tuning with precomputed reference log-probs (each rank scores its share) and
+with a live frozen reference (sharded as the policy), LoRA with the adapters-disabled
+reference, and a validation set that is no whole global batch. KTO: the KL baseline z0 over
+both ranks' rows, precomputed and live (LoRA). Reward: the backbone and its head sharded
+together. Per-step losses, gradient norms, metrics, validation figures and the final model
+match.
+
+One launch of eight short jobs (a tiny model, 4 steps each).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.core.config import load_config
+from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
+from lmforge.data.sft_demo import make_examples
+from lmforge.model.reward import load_reward_model
+from lmforge.stages.dpo import DPORecipe, run_dpo
+from lmforge.stages.kto import KTORecipe, run_kto
+from lmforge.stages.reward import RewardRecipe, run_reward
+from lmforge.train.metrics import read_metrics
+from tests.distributed.conftest import torchrun
+from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tests/stages)
+
+STEPS = 4
+LORA = "lora={r: 4, alpha: 8}"
+STAGES = {"dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto), "reward": (RewardRecipe, run_reward)}
+RUNS = {  # name: (stage, overrides)
+    "precomputed": ("dpo", []),
+    "live": ("dpo", ["precompute_reference=false"]),  # a frozen copy of the policy: sharded under torchrun
+    "lora": ("dpo", [LORA, "precompute_reference=false"]),  # the policy with adapters disabled
+    "val3": ("dpo", ["train.max_steps=2", "eval.exact_match=false"]),  # 3 validation pairs: padded with filler
+    "kto": ("kto", []),
+    "kto_lora_live": ("kto", [LORA, "precompute_reference=false", "eval.exact_match=false"]),
+    "reward": ("reward", []),
+    "reward_lora": ("reward", [LORA]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, base_checkpoint):  # noqa: F811
+    """Run directories by name: single-process references and the 2-rank FSDP runs (``<name>_fsdp``)."""
+    root = tmp_path_factory.mktemp("preference_parallel")
+    pairs = make_pairs(make_examples(36, seed=3))
+    write_jsonl(root / "train.jsonl", pairs[:24])
+    write_jsonl(root / "val.jsonl", pairs[24:32])  # 8 pairs: one global batch of 2 ranks x 4
+    write_jsonl(root / "val3.jsonl", pairs[32:35])
+    write_jsonl(root / "kto_train.jsonl", unpair(pairs[:24]))
+    write_jsonl(root / "kto_val.jsonl", unpair(pairs[24:32]))  # 16 examples: two global batches of 2 x 4
+
+    def make(name: str, stage: str, *overrides: str):
+        if stage == "kto":  # 8 examples a step: one process 1 x 8; two ranks 1 x 4 each (z0 over the 8)
+            data = ["data.train=[{}]".format(root / "kto_train.jsonl"), "data.val=[{}]".format(root / "kto_val.jsonl"),
+                    f"pairs=[{root / 'val.jsonl'}]", "train.micro_batch_size=8", "train.batch_tokens=null"]
+        else:  # 8 pairs of 2 x 96 tokens a step: one process 2 x 4 pairs; two ranks 1 x 4 pairs each
+            val = root / ("val3.jsonl" if name.startswith("val3") else "val.jsonl")
+            data = [f"data.train=[{root / 'train.jsonl'}]", f"data.val=[{val}]", "train.micro_batch_size=4",
+                    "train.batch_tokens=1536"]
+        evaluation = ["eval.max_examples=4", "eval.max_new_tokens=4"] if stage != "reward" else []
+        beta = ["beta=0.5"] if stage != "reward" else []
+        recipe_type = STAGES[stage][0]
+        return load_config(recipe_type, None, [
+            f"run_dir={root / name}", f"checkpoint={base_checkpoint}", *beta, *data, *evaluation,
+            "data.max_length=96", f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.lr=3e-3",
+            "train.precision=fp32", "train.eval_every=2", "train.eval_batches=null", "train.checkpoint_every=2",
+            "train.tensorboard=false", "train.device=cpu", *overrides])
+
+    jobs = []
+    for name, (stage, overrides) in RUNS.items():
+        STAGES[stage][1](make(name, stage, *overrides))
+        recipe = make(f"{name}_fsdp", stage, *overrides)
+        if stage == "kto":
+            recipe.train.micro_batch_size = 4
+        jobs.append({"kind": stage, "recipe": recipe})
+    torchrun(2, jobs, root)
+    return {name: root / name for name in [*RUNS, *(f"{n}_fsdp" for n in RUNS)]}
+
+
+def column(run_dir, key):
+    return [r[key] for r in read_metrics(run_dir) if key in r]
+
+
+METRICS = {"dpo": ("margin", "accuracy", "kl"), "kto": ("kl", "accuracy", "signed_reward"),
+           "reward": ("margin", "accuracy", "reward_chosen")}
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "val3"])
+def test_two_rank_fsdp_run_matches_one_process_step_by_step(runs, name):
+    stage = RUNS[name][0]
+    reference, fsdp = runs[name], runs[f"{name}_fsdp"]
+    assert column(fsdp, "step") == list(range(1, STEPS + 1))
+    if stage == "dpo":  # (that each stage learns is tested in one process, tests/stages/test_alignment.py)
+        assert column(reference, "loss")[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 1
+        assert column(reference, "loss")[-1] < column(reference, "loss")[0]
+    assert column(fsdp, "loss") == pytest.approx(column(reference, "loss"), rel=1e-5, abs=1e-6)
+    assert column(fsdp, "grad_norm") == pytest.approx(column(reference, "grad_norm"), rel=1e-4)
+    assert column(fsdp, "targets") == column(reference, "targets") == [8] * STEPS  # pairs or examples of the step
+    if stage == "kto":
+        assert max(column(reference, "kl")) > 0  # the baseline acts: z0 over both ranks' KL rows, not each rank's
+    for metric in METRICS[stage]:
+        # KTO's step-1 accuracy counts rewards r - z0 > 0 that are 0 up to the float32 rounding of
+        # the reference's log-probs, which differs with each rank's batch padding: from step 2 on
+        steps = slice(1 if (stage, metric) == ("kto", "accuracy") else 0, None)
+        assert column(fsdp, metric)[steps] == pytest.approx(column(reference, metric)[steps], rel=1e-4, abs=1e-5), metric
+    assert len(column(reference, "val_loss")) == 2
+    for metric in ("val_loss", "val_accuracy", *(("val_margin",) if stage != "kto" else ("val_kl",))):
+        assert column(fsdp, metric) == pytest.approx(column(reference, metric), rel=1e-5, abs=1e-5), metric
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "val3"])
+def test_two_rank_fsdp_run_writes_one_final_model_and_summary_equal_to_one_process(runs, name):
+    stage = RUNS[name][0]
+    reference, fsdp = runs[name], runs[f"{name}_fsdp"]
+    for weights in ("model.safetensors", *(("reward_head.safetensors",) if stage == "reward" else ())):
+        expected = load_file(str(reference / "final" / weights))
+        got = load_file(str(fsdp / "final" / weights))
+        assert got.keys() == expected.keys()  # LoRA merged: the base's names only
+        for key, value in expected.items():
+            assert torch.allclose(got[key], value, rtol=0, atol=2e-5), key
+    ours, theirs = json.loads((fsdp / "summary.json").read_text()), json.loads((reference / "summary.json").read_text())
+    assert ours["world_size"] == 2 and ours["lora"] is ("lora" in name)
+    assert (fsdp / "adapter" / "adapter_model.safetensors").is_file() is ("lora" in name)
+    for when in ("before", "after"):  # reward: held-out pairs; dpo/kto: rank 0 scores the whole model, gathered after
+        for key in ("exact_match", "logp_accuracy", "val_accuracy"):
+            assert ours[when].get(key) == theirs[when].get(key), (when, key)
+        for key in ("logp_margin", "val_margin", "val_loss"):
+            if key in theirs[when]:
+                assert ours[when][key] == pytest.approx(theirs[when][key], rel=1e-4, abs=1e-5), (when, key)
+    if stage == "dpo":
+        assert ours["before"]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    if stage == "reward":
+        load_reward_model(fsdp)  # the gathered backbone and head reload as a reward model
+
+
+def test_a_validation_set_smaller_than_a_global_batch_is_evaluated_whole_under_torchrun(runs):
+    reference, fsdp = runs["val3"], runs["val3_fsdp"]
+    assert len(column(reference, "val_loss")) == 1
+    # the filler pair weighs nothing; the rewards' float32 rounding differs with each rank's padding by ~1e-6
+    for metric in ("val_loss", "val_margin", "val_accuracy", "val_kl"):
+        assert column(fsdp, metric) == pytest.approx(column(reference, metric), rel=1e-5, abs=1e-5), metric
+    summary = json.loads((fsdp / "summary.json").read_text())
+    assert summary["before"]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
