@@ -2,7 +2,7 @@
 
 A prepared dataset is a directory::
 
-    manifest.json                 tokenizer hash, dtype, counts, sources, skipped records
+    manifest.json                 tokenizer hash, dtype, counts, unigram entropy, sources, skipped records
     train-00000.tokens.npy        flat token array (uint16 if the vocabulary fits, else uint32)
     train-00000.docs.npy          int64 offsets of document starts, plus the end (n_docs + 1)
     val-00000.tokens.npy ...
@@ -36,14 +36,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-class ShardWriter:
-    """Accumulates documents of one split and writes a shard whenever ``shard_tokens`` is reached."""
+def entropy_of_counts(counts: np.ndarray) -> float:
+    """Entropy (nats) of the distribution the counts describe."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
 
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+
+class ShardWriter:
+    """Accumulates documents of one split and writes a shard whenever ``shard_tokens`` is
+    reached; counts each token id on the way, for the split's unigram entropy."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, vocab_size: int):
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
         self.pending: list[np.ndarray] = []
         self.pending_tokens = 0
         self.shards: list[dict] = []
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
 
     def add(self, tokens: np.ndarray) -> None:
         self.pending.append(tokens)
@@ -59,7 +67,9 @@ class ShardWriter:
         np.cumsum(lengths, out=offsets[1:])
         stem = f"{self.split}-{len(self.shards):05d}"
         tokens_file, docs_file = f"{stem}.tokens.npy", f"{stem}.docs.npy"
-        np.save(self.out_dir / tokens_file, np.concatenate(self.pending).astype(self.dtype, copy=False))
+        tokens = np.concatenate(self.pending).astype(self.dtype, copy=False)
+        self.counts += np.bincount(tokens, minlength=len(self.counts))[: len(self.counts)]
+        np.save(self.out_dir / tokens_file, tokens)
         np.save(self.out_dir / docs_file, offsets)
         self.shards.append(
             {
@@ -73,11 +83,14 @@ class ShardWriter:
         self.pending, self.pending_tokens = [], 0
 
     def summary(self) -> dict:
-        return {
+        summary = {
             "n_tokens": sum(s["n_tokens"] for s in self.shards),
             "n_docs": sum(s["n_docs"] for s in self.shards),
             "shards": self.shards,
         }
+        if self.counts.any():  # nats per token of a model that ignores context: the floor a trained loss must beat
+            summary["unigram_entropy"] = entropy_of_counts(self.counts)
+        return summary
 
 
 def _batched_in_background(docs: Iterable[Document], batch_docs: int) -> Iterator[list[Document]]:
@@ -129,7 +142,7 @@ def tokenize_to_shards(
     inputs give byte-identical shards. ``progress(n_docs, n_bytes)`` is called per batch.
     """
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens) for s in SPLITS}
+    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, tokenizer.vocab_size) for s in SPLITS}
     prefix = [tokenizer.bos_id] if add_bos else []
     suffix = [tokenizer.eos_id] if add_eos else []
     sources: dict[str, int] = {}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, start_run
 from lmforge.data.loader import LoaderConfig, TokenLoader
-from lmforge.data.shards import open_shards, read_manifest
+from lmforge.data.shards import entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import (
@@ -64,12 +64,15 @@ class PretrainRecipe:
 
 def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
     """Entropy (nats per token) of the training split's token frequencies: a model that
-    ignores context can do no better, so a trained model's loss should fall well below it."""
+    ignores context can do no better, so a trained model's loss should fall well below it.
+    ``lmforge prepare`` records it in the manifest; shards prepared before it did are counted here."""
+    recorded = read_manifest(directory)["splits"]["train"].get("unigram_entropy")
+    if recorded is not None:
+        return recorded
     counts = np.zeros(vocab_size, dtype=np.int64)
     for shard in open_shards(directory, "train"):
         counts += np.bincount(shard.tokens, minlength=vocab_size)[:vocab_size]
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+    return entropy_of_counts(counts)
 
 
 def validation_loader(data: LoaderConfig, manifest: dict, batch_size: int, rank: int = 0,

@@ -45,6 +45,28 @@ def test_each_stored_document_is_bos_tokens_eos(tmp_path, small_tokenizer, small
     assert manifest["sources"] == [{"path": str(corpus_jsonl), "n_docs": len(corpus_texts)}]
 
 
+def test_the_manifest_records_each_splits_unigram_entropy_and_pretrain_reads_it(tmp_path, small_tokenizer_dir,
+                                                                                corpus_jsonl, monkeypatch):
+    from lmforge.stages import pretrain
+
+    manifest, out = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], shard_tokens=3000, val_fraction=0.2)
+    vocab = 512
+    for split in ("train", "val"):
+        tokens = np.concatenate([shard.tokens for shard in open_shards(out, split)])
+        p = np.bincount(tokens, minlength=vocab) / len(tokens)
+        p = p[p > 0]
+        assert len(open_shards(out, split)) > 1  # counted over every shard of the split
+        assert manifest["splits"][split]["unigram_entropy"] == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
+    expected = manifest["splits"]["train"]["unigram_entropy"]
+    monkeypatch.setattr(pretrain, "open_shards", lambda *a, **k: pytest.fail("the recorded entropy is read, not recounted"))
+    assert pretrain.unigram_entropy(out, vocab) == expected
+    # shards prepared before the manifest recorded it are counted
+    monkeypatch.undo()
+    del manifest["splits"]["train"]["unigram_entropy"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert pretrain.unigram_entropy(out, vocab) == pytest.approx(expected, rel=1e-12)
+
+
 def test_token_dtype_widens_past_65536():
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
 
