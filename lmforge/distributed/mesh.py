@@ -180,6 +180,11 @@ class ParallelContext:
         return value
 
 
+def data_parallel_rank(ctx: ParallelContext | None) -> tuple[int, int]:
+    """This process's data-parallel rank and the data-parallel degree: (0, 1) in one process."""
+    return (ctx.dp_rank, ctx.layout.dp) if ctx is not None else (0, 1)
+
+
 def launched_world_size() -> int:
     """Processes in this job as ``torchrun`` (or ``srun`` with the torchrun variables) set them; 1 otherwise."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -121,6 +121,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtyp
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # the root group (embedding, final norm, head) is needed again first in backward: keep it
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered weights FSDP2 keeps after a forward that no backward follows (the root's,
+    and every block's under ``reshard_after_forward=False``), so the model holds its shards again:
+    the parameters an optimizer built next must see, and the memory the sharding is for."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def parallelize_model(model: nn.Module, ctx, *, precision: str, activation_checkpointing: bool, compile: bool) -> None:

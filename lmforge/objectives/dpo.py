@@ -29,9 +29,9 @@ from lmforge.objectives.clm import LossOutput
 from lmforge.objectives.preference import (
     cpo_loss,
     dpo_loss,
-    has_targets,
     masked_sum,
     orpo_loss,
+    pair_has_targets,
     sequence_logprobs,
     simpo_loss,
 )
@@ -86,7 +86,7 @@ class PreferenceObjective:
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
         """Pairs with a target token on both sides (every pair of the data; not a filler pair)."""
-        return int((has_targets(batch["chosen_labels"]) & has_targets(batch["rejected_labels"])).sum())
+        return int(pair_has_targets(batch).sum())
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """Real (non-pad) tokens the policy processes, for tokens/s and MFU."""
@@ -106,7 +106,7 @@ class PreferenceObjective:
         logps, n_tokens, logits = completion_logprobs(model, input_ids, labels, attention_mask)
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = n_tokens.chunk(2)
-        scored = (n_chosen > 0) & (n_rejected > 0)  # has_targets on both sides, from the counts at hand
+        scored = (n_chosen > 0) & (n_rejected > 0)  # pair_has_targets, from the counts at hand
         avg_chosen, avg_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
         metrics: dict[str, torch.Tensor] = {}
         chosen_nll = -chosen.sum() / n_chosen.sum().clamp(min=1)  # token mean over the micro-batch, as TRL

@@ -5,9 +5,10 @@ per row and ``kl_*`` rows: each prompt followed by another example's completion
 (``lmforge.data.preference.unpaired_rows``). The loss is ``kto_loss``: the policy's log-ratio
 r against a baseline z0, the mean log-ratio on the mismatched ``kl_*`` rows, clamped at 0
 and detached. As in TRL, the policy scores the KL rows without gradient, and z0 is taken
-over the micro-batch: over every data-parallel rank's micro-batch under torchrun (TRL
-gathers it across processes), so it is what one process computes over the global
-micro-batch. Reference log-probs come precomputed in the batch (``ref_logps``,
+over the micro-batch: under torchrun pooled over every data-parallel rank's micro-batch (its
+sum and count all-reduced), so it is what one process computes over the global micro-batch.
+TRL averages the processes' means instead, which is the same when every rank scores as many
+rows, as in training. Reference log-probs come precomputed in the batch (``ref_logps``,
 ``ref_kl_logps``) or from a ``Reference``. A row without target tokens (validation filler)
 weighs zero, in the loss, z0 and the metrics.
 

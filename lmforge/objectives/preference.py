@@ -54,6 +54,11 @@ def has_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch
     return (labels[:, 1:] != ignore_index).any(-1)
 
 
+def pair_has_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B,) True for the pairs of a ``[chosen; rejected]`` batch with a target token on both sides."""
+    return has_targets(batch["chosen_labels"]) & has_targets(batch["rejected_labels"])
+
+
 def masked_sum(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Sum of ``values`` (B,) where ``keep`` (a masked sum rather than ``@``, which autocast would run in 16 bits)."""
     return values.masked_fill(~keep, 0).sum()

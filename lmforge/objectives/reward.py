@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lmforge.objectives.clm import LossOutput
-from lmforge.objectives.preference import bradley_terry_loss, has_targets, masked_sum
+from lmforge.objectives.preference import bradley_terry_loss, masked_sum, pair_has_targets
 from lmforge.objectives.reference import trim_padding
 
 
@@ -31,11 +31,7 @@ class RewardObjective:
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
         """Pairs with a completion on both sides (every pair of the data; not a validation filler pair)."""
-        return int(self.scored(batch).sum())
-
-    @staticmethod
-    def scored(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return has_targets(batch["chosen_labels"]) & has_targets(batch["rejected_labels"])
+        return int(pair_has_targets(batch).sum())
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
@@ -49,7 +45,7 @@ class RewardObjective:
         margin = batch.get("margin") if self.cfg.use_margin else None
         losses = bradley_terry_loss(chosen, rejected, margin, self.cfg.center_coef)
         diff = (chosen - rejected).detach()
-        scored = self.scored(batch)
+        scored = pair_has_targets(batch)
         metrics = {"reward_chosen": masked_sum(chosen.detach(), scored),
                    "reward_rejected": masked_sum(rejected.detach(), scored),
                    "margin": masked_sum(diff, scored), "accuracy": masked_sum((diff > 0).float(), scored)}

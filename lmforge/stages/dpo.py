@@ -36,9 +36,10 @@ from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.config import ParallelConfig
-from lmforge.distributed.mesh import ParallelContext
-from lmforge.distributed.parallelize import parallelize_model
+from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
+from lmforge.distributed.parallelize import parallelize_model, reshard
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.objectives.reference import (
     Reference,
@@ -52,7 +53,7 @@ from lmforge.train.finetune import (
     ExactMatchConfig,
     exact_match_accuracy,
     exact_match_tasks,
-    gather_model,
+    gathered_for_saving,
     row_accumulation_steps,
     run_data_parallel,
     save_finetuned,
@@ -95,18 +96,23 @@ def attach_reference(reference: Reference, rows: dict[str, torch.Tensor], names:
                      parallel: ParallelContext | None = None) -> None:
     """Add the reference's log-probs to ``rows``: ``names`` maps row prefix -> new column.
 
-    Under ``parallel`` (data-parallel ranks, each with the whole model) every rank scores its
-    own contiguous share of the rows and the shares are gathered, so each rank ends with every column."""
+    Under ``parallel`` the reference is the sharded policy, whose every forward all ranks take
+    part in: each data-parallel rank scores an equal share of the rows (the last share padded
+    with copies of the first row, whose scores are dropped), and the shares are gathered, so
+    every rank ends with every column."""
     n = len(next(iter(rows.values())))
-    rank, world = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
-    share = slice(rank * n // world, (rank + 1) * n // world)
-    mine = {key: value[share] for key, value in rows.items()}
+    rank, world = data_parallel_rank(parallel)
+    per = -(-n // world)
+    start, stop = min(rank * per, n), min((rank + 1) * per, n)
+    pad = per - (stop - start)
+    mine = {key: torch.cat([value[start:stop], value[:1].expand(pad, *value.shape[1:])]) if pad else value[start:stop]
+            for key, value in rows.items()}
     for prefix, column in names.items():
         logps = precompute_logprobs(reference, mine, prefix, batch_size, device,
-                                    lambda: autocast_context(device, precision))
+                                    lambda: autocast_context(device, precision))[: stop - start]
         if parallel is not None:
             shares: list[torch.Tensor | None] = [None] * world
-            dist.all_gather_object(shares, logps)
+            dist.all_gather_object(shares, logps, group=parallel.dp_flat.get_group())
             logps = torch.cat(shares)
         rows[column] = logps
 
@@ -138,22 +144,24 @@ def pairwise_preference(model: torch.nn.Module, rows: dict[str, torch.Tensor], b
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
 
 
-def run_preference_training(recipe, objective_for: Callable[[Reference | None, ParallelContext | None], object],
-                            rows_for: Callable,
+def run_preference_training(recipe, objective_for: Callable[[Reference | None], object], rows_for: Callable,
                             reference_columns: dict[str, str], needs_reference: bool, stage: str,
                             read_examples: Callable, rows_per_example: int, loss_name: str,
-                            measure: Callable | None = None, check_examples: Callable | None = None,
-                            parallel: ParallelContext | None = None) -> dict:
+                            measure_for: Callable[[Tokenizer], Callable | None] | None = None,
+                            check_examples: Callable | None = None, parallel: ParallelContext | None = None) -> dict:
     """The shared body of ``lmforge dpo`` and ``lmforge kto``: data, reference, loop, result.
 
-    ``objective_for(reference, parallel)`` makes the objective; ``measure(model, tok, val_rows,
-    batch_size, device, precision)`` scores the model before and after training;
-    ``check_examples(train_examples)`` runs once the data is read (KTO's weight balance).
+    ``measure_for(tok)`` reads what the stage scores the model on (so its input errors stop
+    every rank alike) and returns ``measure(model, val_rows, batch_size, device, precision)``,
+    which scores the model before and after training; ``check_examples(train_examples)``
+    runs once the data is read (KTO's weight balance).
 
-    Under ``parallel`` (a data-parallel ``torchrun`` job) every rank loads the whole base,
-    scores its share of the reference log-probs, then shards the policy (and a live frozen
-    reference) with FSDP2 and trains on its rows of each global batch; rank 0 alone scores the
-    whole model before and after (gathered after training) and writes the result.
+    Under ``parallel`` (a data-parallel ``torchrun`` job) every rank loads the whole base;
+    rank 0 alone scores it (exact match, ``measure``) before anything is sharded. The policy
+    (and a live frozen reference) is then sharded with FSDP2; the reference log-probs are
+    precomputed by the sharded policy, each rank its share, so they come from the forward
+    the policy trains with (FSDP's mixed precision included); each rank trains on its rows of
+    every global batch, and rank 0 scores the gathered model after training and writes the result.
     """
     run = start_finetune_run(recipe, stage, read_examples, parallel=parallel)
     logging_rank = parallel is None or parallel.is_logging_rank
@@ -162,21 +170,22 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None, P
     run_dir, device, precision, model, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_examples, val_examples, skipped = run.train_examples, run.val_examples, run.skipped
     cfg, d = run.train_config(recipe.train), recipe.data
-    rank, dp = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
+    rank, dp = data_parallel_rank(parallel)
     train_rows = rows_for(train_examples, tok.pad_id, d.max_length, d.seed)
     val_rows = rows_for(val_examples, tok.pad_id, d.max_length, d.seed) if val_examples else None
+    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
+    measure = measure_for(tok) if measure_for is not None else None
 
     def score(model) -> dict:
-        """Exact match and ``measure`` of the whole model (rank 0 only: greedy decoding draws no
+        """Exact match and ``measure`` of the whole model, by rank 0 (greedy decoding draws no
         random numbers, so the ranks' LoRA initialisations stay the same)."""
         if not logging_rank:
             return {}
         result = {"exact_match": exact_match_accuracy(model, tok, *tasks, recipe.eval)}
         if measure is not None:
-            result.update(measure(model, tok, val_rows, cfg.micro_batch_size, device, precision))
+            result.update(measure(model, val_rows, cfg.micro_batch_size, device, precision))
         return result
 
-    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples) if logging_rank else ([], [])
     before = score(model)
     if logging_rank:
         log.info("%s: before training %s", stage, before)
@@ -190,19 +199,21 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None, P
         module.set_reshard_after_forward(True)
 
     reference = None
+    if needs_reference and not recipe.precompute_reference:  # adapters disabled with LoRA, else a frozen copy
+        reference = policy_reference(model, prepare=shard_reference if parallel is not None else None)
+    if parallel is not None:
+        parallelize_model(model, parallel, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=cfg.compile)
     if needs_reference and recipe.precompute_reference:
         t0 = time.perf_counter()
         scorer = untrained_policy_reference(model)  # not yet updated, so the policy is its own reference: no copy
         for rows in (train_rows, val_rows):
             if rows is not None:
                 attach_reference(scorer, rows, reference_columns, 2 * cfg.micro_batch_size, device, precision, parallel)
+        if parallel is not None:
+            reshard(model)
         log.info("%s: reference log-probs precomputed in %.1f s", stage, time.perf_counter() - t0)
-    elif needs_reference:  # adapters disabled with LoRA, else a frozen copy (sharded as the policy is)
-        reference = policy_reference(model, prepare=shard_reference if parallel is not None else None)
-    if parallel is not None:
-        parallelize_model(model, parallel, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
-                          compile=cfg.compile)
-    objective = objective_for(reference, parallel)
+    objective = objective_for(reference)
     val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
     if val_batches:
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
@@ -221,13 +232,10 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None, P
         tokenizer_dir=run.tok_dir,
         parallel=parallel,
     )
-    if parallel is not None:
-        summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
-        run.model = reference = None  # the shards are freed once gathered: rank 0's whole copy takes their place
-        model = gather_model(model, recipe.lora, parallel)
-        if model is None:
-            return summary
-        model.to(device)
+    reference = None
+    model = gathered_for_saving(run, model, summary, recipe.lora, parallel)
+    if model is None:
+        return summary
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = score(model)
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})
@@ -249,7 +257,7 @@ def train_dpo(recipe: DPORecipe, parallel: ParallelContext | None = None) -> dic
                                     recipe.cpo_alpha, recipe.sft_weight)
     return run_preference_training(
         recipe,
-        objective_for=lambda reference, _parallel: PreferenceObjective(loss_cfg, reference),
+        objective_for=lambda reference: PreferenceObjective(loss_cfg, reference),
         rows_for=lambda examples, pad_id, max_length, seed: pair_rows(examples, pad_id),
         reference_columns={"chosen_": "ref_chosen_logps", "rejected_": "ref_rejected_logps"},
         needs_reference=loss_cfg.needs_reference,
@@ -257,7 +265,7 @@ def train_dpo(recipe: DPORecipe, parallel: ParallelContext | None = None) -> dic
         read_examples=read_preference_pairs,
         rows_per_example=2,  # chosen and rejected
         loss_name=recipe.loss,
-        measure=lambda model, _tok, rows, *args: pairwise_preference(model, rows, *args) if rows is not None else {},
+        measure_for=lambda _tok: lambda model, rows, *args: pairwise_preference(model, rows, *args) if rows else {},
         parallel=parallel,
     )
 

@@ -12,7 +12,7 @@ held-out preference pairs (`pairs:`), the model's own pairwise preference before
 
 Under torchrun it trains data-parallel with FSDP2, as `lmforge dpo` does (its `parallel:`
 section; see docs/distributed.md); the KL baseline z0 is the mean over every rank's KL rows
-of the micro-batch, as TRL gathers it across processes:
+of the micro-batch (pooled; TRL averages the processes' means, the same with equal rows):
 
   torchrun --standalone --nproc_per_node=2 -m lmforge kto recipes/demo/kto.yaml train.micro_batch_size=4
 """
@@ -20,8 +20,6 @@ of the micro-batch, as TRL gathers it across processes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log
@@ -57,22 +55,21 @@ def run_kto(recipe: KTORecipe) -> dict:
 def train_kto(recipe: KTORecipe, parallel: ParallelContext | None = None) -> dict:
     """The KTO run in one process, or on one rank of a data-parallel ``torchrun`` job (z0 over every rank's KL rows)."""
     loss_cfg = KTOLossConfig(recipe.beta, recipe.desirable_weight, recipe.undesirable_weight)
-    measure = None
-    if recipe.pairs:
-        held_out: dict[str, torch.Tensor] = {}  # the pairs' rows, read and tokenized once for before and after
 
-        def measure(model, tok, _val_rows, batch_size, device, precision):
-            if not held_out:
-                skipped = SkipLog()
-                pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad=recipe.data.on_bad,
-                                              on_too_long=recipe.data.on_too_long, skipped=skipped)
-                log.info("kto: %d held-out pairs; %d skipped or truncated %s", len(pairs), skipped.total,
-                         dict(skipped.by_reason) if skipped.total else "")
-                if not pairs:
-                    raise InputError(f"pairs: no usable pairs in {recipe.pairs} ({skipped.total} skipped: "
-                                     f"{dict(skipped.by_reason)})")
-                held_out.update(pair_rows(pairs, tok.pad_id))
-            return pairwise_preference(model, held_out, batch_size, device, precision)
+    def measure_for(tok):
+        """The model's own preference on the held-out ``pairs:`` (read here, on every rank), if any."""
+        if not recipe.pairs:
+            return None
+        skipped = SkipLog()
+        pairs = read_preference_pairs(recipe.pairs, tok, recipe.data.max_length, on_bad=recipe.data.on_bad,
+                                      on_too_long=recipe.data.on_too_long, skipped=skipped)
+        log.info("kto: %d held-out pairs; %d skipped or truncated %s", len(pairs), skipped.total,
+                 dict(skipped.by_reason) if skipped.total else "")
+        if not pairs:
+            raise InputError(f"pairs: no usable pairs in {recipe.pairs} ({skipped.total} skipped: "
+                             f"{dict(skipped.by_reason)})")
+        held_out = pair_rows(pairs, tok.pad_id)
+        return lambda model, _val_rows, *args: pairwise_preference(model, held_out, *args)
 
     def check_balance(examples: list) -> None:
         n_desirable = sum(e.desirable for e in examples)
@@ -83,7 +80,7 @@ def train_kto(recipe: KTORecipe, parallel: ParallelContext | None = None) -> dic
 
     return run_preference_training(
         recipe,
-        objective_for=lambda reference, parallel: KTOObjective(
+        objective_for=lambda reference: KTOObjective(
             loss_cfg, reference, all_reduce=parallel.all_reduce_dp if parallel is not None else None),
         rows_for=unpaired_rows,
         reference_columns={"": "ref_logps", "kl_": "ref_kl_logps"},
@@ -92,7 +89,7 @@ def train_kto(recipe: KTORecipe, parallel: ParallelContext | None = None) -> dic
         read_examples=read_unpaired_examples,
         rows_per_example=1,
         loss_name="kto",
-        measure=measure,
+        measure_for=measure_for,
         check_examples=check_balance,
         parallel=parallel,
     )

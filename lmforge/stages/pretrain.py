@@ -33,6 +33,7 @@ from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import (
     ParallelContext,
     check_layout,
+    data_parallel_rank,
     launched_world_size,
     parallel_session,
     resolve_layout,
@@ -128,7 +129,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
                     run_dir: Path, token_bytes: torch.Tensor, ctx: ParallelContext | None = None,
                     pipeline: PipelineRunner | None = None) -> dict:
     """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``."""
-    rank, dp = (ctx.dp_rank, ctx.layout.dp) if ctx is not None else (0, 1)
+    rank, dp = data_parallel_rank(ctx)
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)

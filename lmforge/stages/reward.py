@@ -25,14 +25,14 @@ from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.config import ParallelConfig
-from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.distributed.parallelize import parallelize_model
 from lmforge.model.reward import RewardModel
 from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import PreferenceDataConfig
 from lmforge.train.finetune import (
-    gather_model,
+    gathered_for_saving,
     row_accumulation_steps,
     run_data_parallel,
     save_finetuned,
@@ -74,7 +74,7 @@ def train_reward(recipe: RewardRecipe, parallel: ParallelContext | None = None) 
     run = start_finetune_run(recipe, "reward", read_preference_pairs, parallel=parallel)
     run_dir, device, precision, backbone, tok = run.run_dir, run.device, run.precision, run.model, run.tok
     train_pairs, val_pairs, cfg, d = run.train_examples, run.val_examples, run.train_config(recipe.train), recipe.data
-    rank, dp = (parallel.dp_rank, parallel.layout.dp) if parallel is not None else (0, 1)
+    rank, dp = data_parallel_rank(parallel)
     if recipe.lora is not None:
         wrap_lora(backbone, recipe.lora, "reward")
     model = RewardModel(backbone)  # the head is new, so always trainable
@@ -104,14 +104,11 @@ def train_reward(recipe: RewardRecipe, parallel: ParallelContext | None = None) 
         parallel=parallel,
     )
     after = held_out()
-    if parallel is not None:
-        summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
-        run.model = backbone = None  # the shards are freed once gathered: rank 0's whole copy takes their place
-        model = gather_model(model, recipe.lora, parallel, wrap=RewardModel)
-        if model is None:
-            return summary
-        backbone = model.backbone
-    final = save_finetuned(backbone, run_dir, run.tok_dir, run.base_dir, recipe.lora, write_extra=model.save_head)
+    backbone = None  # the sharded backbone's last reference here: freed once gathered
+    model = gathered_for_saving(run, model, summary, recipe.lora, parallel, wrap=RewardModel)
+    if model is None:
+        return summary
+    final = save_finetuned(model.backbone, run_dir, run.tok_dir, run.base_dir, recipe.lora, write_extra=model.save_head)
     summary.update(train_pairs=len(train_pairs), val_pairs=len(val_pairs), skipped=run.skipped.to_dict(),
                    before=before, after=after, final_checkpoint=str(final), lora=recipe.lora is not None)
     atomic_write_json(run_dir / "summary.json", summary)

@@ -30,7 +30,7 @@ from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.config import ParallelConfig
-from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.distributed.parallelize import parallelize_model
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
@@ -38,7 +38,7 @@ from lmforge.train.finetune import (
     ExactMatchConfig,
     exact_match_accuracy,
     exact_match_tasks,
-    gather_model,
+    gathered_for_saving,
     row_accumulation_steps,
     run_data_parallel,
     save_finetuned,
@@ -89,7 +89,7 @@ def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
     each global batch, and rank 0 alone scores, logs and writes the final model and summary."""
     d = recipe.data
     logging_rank = ctx is None or ctx.is_logging_rank
-    rank, dp = (ctx.dp_rank, ctx.layout.dp) if ctx is not None else (0, 1)
+    rank, dp = data_parallel_rank(ctx)
 
     def read_examples(paths: list[str], tok, max_length: int, **read) -> list:
         return list(read_sft_examples(paths, tok, max_length, assistant_only=d.assistant_only, **read))
@@ -101,9 +101,10 @@ def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
     log.info("sft: %d training examples in %d rows of %d tokens (%s)",
              len(train_examples), len(train_rows["input_ids"]), d.max_length, "packed" if d.packing else "padded")
 
-    # scored by rank 0 alone; greedy decoding draws no random numbers, so every rank's LoRA init stays the same
-    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples) if logging_rank else ([], [])
-    before = exact_match_accuracy(model, tok, *tasks, recipe.eval)
+    # read by every rank (an error in them stops all alike), scored by rank 0 alone; greedy decoding
+    # draws no random numbers, so every rank's LoRA init stays the same
+    tasks = exact_match_tasks(tok, task_files(recipe.eval, d.val), recipe.eval.max_examples)
+    before = exact_match_accuracy(model, tok, *tasks, recipe.eval) if logging_rank else None
     if before:
         log.info("sft: exact match before training %.1f%% (%d examples)", 100 * before["exact_match"], before["examples"])
     if recipe.lora is not None:
@@ -130,13 +131,9 @@ def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
         parallel=ctx,
     )
     summary["tokens_per_step"] = grad_accum * cfg.micro_batch_size * d.max_length * dp
-    if ctx is not None:
-        summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
-        run.model = None  # the shards are freed once gathered: rank 0's whole copy takes their place
-        model = gather_model(model, recipe.lora, ctx)
-        if model is None:
-            return summary
-        model.to(run.device)
+    model = gathered_for_saving(run, model, summary, recipe.lora, ctx)
+    if model is None:
+        return summary
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),

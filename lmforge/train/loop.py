@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
@@ -36,6 +35,7 @@ from lmforge.core.run import log, progress_bar
 from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.clip import clip_grad_norm_
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.parallelize import reshard
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.checkpoint import latest_valid_checkpoint
@@ -297,10 +297,14 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
     """Mean loss per target (nats), the objective's metrics as ``val_<name>``, and bits per byte
     when the objective counts bytes.
 
-    Distributed, each data-parallel rank evaluates its rows and the sums are added up; only
-    whole global batches are evaluated (every rank must run the same forwards), so a last
-    partial batch that a single process would include is left out.
+    ``max_batches`` counts micro-batches over all data-parallel ranks (``TrainConfig.eval_batches``),
+    so the figure covers the same rows whatever the world size. Distributed, each data-parallel
+    rank evaluates its rows and the sums are added up; only whole global batches are evaluated
+    (every rank must run the same forwards), so a last partial batch that a single process
+    would include is left out.
     """
+    if parallel is not None and max_batches is not None:
+        max_batches = -(-max_batches // parallel.layout.dp)  # this rank's share, rounded up
     was_training = model.training
     model.eval()
     loss_sum, n_targets, n_bytes = 0.0, 0, 0
@@ -338,8 +342,8 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
         for name, value in getattr(out, "metrics", {}).items():
             metric_sums[name] = metric_sums.get(name, 0.0) + float(_local(value))
     model.train(was_training)
-    if isinstance(model, FSDPModule):  # FSDP2's root keeps its gathered weights after a forward with no backward:
-        model.reshard()  # free them, so the model holds its shards again (the ones an optimizer built next must see)
+    if parallel is not None:
+        reshard(model)
     if parallel is not None:
         names = sorted(metric_sums)
         sums = parallel.all_reduce_dp(torch.tensor([loss_sum, n_targets, n_bytes, *[metric_sums[k] for k in names]],
@@ -385,8 +389,6 @@ def train(
     world_size = parallel.layout.world_size if parallel is not None else 1
     dp = parallel.layout.dp if parallel is not None else 1
     async_group = dist.new_group(backend="gloo") if parallel is not None and parallel.cfg.async_checkpoint else None
-    # eval_batches counts micro-batches over all data-parallel ranks: the validation set does not grow with them
-    eval_batches = -(-cfg.eval_batches // dp) if cfg.eval_batches is not None else None
     pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -498,7 +500,8 @@ def train(
         out_of_time = (cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 >= cfg.max_minutes) or (
             cfg.stop_at_step is not None and done >= cfg.stop_at_step)
         if val_batches is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or is_last or out_of_time):
-            record.update(evaluate(model, objective, val_batches(), device, precision, eval_batches, parallel, pipeline))
+            record.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel,
+                                   pipeline))
         metrics.log(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -8,7 +8,11 @@ both ranks' rows, precomputed and live (LoRA). Reward: the backbone and its head
 together. Per-step losses, gradient norms, metrics, validation figures and the final model
 match.
 
-One launch of eight short jobs (a tiny model, 4 steps each).
+The KTO run evaluates a set larger than ``train.eval_batches`` covers (before training too),
+under ZeRO-2-like resharding; the live-reference DPO run and the KTO run stop half-way and
+resume from their sharded checkpoints; a bf16 DPO run starts at ln 2.
+
+One launch of eleven short jobs (a tiny model, 4 steps each).
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ RUNS = {  # name: (stage, overrides)
     "kto_lora_live": ("kto", [LORA, "precompute_reference=false", "eval.exact_match=false"]),
     "reward": ("reward", []),
     "reward_lora": ("reward", [LORA]),
+    "bf16": ("dpo", ["train.precision=bf16", "train.max_steps=1", "eval.exact_match=false"]),
 }
+RESUMED = ("live", "kto")  # the 2-rank run stops after step 2 and a second launch resumes it
+FSDP_ONLY = {"kto": ["parallel.reshard_after_forward=false"]}  # what the single process has no use for
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +62,13 @@ def runs(tmp_path_factory, base_checkpoint):  # noqa: F811
     write_jsonl(root / "val.jsonl", pairs[24:32])  # 8 pairs: one global batch of 2 ranks x 4
     write_jsonl(root / "val3.jsonl", pairs[32:35])
     write_jsonl(root / "kto_train.jsonl", unpair(pairs[:24]))
-    write_jsonl(root / "kto_val.jsonl", unpair(pairs[24:32]))  # 16 examples: two global batches of 2 x 4
+    write_jsonl(root / "kto_val.jsonl", unpair(pairs[24:36]))  # 24 examples, of which eval_batches covers 16
 
     def make(name: str, stage: str, *overrides: str):
         if stage == "kto":  # 8 examples a step: one process 1 x 8; two ranks 1 x 4 each (z0 over the 8)
             data = ["data.train=[{}]".format(root / "kto_train.jsonl"), "data.val=[{}]".format(root / "kto_val.jsonl"),
-                    f"pairs=[{root / 'val.jsonl'}]", "train.micro_batch_size=8", "train.batch_tokens=null"]
+                    f"pairs=[{root / 'val.jsonl'}]", "train.micro_batch_size=8", "train.batch_tokens=null",
+                    "train.eval_batches=2"]  # 16 of the 24 validation examples: 2 micro-batches of 8 (of 4 on 2 ranks)
         else:  # 8 pairs of 2 x 96 tokens a step: one process 2 x 4 pairs; two ranks 1 x 4 pairs each
             val = root / ("val3.jsonl" if name.startswith("val3") else "val.jsonl")
             data = [f"data.train=[{root / 'train.jsonl'}]", f"data.val=[{val}]", "train.micro_batch_size=4",
@@ -69,18 +77,20 @@ def runs(tmp_path_factory, base_checkpoint):  # noqa: F811
         beta = ["beta=0.5"] if stage != "reward" else []
         recipe_type = STAGES[stage][0]
         return load_config(recipe_type, None, [
-            f"run_dir={root / name}", f"checkpoint={base_checkpoint}", *beta, *data, *evaluation,
+            f"run_dir={root / name}", f"checkpoint={base_checkpoint}", *beta, *evaluation,
             "data.max_length=96", f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.lr=3e-3",
             "train.precision=fp32", "train.eval_every=2", "train.eval_batches=null", "train.checkpoint_every=2",
-            "train.tensorboard=false", "train.device=cpu", *overrides])
+            "train.tensorboard=false", "train.device=cpu", *data, *overrides])
 
     jobs = []
     for name, (stage, overrides) in RUNS.items():
         STAGES[stage][1](make(name, stage, *overrides))
-        recipe = make(f"{name}_fsdp", stage, *overrides)
-        if stage == "kto":
-            recipe.train.micro_batch_size = 4
-        jobs.append({"kind": stage, "recipe": recipe})
+        fsdp = [*overrides, *FSDP_ONLY.get(name, [])]
+        if stage == "kto":  # the same 8 examples a step and 16 evaluated: 4 a rank, eval_batches over both ranks
+            fsdp += ["train.micro_batch_size=4", "train.eval_batches=4"]
+        if name in RESUMED:
+            jobs.append({"kind": stage, "recipe": make(f"{name}_fsdp", stage, *fsdp, "train.stop_at_step=2")})
+        jobs.append({"kind": stage, "recipe": make(f"{name}_fsdp", stage, *fsdp)})
     torchrun(2, jobs, root)
     return {name: root / name for name in [*RUNS, *(f"{n}_fsdp" for n in RUNS)]}
 
@@ -93,7 +103,10 @@ METRICS = {"dpo": ("margin", "accuracy", "kl"), "kto": ("kl", "accuracy", "signe
            "reward": ("margin", "accuracy", "reward_chosen")}
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if n != "val3"])
+FULL = [n for n in RUNS if n not in ("val3", "bf16")]
+
+
+@pytest.mark.parametrize("name", FULL)
 def test_two_rank_fsdp_run_matches_one_process_step_by_step(runs, name):
     stage = RUNS[name][0]
     reference, fsdp = runs[name], runs[f"{name}_fsdp"]
@@ -116,7 +129,7 @@ def test_two_rank_fsdp_run_matches_one_process_step_by_step(runs, name):
         assert column(fsdp, metric) == pytest.approx(column(reference, metric), rel=1e-5, abs=1e-5), metric
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if n != "val3"])
+@pytest.mark.parametrize("name", FULL)
 def test_two_rank_fsdp_run_writes_one_final_model_and_summary_equal_to_one_process(runs, name):
     stage = RUNS[name][0]
     reference, fsdp = runs[name], runs[f"{name}_fsdp"]
@@ -129,12 +142,16 @@ def test_two_rank_fsdp_run_writes_one_final_model_and_summary_equal_to_one_proce
     ours, theirs = json.loads((fsdp / "summary.json").read_text()), json.loads((reference / "summary.json").read_text())
     assert ours["world_size"] == 2 and ours["lora"] is ("lora" in name)
     assert (fsdp / "adapter" / "adapter_model.safetensors").is_file() is ("lora" in name)
-    for when in ("before", "after"):  # reward: held-out pairs; dpo/kto: rank 0 scores the whole model, gathered after
-        for key in ("exact_match", "logp_accuracy", "val_accuracy"):
-            assert ours[when].get(key) == theirs[when].get(key), (when, key)
-        for key in ("logp_margin", "val_margin", "val_loss"):
-            if key in theirs[when]:
-                assert ours[when][key] == pytest.approx(theirs[when][key], rel=1e-4, abs=1e-5), (when, key)
+    # reward: held-out pairs; dpo/kto: rank 0 scores the whole model (gathered after), and the validation figures
+    exact = {"dpo": ("exact_match", "logp_accuracy", "val_accuracy"), "kto": ("exact_match", "logp_accuracy", "val_accuracy"),
+             "reward": ("val_accuracy",)}[stage]
+    close = {"dpo": ("logp_margin", "val_margin", "val_loss"), "kto": ("logp_margin", "val_loss", "val_kl"),
+             "reward": ("val_margin", "val_loss")}[stage]
+    for when in ("before", "after"):
+        for key in exact:
+            assert ours[when][key] == theirs[when][key], (when, key)
+        for key in close:
+            assert ours[when][key] == pytest.approx(theirs[when][key], rel=1e-4, abs=1e-5), (when, key)
     if stage == "dpo":
         assert ours["before"]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
     if stage == "reward":
@@ -149,3 +166,12 @@ def test_a_validation_set_smaller_than_a_global_batch_is_evaluated_whole_under_t
         assert column(fsdp, metric) == pytest.approx(column(reference, metric), rel=1e-5, abs=1e-5), metric
     summary = json.loads((fsdp / "summary.json").read_text())
     assert summary["before"]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_a_bf16_run_under_fsdp_starts_at_ln2(runs):
+    """The reference log-probs are precomputed by the sharded policy itself, so in FSDP's bf16
+    parameters too the policy and its reference agree at the first step."""
+    for name in ("bf16", "bf16_fsdp"):
+        first = read_metrics(runs[name])[0]
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), name
+        assert first["margin"] == pytest.approx(0.0, abs=1e-6), name

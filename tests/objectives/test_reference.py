@@ -41,12 +41,19 @@ def test_untrained_policy_scores_like_a_frozen_copy_without_copying_the_model(sm
     assert len(list(model.parameters())) == n_params and all(p.grad is None for p in model.parameters())
 
 
+def padded_for_two_ranks(rows: dict[str, torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
+    """The validation rows as two data-parallel ranks read them (filler included), back in one batch."""
+    from lmforge.train.finetune import validation_batches
+
+    shares = [list(validation_batches(rows, batch_size, rank, 2)()) for rank in range(2)]
+    return {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+
+
 @pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "cpo", "simpo"])
 def test_filler_pairs_that_pad_a_distributed_validation_set_weigh_zero(small_tokenizer, loss):
     """The target-free copies ``validation_batches`` adds to make whole global batches change
     nothing: the objective over the real pairs plus filler equals it over the real pairs alone."""
     from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
-    from lmforge.train.finetune import validation_batches
 
     tok = small_tokenizer
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -56,9 +63,7 @@ def test_filler_pairs_that_pad_a_distributed_validation_set_weigh_zero(small_tok
     generator = torch.Generator().manual_seed(0)
     rows["ref_chosen_logps"] = -10 * torch.rand(3, generator=generator)  # a reference other than the policy
     rows["ref_rejected_logps"] = -10 * torch.rand(3, generator=generator)
-    # 3 pairs over 2 ranks x 2 rows: one filler pair
-    shares = [list(validation_batches(rows, 2, rank, 2)()) for rank in range(2)]
-    padded = {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+    padded = padded_for_two_ranks(rows, 2)  # 3 pairs over 2 ranks x 2 rows: one filler pair
     assert len(padded["chosen_input_ids"]) == 4
     objective = PreferenceObjective(PreferenceLossConfig(loss=loss, sft_weight=0.5 if loss == "dpo" else 0.0))
     with torch.no_grad():
@@ -75,7 +80,6 @@ def test_filler_rows_that_pad_a_distributed_kto_validation_set_weigh_zero(small_
     equal those over the real rows alone."""
     from lmforge.data.preference import parse_unpaired, unpaired_rows
     from lmforge.objectives.kto import KTOLossConfig, KTOObjective
-    from lmforge.train.finetune import validation_batches
 
     tok = small_tokenizer
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -87,8 +91,7 @@ def test_filler_rows_that_pad_a_distributed_kto_validation_set_weigh_zero(small_
     generator = torch.Generator().manual_seed(0)
     rows["ref_logps"] = -10 * torch.rand(5, generator=generator)
     rows["ref_kl_logps"] = -200 - 20 * torch.rand(5, generator=generator)  # z0 > 0: the baseline counts
-    shares = [list(validation_batches(rows, 3, rank, 2)()) for rank in range(2)]  # 5 rows over 2 x 3: one filler
-    padded = {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+    padded = padded_for_two_ranks(rows, 3)  # 5 rows over 2 ranks x 3: one filler row
     assert len(padded["input_ids"]) == 6
     objective = KTOObjective(KTOLossConfig(beta=0.02))
     with torch.no_grad():
@@ -103,7 +106,6 @@ def test_filler_rows_that_pad_a_distributed_kto_validation_set_weigh_zero(small_
 def test_filler_pairs_that_pad_a_distributed_reward_validation_set_weigh_zero(small_tokenizer):
     from lmforge.model.reward import RewardModel
     from lmforge.objectives.reward import RewardLossConfig, RewardObjective
-    from lmforge.train.finetune import validation_batches
 
     tok = small_tokenizer
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -111,8 +113,7 @@ def test_filler_pairs_that_pad_a_distributed_reward_validation_set_weigh_zero(sm
     torch.manual_seed(0)
     model = RewardModel(randomized(cfg)).eval()
     rows = pair_rows([parse_pair(tok, r, 64, "error")[0] for r in RECORDS], tok.pad_id)
-    shares = [list(validation_batches(rows, 2, rank, 2)()) for rank in range(2)]  # 3 pairs over 2 x 2: one filler
-    padded = {key: torch.cat([b[key] for share in shares for b in share]) for key in rows}
+    padded = padded_for_two_ranks(rows, 2)  # 3 pairs over 2 ranks x 2: one filler pair
     objective = RewardObjective(RewardLossConfig(center_coef=0.01))
     with torch.no_grad():
         alone, with_filler = objective(model, rows), objective(model, padded)
