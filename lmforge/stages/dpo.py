@@ -91,6 +91,14 @@ class DPORecipe(PreferenceLossConfig):
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
 
 
+def equal_share(n: int, rank: int, world: int) -> tuple[slice, int]:
+    """Rank ``rank``'s contiguous share of ``n`` rows split ``world`` ways, and how many rows of
+    padding bring it to the size of every other share (ceil(n / world)), so all run the same batches."""
+    per = -(-n // world)
+    start, stop = min(rank * per, n), min((rank + 1) * per, n)
+    return slice(start, stop), per - (stop - start)
+
+
 def attach_reference(reference: Reference, rows: dict[str, torch.Tensor], names: dict[str, str],
                      batch_size: int, device: torch.device, precision: str,
                      parallel: ParallelContext | None = None) -> None:
@@ -100,16 +108,13 @@ def attach_reference(reference: Reference, rows: dict[str, torch.Tensor], names:
     part in: each data-parallel rank scores an equal share of the rows (the last share padded
     with copies of the first row, whose scores are dropped), and the shares are gathered, so
     every rank ends with every column."""
-    n = len(next(iter(rows.values())))
     rank, world = data_parallel_rank(parallel)
-    per = -(-n // world)
-    start, stop = min(rank * per, n), min((rank + 1) * per, n)
-    pad = per - (stop - start)
-    mine = {key: torch.cat([value[start:stop], value[:1].expand(pad, *value.shape[1:])]) if pad else value[start:stop]
+    share, pad = equal_share(len(next(iter(rows.values()))), rank, world)
+    mine = {key: torch.cat([value[share], value[:1].expand(pad, *value.shape[1:])]) if pad else value[share]
             for key, value in rows.items()}
     for prefix, column in names.items():
         logps = precompute_logprobs(reference, mine, prefix, batch_size, device,
-                                    lambda: autocast_context(device, precision))[: stop - start]
+                                    lambda: autocast_context(device, precision))[: share.stop - share.start]
         if parallel is not None:
             shares: list[torch.Tensor | None] = [None] * world
             dist.all_gather_object(shares, logps, group=parallel.dp_flat.get_group())
@@ -232,10 +237,11 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         tokenizer_dir=run.tok_dir,
         parallel=parallel,
     )
-    reference = None
+    objective = reference = None  # a live reference's sharded copy goes with them
     model = gathered_for_saving(run, model, summary, recipe.lora, parallel)
     if model is None:
         return summary
+    model.to(device)  # a no-op in one process; rank 0's gathered copy, once the shards are gone
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = score(model)
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})

@@ -134,6 +134,7 @@ def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
     model = gathered_for_saving(run, model, summary, recipe.lora, ctx)
     if model is None:
         return summary
+    model.to(run.device)  # a no-op in one process; rank 0's gathered copy, once the shards are gone
     final = save_finetuned(model, run_dir, run.tok_dir, run.base_dir, recipe.lora)
     after = exact_match_accuracy(model, tok, *tasks, recipe.eval)
     summary.update(train_examples=len(train_examples), val_examples=len(val_examples), skipped=skipped.to_dict(),

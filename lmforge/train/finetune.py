@@ -218,15 +218,14 @@ def gathered_for_saving(run: FinetuneRun, model: nn.Module, summary: dict, lora:
                         parallel: ParallelContext | None,
                         wrap: Callable[[Transformer], nn.Module] | None = None) -> nn.Module | None:
     """The trained model to save and score: ``model`` itself in one process; after a distributed
-    run the gathered whole model on rank 0, on its device (None on the other ranks), with the
-    layout recorded in ``summary``. The caller drops its own references to the sharded model,
-    so the shards are freed as rank 0's whole copy takes their place."""
+    run the gathered whole model on rank 0, in CPU memory (None on the other ranks), with the
+    layout recorded in ``summary``. A caller that scores it on the device moves it there once it
+    has dropped its own references to the sharded model, so the shards are freed first."""
     if parallel is None:
         return model
     summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
     run.model = None
-    gathered = gather_model(model, lora, parallel, wrap)
-    return gathered.to(run.device) if gathered is not None else None
+    return gather_model(model, lora, parallel, wrap)
 
 
 def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:

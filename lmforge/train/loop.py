@@ -297,8 +297,9 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
     """Mean loss per target (nats), the objective's metrics as ``val_<name>``, and bits per byte
     when the objective counts bytes.
 
-    ``max_batches`` counts micro-batches over all data-parallel ranks (``TrainConfig.eval_batches``),
-    so the figure covers the same rows whatever the world size. Distributed, each data-parallel
+    ``max_batches`` counts micro-batches over all data-parallel ranks (``TrainConfig.eval_batches``;
+    each rank takes its share rounded up), so the figure covers the same rows whatever the world
+    size when it is a multiple of theirs. Distributed, each data-parallel
     rank evaluates its rows and the sums are added up; only whole global batches are evaluated
     (every rank must run the same forwards), so a last partial batch that a single process
     would include is left out.
@@ -344,7 +345,6 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
     model.train(was_training)
     if parallel is not None:
         reshard(model)
-    if parallel is not None:
         names = sorted(metric_sums)
         sums = parallel.all_reduce_dp(torch.tensor([loss_sum, n_targets, n_bytes, *[metric_sums[k] for k in names]],
                                                    dtype=torch.float64, device=device))

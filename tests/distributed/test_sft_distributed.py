@@ -95,6 +95,8 @@ def test_two_rank_fsdp_sft_writes_one_plain_final_model_equal_to_one_process(sft
         assert torch.allclose(got[key], value, rtol=0, atol=2e-5), key
     summary = json.loads((fsdp / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["lora"] is (name == "lora")
+    if name == "lora":  # the second launch went on from the first one's step-2 checkpoint
+        assert summary["start_step"] == 2 and not list(fsdp.glob("checkpoints.superseded-*"))
     assert summary["exact_match_after"]["examples"] == 4
     assert summary["tokens_per_step"] == 1024
     # the training checkpoints are DCP shards of every rank, as pre-training's

@@ -261,3 +261,15 @@ def test_kto_held_out_pairs_follow_the_recipes_on_bad(tmp_path, base_checkpoint,
         run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'a'}", *common]))
     summary = run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'b'}", *common, "data.on_bad=skip"]))
     assert summary["after"]["pairs"] == 8
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 8])
+def test_equal_shares_cover_every_row_once_and_give_every_rank_as_many_rows(n):
+    """How the ranks split the rows whose reference log-probs they precompute (dpo.attach_reference)."""
+    from lmforge.stages.dpo import equal_share
+
+    shares = [equal_share(n, rank, 2) for rank in range(2)]
+    rows = [i for share, _ in shares for i in range(n)[share]]
+    assert rows == list(range(n))  # in order, each once
+    sizes = {share.stop - share.start + pad for share, pad in shares}
+    assert sizes == {-(-n // 2)}  # padded to the same size
