@@ -3,16 +3,16 @@ process on the same data and global batch.
 
 DPO: full fine-tuning with precomputed reference log-probs (each rank scores its share) and
 with a live frozen reference (sharded as the policy), LoRA with the adapters-disabled
-reference, and a validation set that is no whole global batch. KTO: the KL baseline z0 over
-both ranks' rows, precomputed and live (LoRA). Reward: the backbone and its head sharded
-together. Per-step losses, gradient norms, metrics, validation figures and the final model
-match.
+reference (live and precomputed), and a validation set that is no whole global batch. KTO:
+the KL baseline z0 over both ranks' rows, precomputed and live (LoRA). Reward: the backbone
+and its head sharded together. Per-step losses, gradient norms, metrics, validation figures
+and the final model match.
 
 The KTO run evaluates a set larger than ``train.eval_batches`` covers (before training too),
 under ZeRO-2-like resharding; the live-reference DPO run and the KTO run stop half-way and
 resume from their sharded checkpoints; a bf16 DPO run starts at ln 2.
 
-One launch of eleven short jobs (a tiny model, 4 steps each).
+One launch of twelve short jobs (a tiny model, 4 steps each).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ RUNS = {  # name: (stage, overrides)
     "precomputed": ("dpo", []),
     "live": ("dpo", ["precompute_reference=false"]),  # a frozen copy of the policy: sharded under torchrun
     "lora": ("dpo", [LORA, "precompute_reference=false"]),  # the policy with adapters disabled
+    "lora_precomputed": ("dpo", [LORA, "eval.exact_match=false"]),  # the sharded policy, adapters disabled
     "val3": ("dpo", ["train.max_steps=2", "eval.exact_match=false"]),  # 3 validation pairs: padded with filler
     "kto": ("kto", []),
     "kto_lora_live": ("kto", [LORA, "precompute_reference=false", "eval.exact_match=false"]),
