@@ -256,6 +256,18 @@ def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.Module
     return p, module
 
 
+def refuse_torchrun(verb: Verb) -> None:
+    """A verb that runs in one process stops under ``torchrun``: every rank would do the same
+    work into the same files."""
+    from lmforge.distributed.mesh import launched_world_size  # torch: imported once a verb runs
+
+    world_size = launched_world_size()
+    if world_size > 1 and not verb.distributed:
+        ranked = ", ".join(v.name for v in VERBS if v.distributed)
+        raise ConfigError(f"`lmforge {verb.name}` runs in one process, but WORLD_SIZE={world_size}: launch it without "
+                          f"torchrun (under torchrun, run the training stages one at a time: {ranked})")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in VERBS_BY_NAME:
@@ -282,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             sys.stdout.write(dump_config(cfg))
             return 0
+        refuse_torchrun(verb)
         module.run(cfg)
     except (ConfigError, InputError) as exc:
         print(f"lmforge {verb.name}: error: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ class Verb:
     name: str
     summary: str  # one line for `lmforge --help`
     module: str
+    distributed: bool = False  # runs under torchrun (its recipe's `parallel:`); others refuse WORLD_SIZE > 1
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -29,11 +30,16 @@ VERBS = [
     Verb("curate", "web pages and documents to a clean, deduplicated corpus + rejects + stats", "lmforge.stages.curate"),
     Verb("tokenizer", "train a byte-level BPE tokenizer (tokenizer.json, HF-compatible)", "lmforge.stages.tokenizer"),
     Verb("prepare", "tokenize documents into memory-mapped train/val token shards", "lmforge.stages.prepare"),
-    Verb("pretrain", "pre-train a transformer on token shards (the one training loop)", "lmforge.stages.pretrain"),
-    Verb("sft", "supervised fine-tuning on chat data (full, LoRA or DoRA), assistant-only loss, packing", "lmforge.stages.sft"),
-    Verb("reward", "train a Bradley-Terry reward model (transformer + scalar head) on preference pairs", "lmforge.stages.reward"),
-    Verb("dpo", "preference optimisation on pairs: DPO, IPO, cDPO, rDPO, hinge, SimPO, ORPO, CPO", "lmforge.stages.dpo"),
-    Verb("kto", "KTO on unpaired desirable/undesirable examples", "lmforge.stages.kto"),
+    Verb("pretrain", "pre-train a transformer on token shards (the one training loop)",
+         "lmforge.stages.pretrain", distributed=True),
+    Verb("sft", "supervised fine-tuning on chat data (full, LoRA or DoRA), assistant-only loss, packing",
+         "lmforge.stages.sft", distributed=True),
+    Verb("reward", "train a Bradley-Terry reward model (transformer + scalar head) on preference pairs",
+         "lmforge.stages.reward", distributed=True),
+    Verb("dpo", "preference optimisation on pairs: DPO, IPO, cDPO, rDPO, hinge, SimPO, ORPO, CPO",
+         "lmforge.stages.dpo", distributed=True),
+    Verb("kto", "KTO on unpaired desirable/undesirable examples",
+         "lmforge.stages.kto", distributed=True),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),

@@ -168,3 +168,18 @@ def test_the_key_table_keeps_its_columns_within_100_characters(verb, capsys):
     rows = [line for line in table if re.match(r"^  \S", line) and re.search(r" (default|required)\b", line)]
     columns = {re.search(r" (default|required)\b", line).start() for line in rows}
     assert len(rows) > 3 and len(columns) == 1  # a long `one of ...` type does not push its default right
+
+
+@pytest.mark.parametrize("argv", [["prepare", "run_dir={out}"], ["run", "run_dir={out}"], ["tokenizer", "run_dir={out}"],
+                                  ["generate", "checkpoint={out}"], ["export", "{out}", "{out}/hf"]])
+def test_a_verb_that_runs_in_one_process_refuses_torchrun_before_any_work(argv, tmp_path, monkeypatch, capsys):
+    """Under torchrun every rank would do the same work into the same files; the training stages
+    (pretrain, sft, reward, dpo, kto) are the verbs that run there."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([a.format(out=out) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"`lmforge {argv[0]}` runs in one process, but WORLD_SIZE=2: launch it without torchrun" in err
+    assert "pretrain, sft, reward, dpo, kto" in err
+    assert not out.exists()
+    assert {v.name for v in VERBS if v.distributed} == {"pretrain", "sft", "reward", "dpo", "kto"}
