@@ -219,14 +219,16 @@ def init_parallel(cfg: ParallelConfig, device_name: str = "auto") -> ParallelCon
 @contextlib.contextmanager
 def parallel_session(cfg: ParallelConfig, device_name: str = "auto") -> Iterator[ParallelContext]:
     """``init_parallel`` for one stage's run on a rank of a ``torchrun`` job: ranks other than 0
-    log warnings only, and a process group this call started is destroyed at the end (one the
-    caller had started, as the tests' worker does, is left to it)."""
+    log warnings only; at the end every rank waits for the others (rank 0 writes last), and a
+    process group this call started is destroyed (one the caller had started, as the tests'
+    worker does, is left to it)."""
     created = not dist.is_initialized()
     ctx = init_parallel(cfg, device_name)
     if not ctx.is_logging_rank:
         log.setLevel(logging.WARNING)
     try:
         yield ctx
+        dist.barrier()
     finally:
         if created:
             dist.destroy_process_group()

@@ -81,9 +81,7 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
     if problems:
         raise ConfigError(f"{stage} under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
     with parallel_session(recipe.parallel, recipe.train.device) as ctx:
-        summary = body(ctx)
-        dist.barrier()
-        return summary
+        return body(ctx)
 
 
 @dataclass
@@ -194,12 +192,19 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: P
     return final
 
 
-def gather_model(model: nn.Module, lora: LoraConfig | None, parallel: ParallelContext,
-                 wrap: Callable[[Transformer], nn.Module] | None = None) -> nn.Module | None:
-    """The trained weights of a sharded (FSDP) model as a plain model on rank 0, in CPU memory
-    (None on the other ranks): what ``save_finetuned`` writes and exact match scores. Every
-    rank must call it; the shards are gathered once, to rank 0. ``wrap`` rebuilds a model
-    around the transformer (``RewardModel``: the backbone and its head)."""
+def gathered_for_saving(run: FinetuneRun, model: nn.Module, summary: dict, lora: LoraConfig | None,
+                        parallel: ParallelContext | None,
+                        wrap: Callable[[Transformer], nn.Module] | None = None) -> nn.Module | None:
+    """The trained model to save and score: ``model`` itself in one process. After a distributed
+    run, every rank must call it: the shards are gathered once, to rank 0, into a plain model in
+    CPU memory (None on the other ranks; ``wrap`` rebuilds a model around the transformer, as
+    ``RewardModel`` the backbone and its head), and the layout is recorded in ``summary``. A
+    caller that scores it on the device moves it there once it has dropped its own references to
+    the sharded model, so the shards are freed first."""
+    if parallel is None:
+        return model
+    summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
+    run.model = None
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not parallel.is_logging_rank:
         return None
@@ -212,20 +217,6 @@ def gather_model(model: nn.Module, lora: LoraConfig | None, parallel: ParallelCo
     plain.to_empty(device="cpu")
     load_weights(plain, state, where="the gathered shards")
     return plain
-
-
-def gathered_for_saving(run: FinetuneRun, model: nn.Module, summary: dict, lora: LoraConfig | None,
-                        parallel: ParallelContext | None,
-                        wrap: Callable[[Transformer], nn.Module] | None = None) -> nn.Module | None:
-    """The trained model to save and score: ``model`` itself in one process; after a distributed
-    run the gathered whole model on rank 0, in CPU memory (None on the other ranks), with the
-    layout recorded in ``summary``. A caller that scores it on the device moves it there once it
-    has dropped its own references to the sharded model, so the shards are freed first."""
-    if parallel is None:
-        return model
-    summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
-    run.model = None
-    return gather_model(model, lora, parallel, wrap)
 
 
 def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:

@@ -34,7 +34,7 @@ from lmforge.core.io import InputError
 from lmforge.core.run import log, progress_bar
 from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.clip import clip_grad_norm_
-from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.distributed.parallelize import reshard
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
@@ -265,10 +265,10 @@ def parallel_backward(model, objective, micro_batches, precision, parallel: Para
     loss_total = torch.zeros((), device=device)
     metric_sums: dict[str, torch.Tensor] = {}
     forward_loss = forward_loss or objective
+    scale = scaler.get_scale() if scaler is not None and pipeline is not None else 1.0  # a host sync: once a step
     for batch in micro_batches:
         with autocast_context(device, precision):
             if pipeline is not None:
-                scale = scaler.get_scale() if scaler is not None else 1.0
                 loss_total += pipeline.train_batch(batch, divisor=n_targets / dp, scale=scale) / dp
                 continue
             with loss_context(parallel):
@@ -387,7 +387,7 @@ def train(
     forward_loss = compile_objective(objective) if cfg.compile and parallel is None else objective
     logging_rank = parallel is None or parallel.is_logging_rank
     world_size = parallel.layout.world_size if parallel is not None else 1
-    dp = parallel.layout.dp if parallel is not None else 1
+    _, dp = data_parallel_rank(parallel)
     async_group = dist.new_group(backend="gloo") if parallel is not None and parallel.cfg.async_checkpoint else None
     pending: list[PendingCheckpoint] = []
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
