@@ -280,17 +280,15 @@ def run_segment_shard(job: Job, seg: int, shard: int) -> dict:
     corpus, steps = _steps_of(job, seg)
     kept = JsonlWriter(directory / f"shard-{shard:06d}.kept.jsonl")
     rejects = JsonlWriter(directory / f"shard-{shard:06d}.rejects.jsonl")
-    n_in, ids, kept_mask, piece_docs = 0, [], [], []  # segment 0 also keeps what unique ids need, in reading order
+    ids, kept_mask, piece_docs = [], [], []  # segment 0 also keeps what unique ids need, in reading order
     try:
         for doc, stage, reason in _segment_input(job, seg, shard, corpus, piece_docs):
-            n_in += 1
-            if seg == 0:
-                ids.append(doc.id)
             if reason is None:
                 verdict = apply_steps(doc, steps)
                 if verdict is not None:
                     stage, reason = verdict
             if seg == 0:
+                ids.append(doc.id)
                 kept_mask.append(reason is None)
             if reason is None:
                 kept.write(doc_record(doc))
@@ -302,7 +300,7 @@ def run_segment_shard(job: Job, seg: int, shard: int) -> dict:
         kept.abort()
         rejects.abort()
         raise
-    result = {"in": n_in, "kept": kept.count, "rejected": rejects.count}
+    result = {"in": kept.count + rejects.count, "kept": kept.count, "rejected": rejects.count}
     if seg == 0:
         index_ids(job, shard, ids, kept_mask)
         result["piece_docs"] = piece_docs

@@ -36,6 +36,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
+def count_tokens(counts: np.ndarray, tokens: np.ndarray) -> None:
+    """Add each token id's occurrences in ``tokens`` to ``counts`` (one slot per vocabulary entry)."""
+    counts += np.bincount(tokens, minlength=len(counts))[: len(counts)]
+
+
 def entropy_of_counts(counts: np.ndarray) -> float:
     """Entropy (nats) of the distribution the counts describe."""
     p = counts[counts > 0] / counts.sum()
@@ -68,7 +73,7 @@ class ShardWriter:
         stem = f"{self.split}-{len(self.shards):05d}"
         tokens_file, docs_file = f"{stem}.tokens.npy", f"{stem}.docs.npy"
         tokens = np.concatenate(self.pending).astype(self.dtype, copy=False)
-        self.counts += np.bincount(tokens, minlength=len(self.counts))[: len(self.counts)]
+        count_tokens(self.counts, tokens)
         np.save(self.out_dir / tokens_file, tokens)
         np.save(self.out_dir / docs_file, offsets)
         self.shards.append(

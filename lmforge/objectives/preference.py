@@ -217,8 +217,8 @@ def kto_loss(
     example's completion, e.g. rotated by one, not reversed: trl#1911), scored by both
     models into ``policy_kl``/``ref_kl``. z0 is a baseline, so no gradient flows through
     it, as in TRL's ``kto_loss``. Under data parallelism the mean runs over every rank's KL
-    rows (TRL gathers it across processes): the caller computes that mean and passes it as
-    ``z0`` (clamped here), and ``policy_kl``/``ref_kl`` are then None.
+    rows (``KTOObjective`` pools them; TRL averages the processes' means): the caller computes
+    that mean and passes it as ``z0`` (clamped here), and ``policy_kl``/``ref_kl`` are then None.
     Returns the losses (B,), the detached rewards βr and z0.
     """
     desirable = desirable.bool()

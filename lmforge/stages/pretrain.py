@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, start_run
 from lmforge.data.loader import LoaderConfig, TokenLoader
-from lmforge.data.shards import entropy_of_counts, open_shards, read_manifest
+from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import (
@@ -72,7 +72,7 @@ def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
         return recorded
     counts = np.zeros(vocab_size, dtype=np.int64)
     for shard in open_shards(directory, "train"):
-        counts += np.bincount(shard.tokens, minlength=vocab_size)[:vocab_size]
+        count_tokens(counts, shard.tokens)
     return entropy_of_counts(counts)
 
 
@@ -187,9 +187,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
                                       split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss,
                                       count_bytes=lambda targets: int(token_bytes[targets.cpu()].sum()))
 
-        summary = train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline)
-        dist.barrier()
-        return summary
+        return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline)
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
