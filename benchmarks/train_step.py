@@ -35,7 +35,7 @@ from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.train.loop import DTYPES, autocast_context, compile_objective, train_step
-from lmforge.train.metrics import peak_flops, peak_memory_bytes
+from lmforge.train.metrics import peak_flops, peak_memory_bytes, utilization
 from lmforge.train.optim import build_adamw
 
 
@@ -97,7 +97,7 @@ def time_steps(step, n_steps: int, device: torch.device) -> list[float]:
 
 def result_rows(precision: str, best: dict[str, float], tokens: int, flops_per_token: int, peak: float | None) -> list[dict]:
     return [{"precision": precision, "model": name, "step_s": round(t, 4), "tokens_per_s": round(tokens / t, 1),
-             "mfu": round(flops_per_token * tokens / t / peak, 4) if peak else None}
+             "mfu": round(mfu, 4) if (mfu := utilization(flops_per_token * tokens / t, peak)) is not None else None}
             for name, t in best.items()]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO / "data" / "pretrain" / "shakespeare.jsonl"
+
+# Tests never time a dtype's matmul peak (emulated fp16 takes minutes on some CPUs): MFU divides
+# by these fixed figures in this process and in every subprocess it starts (torchrun included).
+os.environ["LMFORGE_PEAK_FLOPS"] = "float32=2e11,bfloat16=8e11,float16=8e11"
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

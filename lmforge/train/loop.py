@@ -47,7 +47,7 @@ from lmforge.train.checkpoint import (
     save_training_checkpoint,
     set_aside_later_checkpoints,
 )
-from lmforge.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
+from lmforge.train.metrics import PEAK_ENV, MetricsLogger, peak_flops, peak_memory_bytes, utilization
 from lmforge.train.optim import build_adamw, lr_at
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -490,7 +490,13 @@ def train(
                   "memory_bytes": peak_memory_bytes(device)}
         record.update({name: float(value) for name, value in result.metrics.items()})
         if flops_per_token and peak:  # model FLOPs of the global batch over the peak of every device
-            record["mfu"] = flops_per_token * n_tokens / dt / (peak * world_size)
+            if (mfu := utilization(flops_per_token * n_tokens / dt, peak * world_size)) is None:
+                log.warning("step %d ran at %.3g FLOP/s per device, above the %s peak of %.3g: MFU is not reported "
+                            "(run `lmforge bench peak` on an idle machine, or set %s)", step + 1,
+                            flops_per_token * n_tokens / dt / world_size, precision, peak, PEAK_ENV)
+                peak, mfus = None, []
+            else:
+                record["mfu"] = mfu
         if step > start_step:  # the first step pays for warm-up (allocation, compilation)
             tok_rates.append(record["tokens_per_s"])
             if "mfu" in record:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
@@ -137,23 +139,43 @@ def machine_key(device: torch.device) -> str:
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 1.0) -> float:
-    """Best observed FLOP/s of an n x n matmul: the practical peak that MFU is measured against."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    flops = 2 * n**3
-    best = 0.0
-    torch.mm(a, b)  # warm-up
+    """Best observed FLOP/s of square matmuls of up to ``n``: the practical peak MFU is measured against.
+
+    Both ``torch.mm`` and ``F.linear`` (what the model's layers call) are timed, since a CPU
+    may route a dtype through different kernels for each (fp16 on AMD EPYC: ``linear`` is
+    about 10x faster than ``mm``). The size starts small and doubles only while one product
+    takes under a fortieth of ``seconds`` (the next, 8x the work, is timed four times), so the
+    whole measurement stays within about twice ``seconds`` however slow the dtype is
+    (emulated fp16 runs at ~1 GFLOP/s).
+    """
     deadline = time.perf_counter() + seconds
+    size, best = min(256, n), 0.0
+    while True:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        elapsed = min(_time_product(torch.mm, a, b, device), _time_product(F.linear, a, b, device))
+        best = max(best, 2 * size**3 / elapsed)
+        if size >= n or elapsed > seconds / 40 or time.perf_counter() >= deadline:
+            break
+        size = min(2 * size, n)
     while time.perf_counter() < deadline:
+        elapsed = min(_time_product(torch.mm, a, b, device), _time_product(F.linear, a, b, device))
+        best = max(best, 2 * size**3 / elapsed)
+    return best
+
+
+def _time_product(product, a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    """Seconds of the faster of two runs of ``product(a, b)`` (the first also warms up)."""
+    times = []
+    for _ in range(2):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        for _ in range(3):
-            torch.mm(a, b)
+        product(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = max(best, 3 * flops / (time.perf_counter() - t0))
-    return best
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def cached_peak(device: torch.device, dtype_name: str) -> float | None:
@@ -163,18 +185,43 @@ def cached_peak(device: torch.device, dtype_name: str) -> float | None:
     return cache.get(machine_key(device), {}).get(dtype_name)
 
 
+PEAK_ENV = "LMFORGE_PEAK_FLOPS"
+
+
+def stated_peak(dtype_name: str) -> float | None:
+    """The peak that ``LMFORGE_PEAK_FLOPS`` states for ``dtype_name``, else None.
+
+    The variable reads ``float32=2e11,bfloat16=9e11``: a user who knows the hardware's
+    figure (or a test suite, which must never time a dtype) sets it and nothing is measured.
+    """
+    text = os.environ.get(PEAK_ENV, "").strip()
+    if not text:
+        return None
+    peaks = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            peaks[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"{PEAK_ENV}={text!r}: expected dtype=FLOP/s pairs such as "
+                             f"'float32=2e11,bfloat16=9e11'") from None
+        if not math.isfinite(peaks[name.strip()]) or peaks[name.strip()] <= 0:
+            raise ValueError(f"{PEAK_ENV}: {item.strip()!r} is not a positive FLOP/s figure")
+    return peaks.get(dtype_name)
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True, quick: bool = False) -> float | None:
     """Peak FLOP/s of ``device`` at ``dtype``, the denominator of MFU.
 
-    In order: the figure `lmforge bench peak` measured and cached for this machine (for a
-    GPU only when run with ``measure=true``), a known GPU's data-sheet figure, else a short
-    measurement now (or None when ``measure_if_missing`` is false).
+    In order: the figure ``LMFORGE_PEAK_FLOPS`` states, the figure `lmforge bench peak`
+    measured and cached for this machine (for a GPU only when run with ``measure=true``), a
+    known GPU's data-sheet figure, else a short measurement now (or None when
+    ``measure_if_missing`` is false).
     """
     name = str(dtype).removeprefix("torch.")
-    if (cached := cached_peak(device, name)) is not None:
-        return cached
-    if (sheet := datasheet_peak(device, name)) is not None:
-        return sheet
+    for source in (stated_peak, lambda name: cached_peak(device, name), lambda name: datasheet_peak(device, name)):
+        if (value := source(name)) is not None:
+            return value
     if not measure_if_missing:
         return None
     # Not cached: a busy machine would make a quick measurement too low for good.
@@ -182,6 +229,17 @@ def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: boo
         log.info("no cached %s peak for this machine: measuring for 1 s (run `lmforge bench peak` on an idle "
                  "machine to measure properly and cache it in %s)", name, peak_cache_path())
     return measure_matmul_peak(device, dtype, n=1024 if quick else 2048, seconds=0.3 if quick else 1.0)
+
+
+def utilization(achieved_flops: float, peak: float | None) -> float | None:
+    """MFU, ``achieved / peak``; None when the peak is unknown or below the rate achieved.
+
+    A rate above the peak means the peak was measured too low (a busy machine, or a kernel
+    the measurement did not take): no figure above 100% is ever reported.
+    """
+    if not peak or achieved_flops > peak:
+        return None
+    return achieved_flops / peak
 
 
 def store_peak(device: torch.device, dtype: torch.dtype, value: float) -> float:

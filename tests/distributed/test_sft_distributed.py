@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from lmforge.core.config import load_config
@@ -19,7 +18,7 @@ from lmforge.data.sft_demo import write_demo
 from lmforge.model.checkpoint import load_model
 from lmforge.stages.sft import SFTRecipe, run_sft
 from lmforge.train.metrics import read_metrics
-from tests.distributed.conftest import torchrun
+from tests.distributed.conftest import assert_adamw_weights_match, torchrun
 from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tests/stages)
 
 STEPS = 4
@@ -90,9 +89,7 @@ def test_two_rank_fsdp_sft_writes_one_plain_final_model_equal_to_one_process(sft
     assert where == fsdp / "final" and (where / "model.safetensors").is_file()
     assert not (where / ".metadata").exists()
     expected, got = load_file(str(reference / "final" / "model.safetensors")), load_file(str(where / "model.safetensors"))
-    assert got.keys() == expected.keys()  # LoRA merged: the base's names only
-    for key, value in expected.items():
-        assert torch.allclose(got[key], value, rtol=0, atol=2e-5), key
+    assert_adamw_weights_match(got, expected, reference)  # LoRA merged: the base's names only
     summary = json.loads((fsdp / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["lora"] is (name == "lora")
     if name == "lora":  # the second launch went on from the first one's step-2 checkpoint
@@ -108,9 +105,7 @@ def test_two_rank_lora_sft_saves_the_peft_adapter_once(sft_runs):
     adapter = sft_runs["lora_fsdp"] / "adapter"
     expected = load_file(str(sft_runs["lora"] / "adapter" / "adapter_model.safetensors"))
     got = load_file(str(adapter / "adapter_model.safetensors"))
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert torch.allclose(got[key], value, rtol=0, atol=2e-5), key
+    assert_adamw_weights_match(got, expected, sft_runs["lora"])
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
 
 

@@ -9,7 +9,7 @@ from lmforge.cli.main import main
 from lmforge.stages import bench
 from lmforge.stages.bench import BenchRecipe
 from lmforge.train import metrics
-from lmforge.train.metrics import datasheet_peak, machine_key, peak_cache_path, peak_flops
+from lmforge.train.metrics import datasheet_peak, machine_key, peak_cache_path, peak_flops, store_peak
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 0)  # a device object needs no GPU; its name is mocked below
@@ -18,6 +18,7 @@ GPU = torch.device("cuda", 0)  # a device object needs no GPU; its name is mocke
 @pytest.fixture(autouse=True)
 def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(metrics.PEAK_ENV)  # the suite's fixed peaks (tests/conftest.py) would answer first
     return tmp_path / "cache"
 
 
@@ -107,3 +108,48 @@ def test_the_help_examples_use_only_real_recipe_keys():
     used = {arg.split("=")[0] for line in examples for arg in line.split("#")[0].split()[3:]}
     assert "measure" in used and used <= keys
     assert "--" not in bench.__doc__  # options are key=value overrides, not flags
+
+
+def test_a_stated_peak_wins_over_the_cache_and_the_data_sheet_and_nothing_is_timed(h100, monkeypatch):
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda *a, **k: pytest.fail("a stated peak is not timed"))
+    store_peak(CPU, torch.float32, 100e9)
+    monkeypatch.setenv(metrics.PEAK_ENV, "float32=3e11, bfloat16=1.2e12")
+    assert peak_flops(CPU, torch.float32) == 3e11 and peak_flops(GPU, torch.bfloat16) == 1.2e12
+    assert peak_flops(GPU, torch.float16) == 989e12  # a dtype it does not state falls through to the data sheet
+
+
+@pytest.mark.parametrize("value", ["float32", "float32=fast", "float32=0", "float32=nan"])
+def test_a_malformed_stated_peak_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(metrics.PEAK_ENV, value)
+    with pytest.raises(ValueError, match=metrics.PEAK_ENV):
+        peak_flops(CPU, torch.float32)
+
+
+class SimulatedDevice:
+    """A clock and a matmul of a device computing ``flops_per_s``: each product advances the clock."""
+
+    def __init__(self, flops_per_s: float):
+        self.now, self.rate, self.sizes = 0.0, flops_per_s, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def product(self, a, b):
+        self.now += 2 * a.shape[0] ** 3 / self.rate
+        self.sizes.append(a.shape[0])
+
+
+@pytest.mark.parametrize("flops_per_s", [1e9, 200e9, 1e13])  # emulated fp16 on AMD EPYC, fp32 there, a GPU
+def test_measuring_a_peak_takes_about_the_time_asked_however_slow_the_dtype(monkeypatch, flops_per_s):
+    """Timing 2048^3 products at emulated fp16's ~1 GFLOP/s took over a minute per process (and
+    timed out the torchrun tests); the size now grows only while a product is cheap."""
+    device = SimulatedDevice(flops_per_s)
+    monkeypatch.setattr(metrics, "time", device)
+    monkeypatch.setattr(metrics.torch, "mm", device.product)
+    monkeypatch.setattr(metrics.F, "linear", device.product)
+    monkeypatch.setattr(metrics.torch, "randn", lambda n, m, device, dtype: torch.empty(n, 0))
+    best = metrics.measure_matmul_peak(CPU, torch.float16, n=2048, seconds=1.0)
+    assert best == pytest.approx(flops_per_s)
+    assert device.now <= 2.0  # the budget, and at most one size past the point where it stopped growing
+    # at 1 GFLOP/s one 256^3 product already takes a thirtieth of the second: the size stays there
+    assert max(device.sizes) == (256 if flops_per_s == 1e9 else 2048)

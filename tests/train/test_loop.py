@@ -315,6 +315,7 @@ def test_gradients_are_clipped_to_norm_one_and_the_logged_norm_is_the_one_before
 
 def test_mfu_is_model_flops_per_second_over_the_cached_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMFORGE_PEAK_FLOPS")  # the suite's fixed peaks would answer before the cache
     store_peak(torch.device("cpu"), torch.float32, 7e9)  # the peak the loop must divide by
     model = tiny_model()
     flops_per_token = model.cfg.flops_per_token(8)
@@ -393,3 +394,18 @@ def test_fp16_loss_scale_is_restored_exactly_on_resume(tmp_path):
         assert half_scaler == full_scaler and full_scaler["scale"] == 2.0**15
         assert all(torch.equal(half_weights[k], full_weights[k]) for k in full_weights)
     assert losses(tmp_path / "half") == losses(tmp_path / "full")
+
+
+def test_mfu_above_100_percent_is_never_reported(tmp_path, monkeypatch, caplog):
+    """On AMD EPYC the fp16 peak timed on torch.mm was 10x below what the model's F.linear
+    layers ran at, and the loop printed MFU 1854%."""
+    monkeypatch.setenv("LMFORGE_PEAK_FLOPS", "float32=1e3")  # far below any real rate
+    model = tiny_model()
+    cfg = TrainConfig(max_steps=3, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu")
+    (tmp_path / "run").mkdir()
+    summary = train(model=model, objective=CausalLMObjective(), train_batches=IndexedBatches(), cfg=cfg,
+                    run_dir=tmp_path / "run", recipe=cfg, flops_per_token=model.cfg.flops_per_token(8))
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert not any("mfu" in r for r in read_metrics(tmp_path / "run")) and summary["mfu"] is None
+    warnings = [r.getMessage() for r in caplog.records if "MFU is not reported" in r.getMessage()]
+    assert len(warnings) == 1 and "LMFORGE_PEAK_FLOPS" in warnings[0]
