@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -6,9 +7,13 @@ from safetensors.torch import load_file
 
 from lmforge.core.config import ConfigError, load_config
 from lmforge.data.loader import TokenLoader
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
+from lmforge.objectives.clm import CausalLMObjective
 from lmforge.stages.pretrain import run_pretrain
-from lmforge.train.loop import TrainConfig
+from lmforge.train.loop import TrainConfig, train_step
 from lmforge.train.metrics import loss_curve_lines, read_metrics
+from lmforge.train.optim import build_adamw
 from lmforge.train.spikes import SpikeConfig, SpikeDetector, SpikeGuard, z_score
 
 SAMPLES_PER_STEP = 8  # make_recipe: micro-batches of 4 sequences, 2 per step (batch_tokens 256 / 4 x 32)
@@ -238,3 +243,28 @@ def test_skip_leaves_the_weights_of_a_spiking_step_as_they_were_and_warn_applies
     [event] = read_metrics(tmp_path / "run", events=True)
     assert (event["step"], event["policy"]) == (14, policy)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 16))  # a skipped step is a step
+
+
+def test_a_dropped_update_under_fp16_loss_scaling_changes_nothing_and_the_next_step_runs():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
+    optimizer = build_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = copy.deepcopy(model.state_dict())
+    train_step(model, CausalLMObjective(), [batch], optimizer, scaler, params, "fp16", 1.0, accept=lambda loss: False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optimizer.state
+    train_step(model, CausalLMObjective(), [batch], optimizer, scaler, params, "fp16", 1.0, accept=lambda loss: True)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(("recipe", "policy"), [("distributed/gpu_fsdp_tp", "skip"), ("distributed/gpu_pp", "skip"),
+                                                ("distributed/llama3_405b", "skip"), ("demo/pretrain", "off")])
+def test_the_large_model_recipes_skip_loss_spikes_and_the_tiny_demo_does_not(recipe, policy):
+    from pathlib import Path
+
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    path = Path(__file__).parents[2] / "recipes" / f"{recipe}.yaml"
+    assert load_config(PretrainRecipe, path).train.spikes.policy == policy
