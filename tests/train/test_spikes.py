@@ -106,6 +106,26 @@ def test_rollback_falls_back_to_skipping_past_max_rollbacks_and_while_replaying(
     assert not g.judge(20, 9.0) and g.take_event().action == "skipped"
 
 
+class FakeLoader:
+    def __init__(self, samples):
+        self.samples, self.skips = samples, []
+
+    def skip_samples(self, start, stop):
+        self.skips.append((start, stop))
+
+
+def test_a_rollback_skips_from_the_checkpoint_through_the_spike_and_the_steps_asked_after_it():
+    g = guard("rollback", skip_steps_after=2)
+    assert not g.judge(14, 9.0)
+    loader = FakeLoader(samples=96)  # restored to the checkpoint of step 12
+    g.rolled_back(g.take_event(), 12, loader, spike_samples_end=112, samples_per_step=8)
+    assert loader.skips == [(96, 128)] and g.rollbacks[-1]["skipped_samples"] == [96, 128]
+    assert not g.judge(20, 9.0)
+    again = FakeLoader(samples=96)  # the same checkpoint again: both rollbacks' samples are skipped
+    g.rolled_back(g.take_event(), 12, again, spike_samples_end=160, samples_per_step=8)
+    assert again.skips == [(96, 128), (96, 176)]
+
+
 def test_spike_settings_are_checked_with_the_key_named():
     with pytest.raises(ConfigError, match="train.spikes.min_observations"):
         load_config(TrainConfig, None, ["spikes.window=8", "spikes.min_observations=20"])
