@@ -6,6 +6,8 @@ from several datasets by weight. Sample ``i`` of the global stream depends only 
 seed and ``i``: data-parallel rank ``r`` of ``w`` takes rows ``r*B .. (r+1)*B`` of every
 global batch of ``w*B`` samples, so ranks never overlap, and ``state_dict()`` is just
 counters, so a resumed loader gives exactly the batches an uninterrupted one would.
+Samples of the stream can be skipped (``skip_samples``, what a loss-spike rollback does):
+they are passed over, never served, and every other sample keeps its window.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from lmforge.core.io import InputError
 from lmforge.data.shards import Shard, open_shards, read_manifest
+from lmforge.data.skipped import SkippedSamples
 
 
 @dataclass
@@ -144,7 +147,14 @@ class TokenLoader:
         each time it is restarted, as a new one would."""
         self.samples = 0  # global samples consumed by all ranks together
         self.cursors = [[0, 0] for _ in self.datasets]  # per dataset: epoch, position in epoch
+        self.skipped = SkippedSamples()
         return self
+
+    def skip_samples(self, start: int, stop: int) -> None:
+        """Never serve global samples ``start .. stop - 1`` (a training loader only)."""
+        if not self.loop:
+            raise ValueError("only a training (looping) loader can skip samples")
+        self.skipped.add(start, stop)
 
     # -- order
     def _permutation(self, d: int, epoch: int) -> np.ndarray | None:
@@ -170,6 +180,22 @@ class TokenLoader:
     def __iter__(self) -> TokenLoader:
         return self
 
+    def _choices(self, start: int, stop: int) -> np.ndarray:
+        """The dataset each global sample ``start .. stop - 1`` is drawn from."""
+        return np.searchsorted(self.cum_weights, _uniform(self.cfg.seed, np.arange(start, stop)), side="right")
+
+    def _pass_over(self, start: int, stop: int) -> None:
+        """Advance the cursors past samples ``start .. stop - 1`` as if they were served."""
+        for chunk in range(start, stop, 1 << 20):
+            counts = np.bincount(self._choices(chunk, min(stop, chunk + (1 << 20))), minlength=len(self.datasets))
+            for d, k in enumerate(counts.tolist()):
+                if k:
+                    epoch, pos = self.cursors[d]
+                    if pos >= len(self.datasets[d]):
+                        epoch, pos = epoch + 1, 0
+                    wraps = (pos + k - 1) // len(self.datasets[d])  # as k calls of _next_window would leave it
+                    self.cursors[d] = [epoch + wraps, pos + k - wraps * len(self.datasets[d])]
+
     def __next__(self) -> torch.Tensor:
         global_batch = self.batch_size * self.world_size
         if not self.loop:
@@ -177,10 +203,13 @@ class TokenLoader:
             if remaining <= 0:
                 raise StopIteration
             global_batch = min(global_batch, remaining)
-        sample_ids = np.arange(self.samples, self.samples + global_batch)
-        choices = np.searchsorted(self.cum_weights, _uniform(self.cfg.seed, sample_ids), side="right")
-        picks = [(int(d), self._next_window(int(d))) for d in choices]
-        self.samples += global_batch
+        picks: list[tuple[int, int]] = []
+        while len(picks) < global_batch:
+            kept = self.skipped.next_kept(self.samples)
+            self._pass_over(self.samples, kept)
+            stop = int(min(kept + global_batch - len(picks), self.skipped.next_skipped(kept)))
+            picks += [(int(d), self._next_window(int(d))) for d in self._choices(kept, stop)]
+            self.samples = stop
         mine = picks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         if not mine:  # the last evaluation batch can leave a rank without rows
             return torch.zeros((0, self.cfg.seq_len + 1), dtype=torch.long)
@@ -195,6 +224,7 @@ class TokenLoader:
             "windows": [len(d) for d in self.datasets],
             "seed": self.cfg.seed,
             "seq_len": self.cfg.seq_len,
+            "skipped": self.skipped.to_list(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -204,3 +234,4 @@ class TokenLoader:
                                  "the data or its windows changed since the checkpoint: use a new run_dir or train.resume=never")
         self.samples = int(state["samples"])
         self.cursors = [[int(e), int(p)] for e, p in state["cursors"]]
+        self.skipped = SkippedSamples(state.get("skipped"))  # absent from states saved before skipping existed

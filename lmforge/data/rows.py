@@ -6,13 +6,15 @@ import numpy as np
 import torch
 
 from lmforge.core.io import InputError
+from lmforge.data.skipped import SkippedSamples
 
 
 class RowLoader:
     """Micro-batches of rows of a dict of (N, T) tensors, shuffled per epoch from a seed.
 
     Like ``TokenLoader``: rank ``r`` of ``w`` takes rows ``[r*B, (r+1)*B)`` of each global
-    batch, ``loop=True`` cycles epochs, and ``state_dict()`` (epoch, position) resumes exactly.
+    batch, ``loop=True`` cycles epochs, ``state_dict()`` (epoch, position) resumes exactly, and
+    ``skip_samples`` passes over rows of the global stream (numbered ``epoch * N + position``).
     """
 
     def __init__(self, rows: dict[str, torch.Tensor], batch_size: int, *, seed: int = 0, shuffle: bool = True,
@@ -23,6 +25,18 @@ class RowLoader:
         if self.n == 0:
             raise InputError("no rows to load: the dataset is empty")
         self.epoch, self.pos = 0, 0
+        self.skipped = SkippedSamples()
+
+    @property
+    def samples(self) -> int:
+        """Global rows consumed by all ranks together, skipped ones included."""
+        return self.epoch * self.n + self.pos
+
+    def skip_samples(self, start: int, stop: int) -> None:
+        """Never serve rows ``start .. stop - 1`` of the global stream (a training loader only)."""
+        if not self.loop:
+            raise ValueError("only a training (looping) loader can skip samples")
+        self.skipped.add(start, stop)
 
     def _order(self) -> np.ndarray:
         if not self.shuffle:
@@ -36,12 +50,15 @@ class RowLoader:
         global_batch = self.batch_size * self.world_size
         picks: list[int] = []
         while len(picks) < global_batch:
+            kept = self.skipped.next_kept(self.samples)
+            if kept > self.samples:
+                self.epoch, self.pos = divmod(kept, self.n)
             if self.pos >= self.n:
                 if not self.loop:
                     break
                 self.epoch, self.pos = self.epoch + 1, 0
             order = self._order()
-            take = min(global_batch - len(picks), self.n - self.pos)
+            take = int(min(global_batch - len(picks), self.n - self.pos, self.skipped.next_skipped(kept) - kept))
             picks += order[self.pos : self.pos + take].tolist()
             self.pos += take
         if not picks:
@@ -53,10 +70,12 @@ class RowLoader:
         return self.n
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "rows": self.n, "seed": self.seed}
+        return {"epoch": self.epoch, "pos": self.pos, "rows": self.n, "seed": self.seed,
+                "skipped": self.skipped.to_list()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["rows"] != self.n or state["seed"] != self.seed:
             raise InputError(f"loader state is for {state['rows']} rows with seed {state['seed']}, "
                              f"this data has {self.n} rows with seed {self.seed}: use a new run_dir")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self.skipped = SkippedSamples(state.get("skipped"))  # absent from states saved before skipping existed

@@ -17,7 +17,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -41,6 +41,7 @@ from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.checkpoint import latest_valid_checkpoint
 from lmforge.train.checkpoint import (
     PendingCheckpoint,
+    ResumeState,
     load_training_checkpoint,
     read_resume_state,
     save_sharded_training_checkpoint,
@@ -49,6 +50,7 @@ from lmforge.train.checkpoint import (
 )
 from lmforge.train.metrics import PEAK_ENV, MetricsLogger, peak_flops, peak_memory_bytes, utilization
 from lmforge.train.optim import build_adamw, lr_at
+from lmforge.train.spikes import SpikeConfig, SpikeEvent, SpikeGuard, StepRange
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -85,6 +87,7 @@ class TrainConfig:
     tensorboard: bool = True
     max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
     stop_at_step: int | None = None  # stop (with a checkpoint) at this step; the schedule still spans max_steps
+    spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection: warn, skip or roll back
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.micro_batch_size < 1:
@@ -186,6 +189,7 @@ def train_step(
     forward_loss: Callable | None = None,
     parallel: ParallelContext | None = None,
     pipeline: PipelineRunner | None = None,
+    accept: Callable[[torch.Tensor], bool] | None = None,
 ) -> StepResult:
     """One optimizer step over ``micro_batches``.
 
@@ -193,6 +197,7 @@ def train_step(
     accumulating k micro-batches gives the same update as one batch k times larger.
     ``forward_loss`` replaces ``objective(model, batch)``, e.g. with its compiled form.
     With ``parallel`` the step is one of a distributed run (see ``parallel_backward``).
+    ``accept(loss)`` false (a loss spike, see ``train.spikes``) drops the update.
     """
     if parallel is not None:
         loss_total, n_targets, metric_sums = parallel_backward(model, objective, micro_batches, precision, parallel,
@@ -206,10 +211,12 @@ def train_step(
         grad_norm = clip_grad_norm_(params, grad_clip, parallel)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    apply = accept is None or accept(loss_total)
     if scaler is not None:
-        scaler.step(optimizer)  # skipped when the scaled gradients overflowed
+        if apply:
+            scaler.step(optimizer)  # skipped when the scaled gradients overflowed
         scaler.update()
-    else:
+    elif apply:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
@@ -408,11 +415,19 @@ def train(
         # DCP's flattened optimizer state cannot hold or load an empty group (LoRA: no undecayed vectors),
         # also when one process resumes a distributed run's checkpoint
         optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
-    if state is not None:
+    guard = SpikeGuard(cfg.spikes)
+    guard.check_loader(train_batches)
+
+    def restore(ckpt: Path, state: ResumeState, rollback: bool = False) -> None:
+        """Load a checkpoint's weights, optimizer, loader, loss scale and spike window (resume, rollback)."""
         load_training_checkpoint(ckpt, state, model, optimizer, sharded_model=parallel is not None)
         train_batches.load_state_dict(state.trainer_state["loader"])
         if scaler is not None and state.trainer_state.get("scaler"):
             scaler.load_state_dict(state.trainer_state["scaler"])
+        guard.load_state_dict(state.trainer_state.get("spikes"), rollback=rollback)
+
+    if state is not None:
+        restore(ckpt, state)
         start_step, tokens_seen = state.step, state.trainer_state.get("tokens_seen", 0)
         log.info("resuming from %s (step %d)", ckpt, start_step)
         if logging_rank:
@@ -430,7 +445,7 @@ def train(
 
     def trainer_state() -> dict:
         return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(), "precision": precision,
-                "scaler": scaler.state_dict() if scaler is not None else None}
+                "scaler": scaler.state_dict() if scaler is not None else None, "spikes": guard.state_dict()}
 
     def checkpoint(step: int, final: bool = False) -> Path:
         if parallel is None:
@@ -451,6 +466,31 @@ def train(
         log.info("step %d: sharded checkpoint %s being written in the background", step, save.target)
         return save.target
 
+    def roll_back(spike: SpikeEvent) -> int | None:
+        """Restore the newest checkpoint and make the loader skip the samples from it to ``spike``
+        (``train.spikes.policy=rollback``); its step, or None when there is none (the update stays skipped)."""
+        nonlocal tokens_seen, metrics
+        while pending:
+            log.info("checkpoint %s committed", pending.pop().commit())
+        found = [str(latest_valid_checkpoint(run_dir) or "") if parallel is None or dist.get_rank() == 0 else None]
+        if parallel is not None:
+            dist.broadcast_object_list(found, src=0)
+        if not found[0]:
+            spike.action = "skipped"
+            log.warning("step %d: no checkpoint to roll back to; skipping the update", spike.step)
+            return None
+        spike_end, back = train_batches.samples, read_resume_state(Path(found[0]))
+        metrics.close()
+        restore(Path(found[0]), back, rollback=True)
+        guard.rolled_back(spike, back.step, train_batches, spike_end,
+                          grad_accum * train_batches.batch_size * train_batches.world_size)
+        tokens_seen = back.trainer_state.get("tokens_seen", 0)
+        metrics = MetricsLogger(run_dir, cfg.tensorboard, resume_step=back.step) if logging_rank else _NoMetrics()
+        for event in guard.rollbacks:  # the rollbacks past the checkpoint stay on record
+            if event["step"] > back.step:
+                metrics.log(event)
+        return back.step
+
     summary: dict = {"start_step": start_step, "step": start_step, "precision": precision}
     if start_step >= cfg.max_steps:
         log.info("run already complete at step %d (max_steps %d)", start_step, cfg.max_steps)
@@ -464,7 +504,7 @@ def train(
     tok_rates, mfus = [], []
     last_ckpt = None
     step = start_step
-    for step in range(start_step, cfg.max_steps):
+    for step in (steps := StepRange(start_step, cfg.max_steps)):
         t0 = time.perf_counter()
         lr = lr_at(step, peak=cfg.lr, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
                    min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
@@ -473,7 +513,7 @@ def train(
         micro_batches = [next(train_batches) for _ in range(grad_accum)]
         n_tokens = dp * sum(getattr(objective, "num_tokens", objective.num_targets)(b) for b in micro_batches)
         result = train_step(model, objective, micro_batches, optimizer, scaler, params, precision, cfg.grad_clip,
-                            forward_loss, parallel, pipeline)
+                            forward_loss, parallel, pipeline, accept=guard.accept(step))
         loss_value, grad_norm, n_targets = result.loss.item(), result.grad_norm, result.n_targets  # the host sync
         if not math.isfinite(loss_value):
             metrics.close()
@@ -481,6 +521,13 @@ def train(
                 f"loss became {loss_value} at step {step + 1}; lower train.lr, raise train.warmup_steps, "
                 f"or resume from the last checkpoint"
             )
+        if (spike := guard.take_event()) is not None:
+            back = roll_back(spike) if spike.action == "rolled_back" else None
+            log.warning("%s", spike.line())
+            if back is not None:
+                steps.rewind(back)
+                continue
+            metrics.log(spike.record())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0

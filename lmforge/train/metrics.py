@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
+from lmforge.train.spikes import report_lines
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -57,14 +58,19 @@ class MetricsLogger:
             self.writer.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
+def read_metrics(run_dir: str | Path, events: bool = False) -> list[dict]:
+    """The step records of ``metrics.jsonl``; with ``events``, only the event records (those with an
+    ``event`` key, e.g. loss spikes), which lack a step's fields."""
     path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return [r for r in records if ("event" in r) == events]
 
 
 def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> list[str]:
-    """The lifecycle report's lines for a stage's loss curve (plotted into ``out``); none without metrics."""
-    return ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy) else []
+    """The lifecycle report's lines for a stage's loss curve (plotted into ``out``) and its loss-spike
+    events; none without metrics."""
+    curve = ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy) else []
+    return curve + report_lines(read_metrics(stage_dir, events=True))
 
 
 def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> Path | None:

@@ -139,3 +139,60 @@ def test_mismatched_state_is_refused(datasets):
 def test_too_little_data_for_a_window_is_an_error(datasets):
     with pytest.raises(InputError, match="too few for one window"):
         loader(datasets[1:], seq_len=10**6)
+
+
+def rows_of(ld, n_batches):
+    return [tuple(row) for _ in range(n_batches) for row in next(ld).tolist()]
+
+
+def test_skipped_samples_are_never_served_and_every_other_sample_keeps_its_window(datasets):
+    stream = rows_of(loader(datasets, weights=[3, 1], batch=4), 10)
+    skipping = loader(datasets, weights=[3, 1], batch=4)
+    skipping.skip_samples(6, 15)
+    skipping.skip_samples(20, 22)
+    assert rows_of(skipping, 6) == (stream[:6] + stream[15:20] + stream[22:])[:24]
+    assert skipping.samples == 24 + 11
+
+
+def test_data_parallel_ranks_skip_the_same_global_samples(datasets):
+    single = loader(datasets, batch=8)
+    ranks = [loader(datasets, batch=4, rank=r, world_size=2) for r in range(2)]
+    for ld in (single, *ranks):
+        ld.skip_samples(3, 13)
+    for _ in range(4):
+        whole = next(single)
+        assert (whole[:4] == next(ranks[0])).all() and (whole[4:] == next(ranks[1])).all()
+
+
+def test_skipped_ranges_are_resumed_from_the_loader_state(datasets):
+    uninterrupted = loader(datasets, batch=3)
+    uninterrupted.skip_samples(10, 40)
+    expected = rows_of(uninterrupted, 20)
+    first = loader(datasets, batch=3)
+    first.skip_samples(10, 40)
+    got = rows_of(first, 2)
+    resumed = loader(datasets, batch=3)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.state_dict()["skipped"] == [[10, 40]]
+    assert got + rows_of(resumed, 18) == expected
+
+
+def test_skipping_past_an_epoch_end_keeps_the_epoch_order(datasets):
+    n = len(loader(datasets[:1], seq_len=64).datasets[0])
+    stream = rows_of(loader(datasets[:1], batch=1, seq_len=64), 2 * n + 3)
+    skipping = loader(datasets[:1], batch=1, seq_len=64)
+    skipping.skip_samples(2, n + 5)
+    assert rows_of(skipping, n) == (stream[:2] + stream[n + 5:])[:n]
+
+
+def test_a_state_saved_before_skipping_existed_loads_with_no_skipped_samples(datasets):
+    state = loader(datasets).state_dict()
+    del state["skipped"]
+    ld = loader(datasets)
+    ld.load_state_dict(state)
+    assert ld.state_dict()["skipped"] == []
+
+
+def test_an_empty_or_negative_skipped_range_is_refused(datasets):
+    with pytest.raises(ValueError, match="start < stop"):
+        loader(datasets).skip_samples(5, 5)
