@@ -115,7 +115,8 @@ def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool
 
 
 def validate_messages(messages: Any, field: str = "messages", need_assistant: bool = True) -> None:
-    """Raise ``ExampleError`` unless ``messages`` is a list of ``{role, content}`` with known roles."""
+    """Raise ``ExampleError`` unless ``messages`` is a list of ``{role, content}`` with known roles
+    and text in every turn."""
     if not isinstance(messages, list) or not messages:
         raise ExampleError("bad_messages", f"{field!r} must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
@@ -126,14 +127,28 @@ def validate_messages(messages: Any, field: str = "messages", need_assistant: bo
         if not isinstance(m["content"], str):
             raise ExampleError("content_not_string",
                                f"{field}[{i}].content is {type(m['content']).__name__}, not a string")
+        if not m["content"].strip():
+            raise ExampleError("empty_turn", f"{field}[{i}] ({m['role']}) is empty: a turn with no text trains "
+                                             "nothing, or trains the model to answer with nothing")
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ExampleError("no_assistant_turn", f"{field!r} has no assistant turn, so there is nothing to train on")
+
+
+def validate_turn_order(messages: list[dict]) -> None:
+    """Raise ``ExampleError`` when a conversation's first turn after the system prompt is the
+    assistant's: the assistant would answer a question nobody asked (often a conversation cut
+    at the front, its first user turn lost)."""
+    first = next((m for m in messages if m["role"] != "system"), None)
+    if first is not None and first["role"] == "assistant":
+        raise ExampleError("assistant_first", "'messages' starts with an assistant turn: a conversation opens "
+                                              "with the user (after an optional system turn)")
 
 
 def example_segments(record: dict, assistant_only: bool = True) -> tuple[list[Segment], bool]:
     """Validate one record and return its segments and whether EOS is appended."""
     if "messages" in record:
         validate_messages(record["messages"])
+        validate_turn_order(record["messages"])
         return render_chatml(record["messages"], assistant_only=assistant_only), False
     if "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]

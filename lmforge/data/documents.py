@@ -11,7 +11,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import re
+import zlib
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -108,6 +110,27 @@ def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, s
     return False
 
 
+class DamagedFile(InputError):
+    """A file that cannot be read past line ``line - 1``: a gzip file cut short or damaged, a file
+    named ``.gz`` that is not gzip, a read error. ``detail`` says which."""
+
+    def __init__(self, path: Path, line: int, detail: str):
+        super().__init__(f"{path}:{line}: {detail}")
+        self.line, self.detail = line, detail
+
+
+def unreadable(exc: BaseException) -> str:
+    """Why reading a (possibly gzipped) file stopped, in words: what ``EOFError``, ``BadGzipFile``,
+    ``zlib.error`` and ``OSError`` mean to the user."""
+    if isinstance(exc, EOFError):
+        return "the compressed data is cut short (the file ends inside it); the rest of the file cannot be read"
+    if isinstance(exc, gzip.BadGzipFile) and str(exc).startswith("Not a gzipped file"):
+        return "not a gzip file, though its name ends in .gz"
+    if isinstance(exc, (gzip.BadGzipFile, zlib.error)):
+        return f"damaged gzip data ({exc}); the rest of the file cannot be read"
+    return f"cannot read: {getattr(exc, 'strerror', None) or exc}"
+
+
 def open_binary(path: Path) -> IO[bytes]:
     try:
         return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
@@ -132,24 +155,32 @@ def jsonl_lines(path: Path, start: int = 0, offset: int | None = None) -> Iterat
     over it, without splitting or parsing lines); without it the first ``start`` lines are
     counted off unparsed.
     """
-    with open_binary(path) as f:
-        if offset is not None:
-            f.seek(offset)
-        else:
-            deque(islice(f, start), maxlen=0)
-        for lineno, raw in enumerate(f, start=start + 1):
-            yield lineno, raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+    lineno = start
+    try:
+        with open_binary(path) as f:
+            if offset is not None:
+                f.seek(offset)
+            else:
+                deque(islice(f, start), maxlen=0)
+            for lineno, raw in enumerate(f, start=start + 1):
+                yield lineno, raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DamagedFile(path, lineno + 1, unreadable(exc)) from exc
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``."""
-    for lineno, raw in jsonl_lines(path):
-        record = parse_jsonl_line(raw)
-        if record is BLANK:
-            continue
-        if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
-            record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
-        yield f"{path}:{lineno}", record
+    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``,
+    and so does the point where a damaged file stops being readable (the last item then)."""
+    try:
+        for lineno, raw in jsonl_lines(path):
+            record = parse_jsonl_line(raw)
+            if record is BLANK:
+                continue
+            if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
+                record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
+            yield f"{path}:{lineno}", record
+    except DamagedFile as exc:
+        yield f"{path}:{exc.line}", BadRecord("damaged_file", exc.detail)
 
 
 BLANK = object()  # what ``parse_jsonl_line`` returns for a blank line
@@ -197,8 +228,30 @@ def replace_surrogates(value: Any) -> Any:
     return value
 
 
+class NonFiniteNumber(ValueError):
+    """A JSON number that is NaN or infinite (Python's ``json`` reads ``NaN``, ``Infinity`` and ``1e400``)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFiniteNumber(text)
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise NonFiniteNumber(name)
+
+
+def parse_json_text(text: str) -> Any:
+    """``json.loads`` that refuses NaN and infinite numbers (``NonFiniteNumber``): strict JSON has
+    none, and one in the data (a margin, a score) would poison training steps later, far from its line."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+
+
 def parse_jsonl_line(raw: bytes) -> Any:
-    """One JSONL line's value; ``BLANK`` for a blank line; a ``BadRecord`` for invalid UTF-8 or JSON."""
+    """One JSONL line's value; ``BLANK`` for a blank line; a ``BadRecord`` for invalid UTF-8 or JSON,
+    or for a NaN or infinite number."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -206,9 +259,11 @@ def parse_jsonl_line(raw: bytes) -> Any:
     if not line.strip():
         return BLANK
     try:
-        return json.loads(line)
+        return parse_json_text(line)
     except json.JSONDecodeError as exc:
         return BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+    except NonFiniteNumber as exc:
+        return BadRecord("non_finite_number", f"{exc} is not a finite number (JSON data may hold only finite numbers)")
 
 
 def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
@@ -280,8 +335,12 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
 
 def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     """A plain-text file is one document; its id is the file name."""
-    with open_binary(path) as f:
-        data = f.read()
+    try:
+        with open_binary(path) as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        _bad(cfg, skipped, "damaged_file", str(path), unreadable(exc))
+        return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

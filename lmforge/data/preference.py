@@ -25,6 +25,7 @@ error, by ``on_too_long``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,14 @@ def _content_is_empty(completion: Any) -> bool:
     if isinstance(completion, list):
         return not any(isinstance(m, dict) and str(m.get("content", "")).strip() for m in completion)
     return False
+
+
+def finite(number: int | float) -> bool:
+    """Whether ``number`` is a float other than NaN and infinity (an int too large for a float is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, list]:
@@ -176,6 +185,8 @@ def parse_pair(tok: Tokenizer, record: Any, max_length: int, on_too_long: OnTooL
     margin = record.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)):
         raise ExampleError("bad_margin", f"'margin' must be a number, got {margin!r}")
+    if margin is not None and not finite(margin):  # a JSONL line can't hold NaN or infinity; a Parquet row can
+        raise ExampleError("bad_margin", f"'margin' must be a finite number, got {margin!r}")
     return PreferencePair(c, r, "", None if margin is None else float(margin)), bool(c_note or r_note)
 
 

@@ -108,6 +108,18 @@ BAD = [
      "content_not_string"),
     ({"prompt": "a", "completion": ["b"]}, "both be strings", "bad_prompt_completion"),
     ({"text": "plain"}, "expected 'messages'", "unknown_format"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+     r"messages\[1\] \(assistant\) is empty", "empty_turn"),
+    ({"messages": [{"role": "user", "content": " \n"}, {"role": "assistant", "content": "x"}]},
+     r"messages\[0\] \(user\) is empty", "empty_turn"),
+    ({"prompt": [{"role": "user", "content": ""}], "completion": [{"role": "assistant", "content": "x"}]},
+     r"prompt\[0\] \(user\) is empty", "empty_turn"),
+    ({"messages": [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "x"}]}, "starts with an assistant turn", "assistant_first"),
+    ({"messages": [SYSTEM, {"role": "assistant", "content": "Hello!"}]}, "starts with an assistant turn",
+     "assistant_first"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}], "x": float("nan")},
+     "not a finite number", "non_finite_number"),
 ]
 
 

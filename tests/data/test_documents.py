@@ -110,3 +110,55 @@ def test_jsonl_records_accept_a_byte_order_mark_on_the_first_line_only(tmp_path)
     (first, a), (second, b) = jsonl_records(path)
     assert first.endswith("bom.jsonl:1") and a == {"text": "a"}
     assert second.endswith("bom.jsonl:2") and isinstance(b, BadRecord)  # a BOM mid-file is not a file's start
+
+
+def _lines(n):
+    return b"".join(b'{"text": "document %d"}\n' % i for i in range(n))
+
+
+def test_a_truncated_gzip_jsonl_is_an_error_naming_the_file_and_the_last_line_read(tmp_path):
+    p = tmp_path / "cut.jsonl.gz"
+    data = gzip.compress(_lines(2000))
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"cut\.jsonl\.gz:\d+: .*cut short"):
+        read([p])
+
+
+def test_a_truncated_gzip_jsonl_keeps_the_lines_before_the_cut_when_skipping(tmp_path):
+    p, q = tmp_path / "cut.jsonl.gz", tmp_path / "next.jsonl"
+    data = gzip.compress(_lines(2000))
+    p.write_bytes(data[: len(data) // 2])
+    q.write_bytes(b'{"text": "after"}\n')
+    skipped = SkipLog()
+    docs = read([p, q], skip=True, skipped=skipped)
+    assert 0 < len(docs) - 1 < 2000 and docs[-1].text == "after"  # reading goes on with the next file
+    assert skipped.by_reason == {"damaged_file": 1}
+    assert f"cut.jsonl.gz:{len(docs)}:" in skipped.examples[0]  # the line after the last one read
+
+
+def test_a_file_named_gz_that_is_not_gzip_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "plain.jsonl.gz"
+    p.write_bytes(_lines(3))
+    with pytest.raises(InputError, match=r"plain\.jsonl\.gz:1: .*not a gzip file"):
+        read([p])
+    skipped = SkipLog()
+    assert read([p], skip=True, skipped=skipped) == [] and skipped.by_reason == {"damaged_file": 1}
+
+
+def test_a_truncated_gzip_text_file_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "notes.txt.gz"
+    data = gzip.compress(b"some words\n" * 5000)
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"notes\.txt\.gz: .*cut short"):
+        read([p])
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e999"])
+def test_nan_and_infinite_numbers_in_jsonl_are_bad_records(tmp_path, number):
+    p = tmp_path / "n.jsonl"
+    p.write_bytes(b'{"text": "good"}\n{"text": "x", "score": ' + number + b'}\n')
+    with pytest.raises(InputError, match=r"n\.jsonl:2: .*not a finite number"):
+        read([p])
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["good"]
+    assert skipped.by_reason == {"non_finite_number": 1}
