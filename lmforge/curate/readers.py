@@ -39,6 +39,8 @@ from lmforge.data.documents import (
     jsonl_lines,
     lone_surrogate,
     open_binary,
+    open_parquet,
+    parquet_batches,
     parquet_rows,
     parse_jsonl_line,
     replace_surrogates,
@@ -141,12 +143,7 @@ def count_records(path: Path, fmt: str, cfg: InputsConfig,
                 raise DamagedFile(path, n + 1, unreadable(exc)) from exc
         return n, offsets
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.ParquetFile(path).metadata.num_rows, {}
-        except Exception as exc:  # pyarrow raises several types for corrupt files
-            raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+        return open_parquet(path).metadata.num_rows, {}
     return 1, {}
 
 
@@ -693,16 +690,20 @@ def _record_document(record: dict, cfg: InputsConfig, fallback_id: str, path: Pa
 
 
 def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    """Rows ``[start, stop)``; damage partway is one reject for the rows that could not be read."""
+    pf = open_parquet(path)
     if cfg.text_field not in pf.schema_arrow.names:
         raise InputError(f"{path}: no {cfg.text_field!r} column (columns: {pf.schema_arrow.names})")
+    try:
+        yield from _parquet_records(path, pf, cfg, start, stop)
+    except DamagedFile as exc:
+        yield Document(f"{path.name}:damaged", "", {"source": str(path)}), f"unreadable-file: {exc}"
+
+
+def _parquet_records(path: Path, pf: Any, cfg: InputsConfig, start: int, stop: int
+                     ) -> Iterator[tuple[Document, str | None]]:
     row = 0
-    for batch in pf.iter_batches(batch_size=4096):
+    for batch in parquet_batches(pf, path):
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue

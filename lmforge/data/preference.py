@@ -17,7 +17,7 @@ same prompt tokens. Labels are -100 on the prompt, so ``sequence_logprobs`` scor
 the completion's tokens.
 
 A bad record (chosen identical to rejected, an empty completion, a label that is not a
-boolean, a prompt that leaves no room for a completion within ``max_length``) is an
+boolean, a margin that is not a finite number, a prompt that leaves no room for a completion within ``max_length``) is an
 ``InputError`` naming the file and line, or is skipped and counted with ``on_bad: skip``.
 A completion running past ``max_length`` is truncated (TRL's keep_start), skipped or an
 error, by ``on_too_long``.
@@ -96,7 +96,7 @@ def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, lis
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
-    while n > 0 and chosen[n - 1].get("role") == "assistant":  # completions start with the assistant's turn
+    while n > 0 and isinstance(chosen[n - 1], dict) and chosen[n - 1].get("role") == "assistant":  # completions start with the assistant's turn
         n -= 1
     if n == 0:
         raise ExampleError("no_prompt", "no 'prompt', and 'chosen' and 'rejected' share no leading turns to use as one")

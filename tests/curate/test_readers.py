@@ -409,3 +409,13 @@ def test_an_uncompressed_warc_cut_inside_a_middle_record_header_is_an_error_nami
     path.write_bytes(data[:offsets[2] + 120] + data[offsets[3]:])  # no gzip member to resume at
     with pytest.raises(InputError, match=f"{path}: cannot read WARC after the record at byte {offsets[2]}"):
         read_all(InputsConfig(paths=[str(path)]))
+
+
+def test_a_parquet_file_damaged_partway_is_a_reject_for_the_rows_lost(tmp_path):
+    from tests.data.test_documents import damaged_parquet
+
+    path = damaged_parquet(tmp_path / "d.parquet")
+    items = read_all(InputsConfig(paths=[str(path)], records_per_shard=0))
+    assert [d.text for d, r in items if r is None] == ["document 0", "document 1"]
+    assert [r for _, r in items if r] == [f"unreadable-file: {path}:row 3: damaged Parquet data (" +
+                                          items[-1][1].split("damaged Parquet data (", 1)[1]]

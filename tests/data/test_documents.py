@@ -162,3 +162,34 @@ def test_nan_and_infinite_numbers_in_jsonl_are_bad_records(tmp_path, number):
     skipped = SkipLog()
     assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["good"]
     assert skipped.by_reason == {"non_finite_number": 1}
+
+
+@pytest.mark.parametrize("line", [b"[" * 5000, b'{"text": "a", "m": ' + b"[" * 900 + b'"\\u0041"' + b"]" * 900 + b"}",
+                                  b'{"text": "a", "m": ' + b"{\"k\": " * 101 + b"1" + b"}" * 101 + b"}"])
+def test_json_nested_more_than_100_levels_deep_is_a_bad_record(tmp_path, line):
+    p = tmp_path / "deep.jsonl"
+    p.write_bytes(b'{"text": "good"}\n' + line + b"\n")
+    with pytest.raises(InputError, match=r"deep\.jsonl:2: JSON nested more than 100 levels deep"):
+        read([p])
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["good"]
+    assert skipped.by_reason == {"too_deep": 1}
+
+
+def damaged_parquet(path, rows: int = 6):
+    """A Parquet file of ``rows`` documents in row groups of 2 whose second row group's page header is garbage."""
+    pq.write_table(pa.table({"text": [f"document {i}" for i in range(rows)]}), path, row_group_size=2)
+    offset = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_parquet_file_damaged_partway_is_an_error_naming_the_first_row_lost(tmp_path):
+    p = damaged_parquet(tmp_path / "d.parquet")
+    with pytest.raises(InputError, match=r"d\.parquet:row 3: damaged Parquet data"):
+        read([p])
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["document 0", "document 1"]
+    assert skipped.by_reason == {"damaged_file": 1}

@@ -61,6 +61,8 @@ def test_conversational_pair_and_implicit_prompt_give_the_same_tokens(small_toke
     ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": float("nan")}, "NaN is not a finite number"),
     ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": float("inf")}, "Infinity is not a finite number"),
     ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": 10**400}, "must be a finite number"),
+    ({"chosen": [[None], {"role": "assistant", "content": "a"}], "rejected": [[None], {"role": "assistant",
+      "content": "b"}]}, "prompt[0] must be an object with 'role' and 'content'"),
 ])
 def test_bad_pairs_are_errors_naming_file_and_line_or_are_skipped_and_counted(small_tokenizer, tmp_path, record,
                                                                                reason):
