@@ -1,9 +1,10 @@
 """Input readers for curation: WARC, HTML files, JSONL, Parquet and plain text, cut into shards.
 
 A reader yields ``(Document, None)`` for every record it can read and ``(Document, reason)``
-for one it cannot (a truncated WARC record, cut in its payload or its header, a damaged gzip member of a .warc.gz, after which
-reading goes on at the next member, an undecodable payload, a malformed JSONL line, a string
-with a lone surrogate or invalid UTF-8, which no output could hold), so bad records become
+for one it cannot (a WARC record truncated in its payload or its header, a damaged gzip member
+of a .warc.gz, after which reading goes on at the next member, an undecodable payload, a
+malformed JSONL line, a string with a lone surrogate or invalid UTF-8, which no output could
+hold, a Parquet file damaged partway), so bad records become
 counted rejects instead of stopping the run or vanishing. A missing or unreadable file, or an
 uncompressed WARC that cannot be parsed past some byte, is an ``InputError`` naming it.
 
