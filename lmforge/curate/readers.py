@@ -346,7 +346,10 @@ def _malformed_record_member(path: Path, position: int) -> tuple[int, str] | Non
         while position < size:
             f.seek(position)
             d = zlib.decompressobj(wbits=31)
-            content = d.decompress(f.read(1 << 26))  # a member of one record; 64 MiB read at most
+            try:
+                content = d.decompress(f.read(1 << 26))  # a member of one record; 64 MiB read at most
+            except zlib.error as exc:
+                return position, f"damaged-gzip-member: {path}: the gzip member at byte {position} is damaged ({exc})"
             end = position + (f.tell() - position) - len(d.unused_data) if d.eof else size
             head, sep, body = content.partition(b"\r\n\r\n")
             length = re.search(rb"(?im)^content-length:[ \t]*(\d+)[ \t]*\r?$", head)

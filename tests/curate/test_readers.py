@@ -9,7 +9,7 @@ from fastwarc.warc import ArchiveIterator
 
 from lmforge.core.io import InputError
 from lmforge.curate.readers import InputsConfig, Piece, decode_payload, plan_shards, read_piece
-from tests.curate.warc_fixtures import PROSE, html_record, record_offsets, write_warc
+from tests.curate.warc_fixtures import MIXED_PAGES, PROSE, fixed_warc, html_record, record_offsets, write_warc
 
 UNDECODABLE = b"<p>" + bytes(range(0x80, 0x100)) + b"</p>"  # not UTF-8, and 0x81 is in no windows-125x
 
@@ -419,3 +419,14 @@ def test_a_parquet_file_damaged_partway_is_a_reject_for_the_rows_lost(tmp_path):
     assert [d.text for d, r in items if r is None] == ["document 0", "document 1"]
     assert [r for _, r in items if r] == [f"unreadable-file: {path}:row 3: damaged Parquet data (" +
                                           items[-1][1].split("damaged Parquet data (", 1)[1]]
+
+
+def test_a_gzip_member_running_into_a_copy_of_the_file_is_a_counted_reject(tmp_path):
+    # found by tests/reliability/test_fuzz_readers.py: the file, then the file again from 2 bytes before its end
+    data = fixed_warc(MIXED_PAGES)
+    path = tmp_path / "a.warc.gz"
+    path.write_bytes(data[:1518] + data + data[1518:])
+    items = read_all(InputsConfig(paths=[str(path)], records_per_shard=0))
+    # the first copy up to the cut, then the whole second copy
+    assert [d.metadata.get("url") for d, r in items if r is None] == ["https://x.org/a"] + ["https://x.org/a", "https://x.org/c"]
+    assert any(r.startswith(f"damaged-gzip-member: {path}: the gzip member at byte ") for _, r in items if r)

@@ -286,12 +286,10 @@ def test_preference_pairs_and_kto_examples_are_records_or_an_input_error(small_t
 
 
 def warc_file(gz: bool) -> bytes:
-    from tests.curate.warc_fixtures import PROSE, html_record, write_warc
+    """Three pages (HTML, a PNG, windows-1252 HTML) after a warcinfo record, the same bytes every run."""
+    from tests.curate.warc_fixtures import MIXED_PAGES, fixed_warc
 
-    with tempfile.TemporaryDirectory() as folder:
-        records = [html_record("https://x.org/a", PROSE["en"]), ("https://x.org/b", b"\x89PNG\r\n\0", "image/png"),
-                   ("https://x.org/c", PROSE["fr"].encode("cp1252"), "text/html; charset=windows-1252")]
-        return write_warc(Path(folder) / ("a.warc.gz" if gz else "a.warc"), records, gzip=gz).read_bytes()
+    return fixed_warc(MIXED_PAGES, gzip=gz)
 
 
 @st.composite
