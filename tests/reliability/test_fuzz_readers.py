@@ -377,7 +377,8 @@ yaml_values = st.recursive(yaml_scalars, lambda inner: st.lists(inner, max_size=
                            | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 TRICKY_YAML = [b"&a [*a]", b"a: &a {b: *a}", b"run_dir: !!python/object:os.system {}", b"---\n---\n", b"- 1",
                b"\xff\xfe", b"train: {max_steps: .inf}", b"train: {max_steps: 1e999}", b"model: {preset: nope}",
-               b"data: !!binary aGVsbG8=", b"? [a]\n: 1", b"train:\n  lr: 0x10", b"<<: *undefined"]
+               b"data: !!binary aGVsbG8=", b"? [a]\n: 1", b"train:\n  lr: 0x10", b"<<: *undefined",
+               b"model: {n_kv_heads: 0}", b"model: {preset: [a]}"]
 
 
 def nested(key: str, value: Any) -> dict:
@@ -432,3 +433,13 @@ def test_each_tricky_recipe_document_loads_or_is_a_config_error(text):
     with written("recipe.yaml", text) as path:
         for cls in RECIPES:
             records_or_error(lambda cls=cls: load_config(cls, path, []), ConfigError)
+
+
+BOUNDARY_VALUES = ["0", "-1", "1e999", "nan", "-inf", "99999999999999999999999", "0.5", "''", "[]", "{}", "null"]
+
+
+@pytest.mark.parametrize("cls", RECIPES, ids=lambda cls: cls.__name__)
+def test_every_recipe_key_at_a_boundary_value_loads_or_is_a_config_error(cls):
+    for key in KEYS[cls]:
+        for value in BOUNDARY_VALUES:
+            records_or_error(lambda key=key, value=value: load_config(cls, None, [f"{key}={value}"]), ConfigError)
