@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import errno
 import inspect
 import json
 import re
@@ -268,6 +269,18 @@ def refuse_torchrun(verb: Verb) -> None:
                           f"torchrun (under torchrun, run the training stages one at a time: {ranked})")
 
 
+# a full disk, a quota, a read-only or forbidden place: the machine's state, not a bug to trace
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_error(exc: OSError) -> str:
+    """One line for an ``OSError`` of ``WRITE_ERRORS``: the path where known, the system's words.
+    Every output is written to a temporary sibling and renamed into place, so what a run wrote
+    before (checkpoints, a prepared dataset) is as it was."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{exc.strerror or exc} (outputs written before are unchanged)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in VERBS_BY_NAME:
@@ -298,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         module.run(cfg)
     except (ConfigError, InputError) as exc:
         print(f"lmforge {verb.name}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRORS:
+            raise
+        print(f"lmforge {verb.name}: error: {write_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"lmforge {verb.name}: interrupted", file=sys.stderr)

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from lmforge.core.config import dump_config, save_config
 from lmforge.core.io import (
+    InputError,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_npy,
@@ -618,6 +619,10 @@ def run_curate(cfg: CurateConfig) -> dict:
             ran += sum(not r["skipped"] for r in results)
             if seg == 0:
                 n_input = sum(r["in"] for r in results)
+                if n_input == 0:
+                    raise InputError(f"no documents in {', '.join(cfg.inputs.paths)}: the input is empty (a WARC's "
+                                     f"records count when of a type in inputs.warc_record_types: "
+                                     f"{', '.join(cfg.inputs.warc_record_types)})")
                 reused = resolve_ids(job, results, pool)
                 skipped += reused
                 ran += not reused

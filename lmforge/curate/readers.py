@@ -1,9 +1,10 @@
 """Input readers for curation: WARC, HTML files, JSONL, Parquet and plain text, cut into shards.
 
 A reader yields ``(Document, None)`` for every record it can read and ``(Document, reason)``
-for one it cannot (a truncated WARC record, a damaged gzip member of a .warc.gz, after which
-reading goes on at the next member, an undecodable payload, a malformed JSONL line, a string
-with a lone surrogate or invalid UTF-8, which no output could hold), so bad records become
+for one it cannot (a WARC record truncated in its payload or its header, a damaged gzip member
+of a .warc.gz, after which reading goes on at the next member, an undecodable payload, a
+malformed JSONL line, a string with a lone surrogate or invalid UTF-8, which no output could
+hold, a Parquet file damaged partway), so bad records become
 counted rejects instead of stopping the run or vanishing. A missing or unreadable file, or an
 uncompressed WARC that cannot be parsed past some byte, is an ``InputError`` naming it.
 
@@ -35,12 +36,16 @@ from lmforge.data import documents
 from lmforge.data.documents import (
     BLANK,
     BadRecord,
+    DamagedFile,
     jsonl_lines,
     lone_surrogate,
     open_binary,
+    open_parquet,
+    parquet_batches,
     parquet_rows,
     parse_jsonl_line,
     replace_surrogates,
+    unreadable,
 )
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".arc.gz")
@@ -136,15 +141,10 @@ def count_records(path: Path, fmt: str, cfg: InputsConfig,
                     n += 1
                     position += len(line)
             except (OSError, EOFError, zlib.error) as exc:
-                raise InputError(f"{path}: unreadable after line {n}: {exc}") from exc
+                raise DamagedFile(path, n + 1, unreadable(exc)) from exc
         return n, offsets
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.ParquetFile(path).metadata.num_rows, {}
-        except Exception as exc:  # pyarrow raises several types for corrupt files
-            raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+        return open_parquet(path).metadata.num_rows, {}
     return 1, {}
 
 
@@ -223,30 +223,44 @@ def _warc_records(path: Path, cfg: InputsConfig, origin: int = 0) -> Iterator[_W
     gz = path.name.lower().endswith(".gz")
     start: int | None = origin
     while start is not None:
-        last_offset = None
+        last_offset = last_length = None
         pending: _WarcItem | None = None  # the last record is held back until what follows it is checked
-        error = None
+        error = cut_tail = None
         try:
             with open(path, "rb") as f:
                 f.seek(start)
                 for record in ArchiveIterator(f, parse_http=True):
-                    last_offset = record.stream_pos
+                    last_offset, last_length = record.stream_pos, record.headers.get("Content-Length")
                     if pending is not None:
                         yield pending
                         pending = None
-                    if str(record.record_type) not in kept:
+                    # fastwarc makes a record of a header cut short by the end of the file (or of its gzip
+                    # member), with no Content-Length and an empty payload: a lost record, whatever its type
+                    cut = not (last_length or "").strip().isdigit() and _header_cut_short(path, record.stream_pos, gz)
+                    if str(record.record_type) not in kept and not cut:
                         continue
                     payload = record.reader.read()
                     problem = None
-                    if len(payload) < record.content_length:  # fastwarc's content_length is the payload's, after HTTP
+                    if cut:
+                        problem = (f"truncated-record: {path}: the record at byte {record.stream_pos} ends inside "
+                                   f"its header")
+                    elif len(payload) < record.content_length:  # fastwarc's content_length is the payload's
                         problem = f"truncated-record: payload has {len(payload)} of {record.content_length} bytes"
                     pending = _WarcItem(record, payload, record.stream_pos, problem)
         except OSError as exc:  # fastwarc raises OSError for damaged data too, with no errno
-            if exc.errno is not None or not gz:
+            if exc.errno is None and not gz:
+                cut_tail = _cut_header_tail(path, start if last_offset is None else last_offset, last_length)
+            if exc.errno is not None or (not gz and cut_tail is None):
                 where = f"after the record at byte {last_offset}" if last_offset is not None else f"at byte {start}"
                 raise InputError(f"{path}: cannot read WARC {where}: {exc.strerror or exc}") from exc
             error = exc
-        damage = _damaged_gzip_member(path, start, last_offset) if gz else _damaged_tail(path, last_offset, start)
+        if cut_tail is not None:
+            damage = cut_tail, f"truncated-record: {path}: the file ends inside the header of the record at byte {cut_tail}"
+            error = None
+        elif gz:
+            damage = _damaged_gzip_member(path, start, last_offset)
+        else:
+            damage = _damaged_tail(path, last_offset, start)
         if error is not None and damage is None:  # whole gzip members, but a WARC record fastwarc cannot parse
             damage = _malformed_record_member(path, start if last_offset is None else last_offset)
             if damage is None:
@@ -315,7 +329,7 @@ def _damaged_gzip_member(path: Path, origin: int, last_offset: int | None) -> tu
             if problem is not None:
                 if _blank_from(f, position, b"\0"):
                     return None
-                if problem == ENDS_EARLY:
+                if problem == ENDS_EARLY or (problem == "it holds no WARC record" and cut_header(head)):
                     return position, f"truncated-record: {path}: the gzip member at byte {position} {problem}"
                 return position, f"damaged-gzip-member: {path}: the gzip member at byte {position} is damaged ({problem})"
             position = end
@@ -332,10 +346,16 @@ def _malformed_record_member(path: Path, position: int) -> tuple[int, str] | Non
         while position < size:
             f.seek(position)
             d = zlib.decompressobj(wbits=31)
-            content = d.decompress(f.read(1 << 26))  # a member of one record; 64 MiB read at most
+            try:
+                content = d.decompress(f.read(1 << 26))  # a member of one record; 64 MiB read at most
+            except zlib.error as exc:
+                return position, f"damaged-gzip-member: {path}: the gzip member at byte {position} is damaged ({exc})"
             end = position + (f.tell() - position) - len(d.unused_data) if d.eof else size
             head, sep, body = content.partition(b"\r\n\r\n")
             length = re.search(rb"(?im)^content-length:[ \t]*(\d+)[ \t]*\r?$", head)
+            if d.eof and cut_header(content):
+                return position, (f"truncated-record: {path}: the gzip member at byte {position} ends inside a "
+                                  f"WARC record header")
             if not (content.startswith(b"WARC/") and sep and length and len(body) >= int(length.group(1))):
                 return position, (f"damaged-gzip-member: {path}: the gzip member at byte {position} holds no "
                                   f"well-formed WARC record")
@@ -343,6 +363,55 @@ def _malformed_record_member(path: Path, position: int) -> tuple[int, str] | Non
                 return None
             position = end
     return None
+
+
+VERSION_PREFIX = re.compile(rb"W(A(R(C(/(\d+(\.\d*)?)?)?)?)?)?\r?")  # "WARC/1.0" cut anywhere
+VERSION_LINE = re.compile(rb"WARC/\d+\.\d+\r?\n")
+
+
+def cut_header(content: bytes) -> bool:
+    """Whether ``content`` is the start of a WARC record header that stops before the blank line
+    ending it: a record cut short inside its header."""
+    if not content or b"\r\n\r\n" in content or b"\n\n" in content:
+        return False
+    first, newline, _ = content.partition(b"\n")
+    return VERSION_LINE.match(content) is not None if newline else VERSION_PREFIX.fullmatch(first) is not None
+
+
+def _header_cut_short(path: Path, offset: int, gz: bool) -> bool:
+    """Whether the record at byte ``offset`` (where its gzip member begins, in a .warc.gz) is cut
+    short inside its header, by the end of the file or of its gzip member."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(1 << 16)
+    if gz:
+        d = zlib.decompressobj(wbits=31)
+        try:
+            data = d.decompress(data, 1 << 16)
+        except zlib.error:
+            return False  # a damaged member: reported as such
+        if not d.eof and len(data) >= 1 << 16:
+            return False
+    return cut_header(data)
+
+
+def _cut_header_tail(path: Path, offset: int, length: str | None) -> int | None:
+    """Where an uncompressed WARC ends inside a record header after the record at byte ``offset``
+    (whose Content-Length header is ``length``), or None. fastwarc raises at a header cut inside
+    its version line; it is the end of a truncated file, not damage in the middle."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(1 << 16)
+        if cut_header(data):  # the record at ``offset`` itself
+            return offset
+        block = re.search(rb"\r?\n\r?\n", data)
+        if block is None or length is None or not length.strip().isdigit():
+            return None
+        end = offset + block.end() + int(length)
+        f.seek(end)
+        tail = f.read(1 << 16)
+    skipped = len(tail) - len(tail.lstrip(b"\r\n"))
+    return end + skipped if cut_header(tail[skipped:]) else None
 
 
 def _blank_from(f: BinaryIO, position: int, chars: bytes | None = None) -> bool:
@@ -565,7 +634,7 @@ def read_whole_file(path: Path, fmt: str) -> Iterator[tuple[Document, str | None
         with open_binary(path) as f:
             data = f.read()
     except (OSError, EOFError, zlib.error) as exc:
-        raise InputError(f"{path}: cannot read: {exc}") from exc
+        raise InputError(f"{path}: {unreadable(exc)}") from exc
     meta: dict[str, Any] = {"source": str(path)}
     if fmt == "html":
         meta.update(url=path.as_posix(), content_type="text/html")
@@ -585,9 +654,9 @@ def read_jsonl(path: Path, cfg: InputsConfig, start: int, stop: int,
             lineno, raw = next(lines)
         except StopIteration:
             return
-        except (OSError, EOFError, zlib.error) as exc:
+        except DamagedFile as exc:
             doc = Document(f"{path.name}:damaged", "", {"source": str(path)})
-            yield doc, f"unreadable-file: {path} is damaged after line {lineno}: {exc}"
+            yield doc, f"unreadable-file: {exc}"
             return
         if lineno > stop:
             return
@@ -625,16 +694,20 @@ def _record_document(record: dict, cfg: InputsConfig, fallback_id: str, path: Pa
 
 
 def read_parquet(path: Path, cfg: InputsConfig, start: int, stop: int) -> Iterator[tuple[Document, str | None]]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    """Rows ``[start, stop)``; damage partway is one reject for the rows that could not be read."""
+    pf = open_parquet(path)
     if cfg.text_field not in pf.schema_arrow.names:
         raise InputError(f"{path}: no {cfg.text_field!r} column (columns: {pf.schema_arrow.names})")
+    try:
+        yield from _parquet_records(path, pf, cfg, start, stop)
+    except DamagedFile as exc:
+        yield Document(f"{path.name}:damaged", "", {"source": str(path)}), f"unreadable-file: {exc}"
+
+
+def _parquet_records(path: Path, pf: Any, cfg: InputsConfig, start: int, stop: int
+                     ) -> Iterator[tuple[Document, str | None]]:
     row = 0
-    for batch in pf.iter_batches(batch_size=4096):
+    for batch in parquet_batches(pf, path):
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue

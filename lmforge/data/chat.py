@@ -8,6 +8,9 @@ is taken: with ``assistant_only`` a conversation trains the assistant's content,
 ``<|im_end|>`` and the ``\\n`` after it (as TRL's training templates do); a prompt-completion
 pair trains the completion only, plus EOS when the completion is a plain string.
 
+A turn without text, and a conversation whose first turn after the system prompt is the
+assistant's, are bad examples (``on_bad``): neither teaches the model to answer the user.
+
 Token ids are those of the whole rendered text (special tokens split it, so ids do not
 depend on how it was cut), and a token is trained when its characters overlap a trained
 span. ``CHATML_TEMPLATE`` reproduces the same ids and, through its ``{% generation %}``
@@ -22,7 +25,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.core.io import InputError, atomic_write_json, expand_paths, read_json
-from lmforge.data.documents import PARQUET_SUFFIXES, BadRecord, SkipLog, jsonl_records, parquet_rows
+from lmforge.data.documents import (
+    PARQUET_SUFFIXES,
+    BadRecord,
+    DamagedFile,
+    SkipLog,
+    jsonl_records,
+    open_parquet,
+    parquet_batches,
+    parquet_rows,
+)
 from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer
 
@@ -115,7 +127,8 @@ def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool
 
 
 def validate_messages(messages: Any, field: str = "messages", need_assistant: bool = True) -> None:
-    """Raise ``ExampleError`` unless ``messages`` is a list of ``{role, content}`` with known roles."""
+    """Raise ``ExampleError`` unless ``messages`` is a list of ``{role, content}`` with known roles
+    and text in every turn."""
     if not isinstance(messages, list) or not messages:
         raise ExampleError("bad_messages", f"{field!r} must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
@@ -126,14 +139,28 @@ def validate_messages(messages: Any, field: str = "messages", need_assistant: bo
         if not isinstance(m["content"], str):
             raise ExampleError("content_not_string",
                                f"{field}[{i}].content is {type(m['content']).__name__}, not a string")
+        if not m["content"].strip():
+            raise ExampleError("empty_turn", f"{field}[{i}] ({m['role']}) is empty: a turn with no text trains "
+                                             "nothing, or trains the model to answer with nothing")
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ExampleError("no_assistant_turn", f"{field!r} has no assistant turn, so there is nothing to train on")
+
+
+def validate_turn_order(messages: list[dict]) -> None:
+    """Raise ``ExampleError`` when a conversation's first turn after the system prompt is the
+    assistant's: the assistant would answer a question nobody asked (often a conversation cut
+    at the front, its first user turn lost)."""
+    first = next((m for m in messages if m["role"] != "system"), None)
+    if first is not None and first["role"] == "assistant":
+        raise ExampleError("assistant_first", "'messages' starts with an assistant turn: a conversation opens "
+                                              "with the user (after an optional system turn)")
 
 
 def example_segments(record: dict, assistant_only: bool = True) -> tuple[list[Segment], bool]:
     """Validate one record and return its segments and whether EOS is appended."""
     if "messages" in record:
         validate_messages(record["messages"])
+        validate_turn_order(record["messages"])
         return render_chatml(record["messages"], assistant_only=assistant_only), False
     if "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
@@ -220,20 +247,17 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
     row = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for record, problem in parquet_rows(batch):
-            row += 1
-            if problem:
-                yield f"{path}:row {row}", ExampleError("invalid_utf8", problem)
-                continue
-            yield f"{path}:row {row}", {k: v for k, v in record.items() if v is not None}
+    try:
+        for batch in parquet_batches(open_parquet(path), path, batch_size=1024):
+            for record, problem in parquet_rows(batch):
+                row += 1
+                if problem:
+                    yield f"{path}:row {row}", ExampleError("invalid_utf8", problem)
+                    continue
+                yield f"{path}:row {row}", {k: v for k, v in record.items() if v is not None}
+    except DamagedFile as exc:
+        yield f"{path}:{exc.line}", ExampleError("damaged_file", exc.detail)
 
 
 def read_sft_examples(paths: list[str], tok: Tokenizer, max_length: int, *, on_bad: OnBad = "error",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import re
+import zlib
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -108,6 +110,27 @@ def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, s
     return False
 
 
+class DamagedFile(InputError):
+    """A file that cannot be read past line ``line - 1``: a gzip file cut short or damaged, a file
+    named ``.gz`` that is not gzip, a read error. ``detail`` says which."""
+
+    def __init__(self, path: Path, line: int | str, detail: str):  # a line number, or "row N" of a table
+        super().__init__(f"{path}:{line}: {detail}")
+        self.line, self.detail = line, detail
+
+
+def unreadable(exc: BaseException) -> str:
+    """Why reading a (possibly gzipped) file stopped, in words: what ``EOFError``, ``BadGzipFile``,
+    ``zlib.error`` and ``OSError`` mean to the user."""
+    if isinstance(exc, EOFError):
+        return "the compressed data is cut short (the file ends inside it); the rest of the file cannot be read"
+    if isinstance(exc, gzip.BadGzipFile) and str(exc).startswith("Not a gzipped file"):
+        return "not a gzip file, though its name ends in .gz"
+    if isinstance(exc, (gzip.BadGzipFile, zlib.error)):
+        return f"damaged gzip data ({exc}); the rest of the file cannot be read"
+    return f"cannot read: {getattr(exc, 'strerror', None) or exc}"
+
+
 def open_binary(path: Path) -> IO[bytes]:
     try:
         return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
@@ -132,24 +155,32 @@ def jsonl_lines(path: Path, start: int = 0, offset: int | None = None) -> Iterat
     over it, without splitting or parsing lines); without it the first ``start`` lines are
     counted off unparsed.
     """
-    with open_binary(path) as f:
-        if offset is not None:
-            f.seek(offset)
-        else:
-            deque(islice(f, start), maxlen=0)
-        for lineno, raw in enumerate(f, start=start + 1):
-            yield lineno, raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+    lineno = start
+    try:
+        with open_binary(path) as f:
+            if offset is not None:
+                f.seek(offset)
+            else:
+                deque(islice(f, start), maxlen=0)
+            for lineno, raw in enumerate(f, start=start + 1):
+                yield lineno, raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DamagedFile(path, lineno + 1, unreadable(exc)) from exc
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``."""
-    for lineno, raw in jsonl_lines(path):
-        record = parse_jsonl_line(raw)
-        if record is BLANK:
-            continue
-        if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
-            record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
-        yield f"{path}:{lineno}", record
+    """``(file:line, parsed value)`` for every non-blank line; an unparsable line yields a ``BadRecord``,
+    and so does the point where a damaged file stops being readable (the last item then)."""
+    try:
+        for lineno, raw in jsonl_lines(path):
+            record = parse_jsonl_line(raw)
+            if record is BLANK:
+                continue
+            if b"\\u" in raw and (problem := lone_surrogate(record)):  # only a JSON \u escape makes one
+                record = BadRecord("invalid_unicode", f"{problem}, which no UTF-8 text can hold")
+            yield f"{path}:{lineno}", record
+    except DamagedFile as exc:
+        yield f"{path}:{exc.line}", BadRecord("damaged_file", exc.detail)
 
 
 BLANK = object()  # what ``parse_jsonl_line`` returns for a blank line
@@ -197,8 +228,46 @@ def replace_surrogates(value: Any) -> Any:
     return value
 
 
+class NonFiniteNumber(ValueError):
+    """A JSON number that is NaN or infinite (Python's ``json`` reads ``NaN``, ``Infinity`` and ``1e400``)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFiniteNumber(text)
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise NonFiniteNumber(name)
+
+
+def parse_json_text(text: str) -> Any:
+    """``json.loads`` that refuses NaN and infinite numbers (``NonFiniteNumber``): strict JSON has
+    none, and one in the data (a margin, a score) would poison training steps later, far from its line."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+
+
+MAX_DEPTH = 100  # JSON nesting a record may have: every reader and writer after this one walks it recursively
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests lists and objects more than ``limit`` levels deep (a walk
+    without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def parse_jsonl_line(raw: bytes) -> Any:
-    """One JSONL line's value; ``BLANK`` for a blank line; a ``BadRecord`` for invalid UTF-8 or JSON."""
+    """One JSONL line's value; ``BLANK`` for a blank line; a ``BadRecord`` for invalid UTF-8 or JSON,
+    or for a NaN or infinite number."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -206,9 +275,16 @@ def parse_jsonl_line(raw: bytes) -> Any:
     if not line.strip():
         return BLANK
     try:
-        return json.loads(line)
+        value = parse_json_text(line)
     except json.JSONDecodeError as exc:
         return BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+    except NonFiniteNumber as exc:
+        return BadRecord("non_finite_number", f"{exc} is not a finite number (JSON data may hold only finite numbers)")
+    except RecursionError:  # nested deeper than Python's stack
+        return BadRecord("too_deep", f"JSON nested more than {MAX_DEPTH} levels deep")
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper(value, MAX_DEPTH):
+        return BadRecord("too_deep", f"JSON nested more than {MAX_DEPTH} levels deep")
+    return value
 
 
 def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
@@ -254,19 +330,53 @@ def parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
     return rows
 
 
-def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+def open_parquet(path: Path) -> Any:
+    """A ``pyarrow.parquet.ParquetFile``; a file that is not one is an ``InputError`` naming it."""
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+
+
+def parquet_batches(pf: Any, path: Path, columns: list[str] | None = None, batch_size: int = 4096) -> Iterator[Any]:
+    """The record batches of an open Parquet file, row group by row group (so that damaged data
+    partway loses only what follows it); a page that cannot be decoded is a ``DamagedFile`` naming
+    the first row that could not be read."""
+    import pyarrow as pa
+
+    row = 0
+    batches = (batch for group in range(pf.num_row_groups)
+               for batch in pf.iter_batches(columns=columns, batch_size=batch_size, row_groups=[group]))
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as exc:
+            raise DamagedFile(path, f"row {row + 1}", f"damaged Parquet data ({exc}); the rest of the file "
+                                                      "cannot be read") from exc
+        row += batch.num_rows
+        yield batch
+
+
+def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    pf = open_parquet(path)
     names = pf.schema_arrow.names
     if cfg.text_field not in names:
         raise InputError(f"{path}: no {cfg.text_field!r} column (columns: {names})")
     columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field in names else [])
+    try:
+        yield from _parquet_documents(path, pf, columns, cfg, skipped)
+    except DamagedFile as exc:
+        _bad(cfg, skipped, "damaged_file", f"{path}:{exc.line}", exc.detail)
+
+
+def _parquet_documents(path: Path, pf: Any, columns: list[str], cfg: DocumentsConfig,
+                       skipped: SkipLog) -> Iterator[Document]:
     row = 0
-    for batch in pf.iter_batches(columns=columns, batch_size=4096):
+    for batch in parquet_batches(pf, path, columns):
         for record, problem in parquet_rows(batch):
             row += 1
             where = f"{path}:row {row}"
@@ -280,8 +390,12 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
 
 def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     """A plain-text file is one document; its id is the file name."""
-    with open_binary(path) as f:
-        data = f.read()
+    try:
+        with open_binary(path) as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        _bad(cfg, skipped, "damaged_file", str(path), unreadable(exc))
+        return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

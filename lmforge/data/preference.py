@@ -17,7 +17,7 @@ same prompt tokens. Labels are -100 on the prompt, so ``sequence_logprobs`` scor
 the completion's tokens.
 
 A bad record (chosen identical to rejected, an empty completion, a label that is not a
-boolean, a prompt that leaves no room for a completion within ``max_length``) is an
+boolean, a margin that is not a finite number, a prompt that leaves no room for a completion within ``max_length``) is an
 ``InputError`` naming the file and line, or is skipped and counted with ``on_bad: skip``.
 A completion running past ``max_length`` is truncated (TRL's keep_start), skipped or an
 error, by ``on_too_long``.
@@ -25,6 +25,7 @@ error, by ``on_too_long``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -82,12 +83,20 @@ def _content_is_empty(completion: Any) -> bool:
     return False
 
 
+def finite(number: int | float) -> bool:
+    """Whether ``number`` is a float other than NaN and infinity (an int too large for a float is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
 def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, list]:
     """(prompt, chosen, rejected) of two conversations: the prompt is their longest shared prefix of turns."""
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
-    while n > 0 and chosen[n - 1].get("role") == "assistant":  # completions start with the assistant's turn
+    while n > 0 and isinstance(chosen[n - 1], dict) and chosen[n - 1].get("role") == "assistant":  # completions start with the assistant's turn
         n -= 1
     if n == 0:
         raise ExampleError("no_prompt", "no 'prompt', and 'chosen' and 'rejected' share no leading turns to use as one")
@@ -176,6 +185,8 @@ def parse_pair(tok: Tokenizer, record: Any, max_length: int, on_too_long: OnTooL
     margin = record.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)):
         raise ExampleError("bad_margin", f"'margin' must be a number, got {margin!r}")
+    if margin is not None and not finite(margin):  # a JSONL line can't hold NaN or infinity; a Parquet row can
+        raise ExampleError("bad_margin", f"'margin' must be a finite number, got {margin!r}")
     return PreferencePair(c, r, "", None if margin is None else float(margin)), bool(c_note or r_note)
 
 

@@ -44,6 +44,8 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.n_heads < 1 or self.n_kv_heads < 1:
+            raise ValueError(f"n_heads and n_kv_heads must be at least 1, got {self.n_heads} and {self.n_kv_heads}")
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
@@ -96,7 +98,7 @@ class ModelConfig:
         name = data.get("preset")
         if name is None:
             return data
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return {**PRESETS[name], **data}
 

@@ -350,3 +350,17 @@ def test_a_run_removes_temporary_files_folders_and_work_folders_a_killed_run_lef
     assert all(p.exists() for p in foreign) and link.is_symlink() and (elsewhere / "keep.txt").exists()
     assert not (work / "seg-2").exists() and (work / "seg-1" / "FINGERPRINT").exists()
     assert stats["kept"] == 6 and outputs(run_dir) == outputs(tmp_path / "reference")
+
+
+@pytest.mark.parametrize("name, content", [("empty.warc.gz", b""), ("empty.warc", b""), ("blank.jsonl", b"\n\n"),
+                                           ("info.warc", None)])
+def test_input_without_documents_is_an_error_as_for_prepare(tmp_path, name, content):
+    path = tmp_path / name
+    if content is None:  # a WARC of a warcinfo record only: no record of a kept type
+        write_warc(path, [], gzip=False)
+    else:
+        path.write_bytes(content)
+    cfg = CurateConfig(run_dir=str(tmp_path / "run"), inputs=InputsConfig(paths=[str(path)]), steps=[], workers=1)
+    with pytest.raises(InputError, match=rf"no documents in {path}"):
+        run_curate(cfg)
+    assert not (tmp_path / "run" / "stats.json").exists()

@@ -9,7 +9,7 @@ from fastwarc.warc import ArchiveIterator
 
 from lmforge.core.io import InputError
 from lmforge.curate.readers import InputsConfig, Piece, decode_payload, plan_shards, read_piece
-from tests.curate.warc_fixtures import PROSE, html_record, record_offsets, write_warc
+from tests.curate.warc_fixtures import MIXED_PAGES, PROSE, fixed_warc, html_record, record_offsets, write_warc
 
 UNDECODABLE = b"<p>" + bytes(range(0x80, 0x100)) + b"</p>"  # not UTF-8, and 0x81 is in no windows-125x
 
@@ -234,7 +234,7 @@ def test_warc_shards_read_the_same_documents_ids_and_problems_as_the_whole_file(
     whole = list(read_piece(Piece(str(path), "warc", 0, 1 << 62), cfg))
     assert len(pieces) == (len(whole) + 1) // 2 >= 3
     assert _items(read_all(cfg)) == _items(whole)
-    truncated = damage == "truncated" or (damage == "cut-off-record-more" and layout == "warc.gz")
+    truncated = damage in ("truncated", "cut-off-record-more")  # a record cut inside its header is one too
     assert [r.split(":")[0] for _, r in whole if r] == ["undecodable-payload"] + ["truncated-record"] * truncated
     # pieces start at records 0, 2, 4 (and 6, the cut-off record, which is read from the file's top)
     seekable = [p.offset is not None for p in pieces]
@@ -364,3 +364,69 @@ def test_a_whole_gzip_member_with_a_malformed_warc_record_is_one_counted_reject(
     assert [r for _, r in whole if r] == [f"damaged-gzip-member: {path}: the gzip member at byte {bad} holds no "
                                           f"well-formed WARC record; bytes {bad}-{end} skipped, reading resumes at byte {end}"]
     assert _items(read_all(cfg)) == _items(whole)  # read in shards alike
+
+
+def _three_pages(path, gz):
+    return write_warc(path, [html_record(f"https://x.org/{i}", PROSE["en"]) for i in range(3)], gzip=gz)
+
+
+def test_a_warc_cut_anywhere_inside_its_last_record_header_is_a_counted_truncated_record(tmp_path):
+    path = _three_pages(tmp_path / "a.warc", gz=False)
+    data, last = path.read_bytes(), record_offsets(path)[-1]
+    header_end = data.index(b"\r\n\r\n", data.index(b"\r\n\r\n", last) + 4) + 4  # the WARC and HTTP headers
+    for cut in range(last + 1, header_end + 2):
+        path.write_bytes(data[:cut])
+        items = read_all(InputsConfig(paths=[str(path)]))
+        assert [r for _, r in items[:2]] == [None, None], cut
+        assert len(items) == 3 and (items[2][1] or "").startswith("truncated-record"), (cut, items[2:])
+
+
+def test_a_warc_gz_member_holding_a_cut_record_header_is_a_counted_truncated_record(tmp_path):
+    path = _three_pages(tmp_path / "a.warc.gz", gz=True)
+    data, last = path.read_bytes(), record_offsets(path)[-1]
+    content = gzip.decompress(data[last:])
+    header_end = content.index(b"\r\n\r\n", content.index(b"\r\n\r\n") + 4) + 4
+    for cut in range(1, header_end + 2, 3):
+        path.write_bytes(data[:last] + gzip.compress(content[:cut]))  # a whole member, its record cut short
+        items = read_all(InputsConfig(paths=[str(path)]))
+        assert [r for _, r in items[:2]] == [None, None], cut
+        assert len(items) == 3 and (items[2][1] or "").startswith("truncated-record"), (cut, items[2:])
+
+
+def test_a_warc_gz_member_with_a_cut_header_in_the_middle_is_a_counted_truncated_record(tmp_path):
+    path = _three_pages(tmp_path / "a.warc.gz", gz=True)
+    data, offsets = path.read_bytes(), record_offsets(path)
+    content = gzip.decompress(data[offsets[2]:offsets[3]])
+    path.write_bytes(data[:offsets[2]] + gzip.compress(content[:120]) + data[offsets[3]:])
+    items = read_all(InputsConfig(paths=[str(path)]))
+    assert [d.metadata.get("url") for d, r in items if r is None] == ["https://x.org/0", "https://x.org/2"]
+    assert [r.split(":")[0] for _, r in items if r] == ["truncated-record"]
+
+
+def test_an_uncompressed_warc_cut_inside_a_middle_record_header_is_an_error_naming_file_and_byte(tmp_path):
+    path = _three_pages(tmp_path / "a.warc", gz=False)
+    data, offsets = path.read_bytes(), record_offsets(path)
+    path.write_bytes(data[:offsets[2] + 120] + data[offsets[3]:])  # no gzip member to resume at
+    with pytest.raises(InputError, match=f"{path}: cannot read WARC after the record at byte {offsets[2]}"):
+        read_all(InputsConfig(paths=[str(path)]))
+
+
+def test_a_parquet_file_damaged_partway_is_a_reject_for_the_rows_lost(tmp_path):
+    from tests.data.test_documents import damaged_parquet
+
+    path = damaged_parquet(tmp_path / "d.parquet")
+    items = read_all(InputsConfig(paths=[str(path)], records_per_shard=0))
+    assert [d.text for d, r in items if r is None] == ["document 0", "document 1"]
+    assert [r for _, r in items if r] == [f"unreadable-file: {path}:row 3: damaged Parquet data (" +
+                                          items[-1][1].split("damaged Parquet data (", 1)[1]]
+
+
+def test_a_gzip_member_running_into_a_copy_of_the_file_is_a_counted_reject(tmp_path):
+    # found by tests/reliability/test_fuzz_readers.py: the file, then the file again from 2 bytes before its end
+    data = fixed_warc(MIXED_PAGES)
+    path = tmp_path / "a.warc.gz"
+    path.write_bytes(data[:1518] + data + data[1518:])
+    items = read_all(InputsConfig(paths=[str(path)], records_per_shard=0))
+    # the first copy up to the cut, then the whole second copy
+    assert [d.metadata.get("url") for d, r in items if r is None] == ["https://x.org/a"] + ["https://x.org/a", "https://x.org/c"]
+    assert any(r.startswith(f"damaged-gzip-member: {path}: the gzip member at byte ") for _, r in items if r)

@@ -44,3 +44,27 @@ def record_offsets(path: Path) -> list[int]:
 
     with open(path, "rb") as f:
         return [r.stream_pos for r in ArchiveIterator(f, parse_http=False)]
+
+
+# an English page, a PNG and a French page in windows-1252
+MIXED_PAGES = [html_record("https://x.org/a", PROSE["en"]), ("https://x.org/b", b"\x89PNG\r\n\0", "image/png"),
+               ("https://x.org/c", PROSE["fr"].encode("cp1252"), "text/html; charset=windows-1252")]
+
+
+def fixed_warc(records: list[tuple[str, bytes, str]], gzip: bool = True) -> bytes:
+    """``write_warc``'s file as bytes, with fixed record ids and dates: the same bytes every run
+    (for tests that cut or alter a WARC at chosen bytes)."""
+    out = io.BytesIO()
+    writer = WARCWriter(out, gzip=gzip)
+    fixed = {"WARC-Date": "2024-01-01T00:00:00Z"}
+    info = writer.create_warcinfo_record("fixed.warc", {"software": "tests"})
+    for key, value in {**fixed, "WARC-Record-ID": "<urn:uuid:00000000-0000-0000-0000-000000000000>"}.items():
+        info.rec_headers.replace_header(key, value)
+    writer.write_record(info)
+    for i, (url, payload, ctype) in enumerate(records, start=1):
+        headers = StatusAndHeaders("200 OK", [("Content-Type", ctype)], protocol="HTTP/1.1")
+        record_id = f"<urn:uuid:00000000-0000-0000-0000-{i:012d}>"
+        writer.write_record(writer.create_warc_record(url, "response", payload=io.BytesIO(payload),
+                                                      http_headers=headers,
+                                                      warc_headers_dict={**fixed, "WARC-Record-ID": record_id}))
+    return out.getvalue()

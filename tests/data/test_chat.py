@@ -108,6 +108,18 @@ BAD = [
      "content_not_string"),
     ({"prompt": "a", "completion": ["b"]}, "both be strings", "bad_prompt_completion"),
     ({"text": "plain"}, "expected 'messages'", "unknown_format"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+     r"messages\[1\] \(assistant\) is empty", "empty_turn"),
+    ({"messages": [{"role": "user", "content": " \n"}, {"role": "assistant", "content": "x"}]},
+     r"messages\[0\] \(user\) is empty", "empty_turn"),
+    ({"prompt": [{"role": "user", "content": ""}], "completion": [{"role": "assistant", "content": "x"}]},
+     r"prompt\[0\] \(user\) is empty", "empty_turn"),
+    ({"messages": [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "x"}]}, "starts with an assistant turn", "assistant_first"),
+    ({"messages": [SYSTEM, {"role": "assistant", "content": "Hello!"}]}, "starts with an assistant turn",
+     "assistant_first"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}], "x": float("nan")},
+     "not a finite number", "non_finite_number"),
 ]
 
 
@@ -162,3 +174,21 @@ def test_parquet_rows_are_read_with_row_numbers(tmp_path, small_tokenizer):
     kept = list(read_sft_examples([str(tmp_path / "a.parquet")], small_tokenizer, 64))
     assert [e.source for e in kept] == [f"{tmp_path / 'a.parquet'}:row 1", f"{tmp_path / 'a.parquet'}:row 2"]
     assert trained_text(small_tokenizer, kept[0].input_ids, kept[0].labels) == " hi<|end_of_text|>"
+
+
+def test_a_parquet_file_damaged_partway_is_a_bad_example_naming_the_row(tmp_path, small_tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"Q{i}", "completion": " A."} for i in range(6)]), path,
+                   row_group_size=2)
+    offset = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"sft\.parquet:row 3: damaged Parquet data"):
+        list(read_sft_examples([str(path)], small_tokenizer, max_length=64))
+    skipped = SkipLog()
+    assert len(list(read_sft_examples([str(path)], small_tokenizer, 64, on_bad="skip", skipped=skipped))) == 2
+    assert skipped.by_reason == {"damaged_file": 1}

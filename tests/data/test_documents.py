@@ -110,3 +110,86 @@ def test_jsonl_records_accept_a_byte_order_mark_on_the_first_line_only(tmp_path)
     (first, a), (second, b) = jsonl_records(path)
     assert first.endswith("bom.jsonl:1") and a == {"text": "a"}
     assert second.endswith("bom.jsonl:2") and isinstance(b, BadRecord)  # a BOM mid-file is not a file's start
+
+
+def _lines(n):
+    return b"".join(b'{"text": "document %d"}\n' % i for i in range(n))
+
+
+def test_a_truncated_gzip_jsonl_is_an_error_naming_the_file_and_the_last_line_read(tmp_path):
+    p = tmp_path / "cut.jsonl.gz"
+    data = gzip.compress(_lines(2000))
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"cut\.jsonl\.gz:\d+: .*cut short"):
+        read([p])
+
+
+def test_a_truncated_gzip_jsonl_keeps_the_lines_before_the_cut_when_skipping(tmp_path):
+    p, q = tmp_path / "cut.jsonl.gz", tmp_path / "next.jsonl"
+    data = gzip.compress(_lines(2000))
+    p.write_bytes(data[: len(data) // 2])
+    q.write_bytes(b'{"text": "after"}\n')
+    skipped = SkipLog()
+    docs = read([p, q], skip=True, skipped=skipped)
+    assert 0 < len(docs) - 1 < 2000 and docs[-1].text == "after"  # reading goes on with the next file
+    assert skipped.by_reason == {"damaged_file": 1}
+    assert f"cut.jsonl.gz:{len(docs)}:" in skipped.examples[0]  # the line after the last one read
+
+
+def test_a_file_named_gz_that_is_not_gzip_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "plain.jsonl.gz"
+    p.write_bytes(_lines(3))
+    with pytest.raises(InputError, match=r"plain\.jsonl\.gz:1: .*not a gzip file"):
+        read([p])
+    skipped = SkipLog()
+    assert read([p], skip=True, skipped=skipped) == [] and skipped.by_reason == {"damaged_file": 1}
+
+
+def test_a_truncated_gzip_text_file_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "notes.txt.gz"
+    data = gzip.compress(b"some words\n" * 5000)
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"notes\.txt\.gz: .*cut short"):
+        read([p])
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e999"])
+def test_nan_and_infinite_numbers_in_jsonl_are_bad_records(tmp_path, number):
+    p = tmp_path / "n.jsonl"
+    p.write_bytes(b'{"text": "good"}\n{"text": "x", "score": ' + number + b'}\n')
+    with pytest.raises(InputError, match=r"n\.jsonl:2: .*not a finite number"):
+        read([p])
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["good"]
+    assert skipped.by_reason == {"non_finite_number": 1}
+
+
+@pytest.mark.parametrize("line", [b"[" * 5000, b'{"text": "a", "m": ' + b"[" * 900 + b'"\\u0041"' + b"]" * 900 + b"}",
+                                  b'{"text": "a", "m": ' + b"{\"k\": " * 101 + b"1" + b"}" * 101 + b"}"])
+def test_json_nested_more_than_100_levels_deep_is_a_bad_record(tmp_path, line):
+    p = tmp_path / "deep.jsonl"
+    p.write_bytes(b'{"text": "good"}\n' + line + b"\n")
+    with pytest.raises(InputError, match=r"deep\.jsonl:2: JSON nested more than 100 levels deep"):
+        read([p])
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["good"]
+    assert skipped.by_reason == {"too_deep": 1}
+
+
+def damaged_parquet(path, rows: int = 6):
+    """A Parquet file of ``rows`` documents in row groups of 2 whose second row group's page header is garbage."""
+    pq.write_table(pa.table({"text": [f"document {i}" for i in range(rows)]}), path, row_group_size=2)
+    offset = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_parquet_file_damaged_partway_is_an_error_naming_the_first_row_lost(tmp_path):
+    p = damaged_parquet(tmp_path / "d.parquet")
+    with pytest.raises(InputError, match=r"d\.parquet:row 3: damaged Parquet data"):
+        read([p])
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["document 0", "document 1"]
+    assert skipped.by_reason == {"damaged_file": 1}

@@ -58,6 +58,11 @@ def test_conversational_pair_and_implicit_prompt_give_the_same_tokens(small_toke
     ({"prompt": "word " * 80, "chosen": " a", "rejected": " b"}, "leaving no room"),
     ({"prompt": "Q", "chosen": " a"}, "missing ['rejected']"),
     ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": "big"}, "'margin' must be a number"),
+    ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": float("nan")}, "NaN is not a finite number"),
+    ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": float("inf")}, "Infinity is not a finite number"),
+    ({"prompt": "Q", "chosen": " a", "rejected": " b", "margin": 10**400}, "must be a finite number"),
+    ({"chosen": [[None], {"role": "assistant", "content": "a"}], "rejected": [[None], {"role": "assistant",
+      "content": "b"}]}, "prompt[0] must be an object with 'role' and 'content'"),
 ])
 def test_bad_pairs_are_errors_naming_file_and_line_or_are_skipped_and_counted(small_tokenizer, tmp_path, record,
                                                                                reason):
@@ -105,6 +110,19 @@ def test_parquet_pairs_read_like_jsonl(small_tokenizer, tmp_path):
     a = read_preference_pairs([str(tmp_path / "p.parquet")], small_tokenizer, 32)
     b = read_preference_pairs([str(jsonl)], small_tokenizer, 32)
     assert [(p.chosen, p.rejected) for p in a] == [(p.chosen, p.rejected) for p in b]
+
+
+@pytest.mark.parametrize("margin", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_margin_in_parquet_is_a_bad_pair(small_tokenizer, tmp_path, margin):
+    records = [{"prompt": "Q", "chosen": " yes", "rejected": " no", "margin": 1.0},
+               {"prompt": "R", "chosen": " up", "rejected": " down", "margin": margin}]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "p.parquet")
+    with pytest.raises(InputError, match=r"p\.parquet:row 2: 'margin' must be a finite number"):
+        read_preference_pairs([str(tmp_path / "p.parquet")], small_tokenizer, 32)
+    skipped = SkipLog()
+    assert len(read_preference_pairs([str(tmp_path / "p.parquet")], small_tokenizer, 32, on_bad="skip",
+                                     skipped=skipped)) == 1
+    assert skipped.by_reason == {"bad_margin": 1}
 
 
 def test_left_and_right_padding_hold_the_same_tokens(small_tokenizer):
