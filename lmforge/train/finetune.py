@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lmforge.core.config import ConfigError
+from lmforge.core.config import ConfigError, at_least, positive
 from lmforge.core.io import InputError, atomic_directory, expand_paths
 from lmforge.core.run import log, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
@@ -39,8 +39,8 @@ from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, 
 class ExactMatchConfig:
     exact_match: bool = True  # greedy answers to validation prompts, compared to the reference
     tasks: list[str] = field(default_factory=list)  # files of tasks to score; empty: the validation data
-    max_examples: int = 200
-    max_new_tokens: int = 32
+    max_examples: int = at_least(0, 200)
+    max_new_tokens: int = positive(32)
 
 
 def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int,
