@@ -80,7 +80,7 @@ class TrainConfig:
     eval_batches: int | None = positive(20)  # validation micro-batches per evaluation, over all data-parallel ranks (None: the whole split)
     log_every: int = positive(10)  # steps between console lines (metrics.jsonl gets every step)
     checkpoint_every: int = at_least(0, 500)  # steps between checkpoints (0: none but the one always written at the end)
-    keep_checkpoints: int = positive(2)
+    keep_checkpoints: int = at_least(1, 2)  # the final checkpoint is always kept
     resume: str = "auto"  # auto: newest valid checkpoint in run_dir | never | a checkpoint directory
     tensorboard: bool = True
     max_minutes: float | None = positive(None)  # stop (with a checkpoint) after this much wall time
