@@ -80,12 +80,10 @@ class ModelConfig:
                 f"rope_scaling llama3 needs rope_original_max_seq_len, the pretraining context "
                 f"(a positive integer, 8192 for Llama 3.1/3.2), got {self.rope_original_max_seq_len}"
             )
-        if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor {self.rope_factor} must be >= 1 (1 leaves RoPE unchanged)")
-        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        if not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(
-                f"rope_low_freq_factor {self.rope_low_freq_factor} and rope_high_freq_factor {self.rope_high_freq_factor} "
-                "must satisfy 0 < low < high (Llama 3.1/3.2: 1 and 4)"
+                f"rope_low_freq_factor = {self.rope_low_freq_factor} must be below rope_high_freq_factor = "
+                f"{self.rope_high_freq_factor} (Llama 3.1/3.2: 1 and 4)"
             )
 
     @classmethod
