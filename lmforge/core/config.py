@@ -25,13 +25,142 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message says which key and why."""
 
 
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: bounds, each closed or open, and whether a float may
+    be infinite (NaN never is). Declared in a field's metadata by ``positive``, ``at_least``..."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    allow_inf: bool = False
+    also: tuple = ()  # values valid outside the bounds, e.g. -1 for "the rest"
+
+    def admits(self, value: int | float) -> bool:
+        if value in self.also:
+            return True
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not self.allow_inf)):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self, finite: bool = True) -> str:
+        """``in [0, 1]``, ``> 0``, ``-1 or >= 1``: what ``must be`` is followed by in an error."""
+        if self.also:
+            others = dataclasses.replace(self, also=())
+            return " or ".join(_num(v) for v in self.also) + " or " + others.describe(finite)
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}{')' if self.high_open else ']'}"
+        tail = " and finite" if finite and not self.allow_inf else ""
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}{tail}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}{tail}"
+        return "finite" if finite and not self.allow_inf else "a number"
+
+
+def in_range(default: Any = dataclasses.MISSING, low: float | None = None, high: float | None = None, *,
+             low_open: bool = False, high_open: bool = False, allow_inf: bool = False, also: tuple = (),
+             keys: Range | None = None, **field_kwargs: Any) -> Any:
+    """A dataclass field whose numbers must lie in the range (for a list or mapping: each entry,
+    and with ``keys`` each key of a mapping); ``load_config`` checks it before anything runs."""
+    rng = Range(low, high, low_open, high_open, allow_inf, also)
+    metadata = {"range": rng, **({"key_range": keys} if keys is not None else {})}
+    return dataclasses.field(default=default, metadata=metadata, **field_kwargs)
+
+
+def positive(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A field that must be > 0 (and finite, for a float, unless ``allow_inf=True``)."""
+    return in_range(default, 0, low_open=True, **kwargs)
+
+
+def at_least(low: float, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A field that must be >= ``low``."""
+    return in_range(default, low, **kwargs)
+
+
+def unit_interval(default: Any = dataclasses.MISSING, *, low_open: bool = False, high_open: bool = False,
+                  **kwargs: Any) -> Any:
+    """A fraction or probability: a field in [0, 1] (either end open if asked)."""
+    return in_range(default, 0, 1, low_open=low_open, high_open=high_open, **kwargs)
+
+
+SEED_MAX = 2**32 - 1  # numpy's RandomState takes seeds below 2^32
+
+
+def seed_field(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A random seed: an integer in [0, 2^32 - 1], what every RNG the code seeds accepts."""
+    return in_range(default, 0, SEED_MAX, **kwargs)
+
+
+def field_range(f: dataclasses.Field) -> Range | None:
+    """The range a field declares, if any."""
+    return f.metadata.get("range")
+
+
+def check_value_range(value: Any, f: dataclasses.Field, key: str, source: str) -> None:
+    """Raise a one-line ``ConfigError`` (key, value, valid range) if a number of ``value`` (the
+    value itself, a list's items, a mapping's values and keys) is outside ``f``'s range."""
+    rng, key_rng = field_range(f), f.metadata.get("key_range")
+    if rng is None or value is None:
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if key_rng is not None and not _in(k, key_rng):
+                raise ConfigError(f"{source}: '{key}' has the key {_num(k)}: keys must be {key_rng.describe(isinstance(k, float))}")
+            _check_number(v, rng, f"{key}.{k}", source)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_number(v, rng, f"{key}[{i}]", source)
+    else:
+        _check_number(value, rng, key, source)
+
+
+def _in(value: Any, rng: Range) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True  # the type check reports non-numbers
+    return rng.admits(value)
+
+
+def _check_number(value: Any, rng: Range, key: str, source: str) -> None:
+    if not _in(value, rng):
+        raise ConfigError(f"{source}: '{key}' = {_num(value)}: must be {rng.describe(isinstance(value, float))}")
+
+
+def check_ranges(cfg: Any, prefix: str = "", source: str = "config") -> None:
+    """Check every ranged field of a dataclass tree built in Python (``load_config`` checks
+    recipes as it reads them): the same one-line error, with the dotted key."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        check_value_range(value, f, key, source)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_ranges(value, f"{key}.", source)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                    check_ranges(item, f"{key}[{i}].", source)
+
+
+def _num(x: Any) -> str:
+    """A number as a user would write it: ``-1`` for -1.0, ``0.0003``, ``nan``, ``inf``."""
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer() and abs(x) < 1e16:
+        return str(int(x))
+    return repr(x) if isinstance(x, (int, float)) else str(x)
+
+
 # --------------------------------------------------------------------------- reading
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Build ``cls`` from a YAML recipe (optional) plus ``key.sub=value`` overrides."""
     data: dict[str, Any] = {}
-    source = "defaults"
+    source = "overrides"  # with no recipe file, every value given comes from an override
     if path is not None:
         path = Path(path)
         source = str(path)
@@ -117,6 +246,7 @@ def from_dict(cls: type[T], data: Any, *, source: str = "config", prefix: str = 
     for name, f in fields.items():
         if name in data:
             kwargs[name] = _coerce(data[name], hints[name], f"{prefix}{name}", source)
+            check_value_range(kwargs[name], f, f"{prefix}{name}", source)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{source}: missing required key '{prefix}{name}'")
     try:
@@ -256,11 +386,19 @@ def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml") -> Pat
 
 __all__ = [
     "ConfigError",
+    "Range",
     "apply_override",
+    "at_least",
+    "check_ranges",
     "dump_config",
+    "field_range",
     "from_dict",
+    "in_range",
     "load_config",
     "parse_scalar",
+    "positive",
     "save_config",
+    "seed_field",
     "to_dict",
+    "unit_interval",
 ]

@@ -29,6 +29,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
+from lmforge.core.config import at_least, positive
 from lmforge.core.io import atomic_write_npy, atomic_write_text
 from lmforge.curate.base import Document, PoolMap
 
@@ -41,8 +42,8 @@ _PARAGRAPHS = re.compile(r"(\n\s*\n)")
 class ExactDedupConfig:
     unit: Literal["document", "line", "paragraph"] = "document"
     lowercase: bool = False  # hash lowercased text (whitespace at the ends is always stripped)
-    min_chars: int = 0  # line/paragraph: shorter units are never removed
-    num_buckets: int = 16  # hash-range buckets resolved in parallel
+    min_chars: int = at_least(0, 0)  # line/paragraph: shorter units are never removed
+    num_buckets: int = positive(16)  # hash-range buckets resolved in parallel
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:

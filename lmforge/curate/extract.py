@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Literal
 
+from lmforge.core.config import at_least
 from lmforge.curate.base import Document
 from lmforge.curate.readers import HTML_TYPES
 
@@ -52,10 +53,10 @@ WARM_UP_PAGE = "<html><body><p>Warm up.</p></body></html>"
 @dataclass
 class ExtractConfig:
     extractor: Literal["resiliparse", "trafilatura"] = "resiliparse"
-    timeout_s: float = 5.0  # per document; 0 disables and extracts in-process (datatrove: 1 s for trafilatura)
+    timeout_s: float = at_least(0, 5.0)  # per document; 0 disables and extracts in-process (datatrove: 1 s for trafilatura)
     main_content: bool = True  # resiliparse: drop navigation, headers and footers
     html_only: bool = True  # reject documents of a content type neither HTML nor text/plain (false: extract them)
-    min_chars: int = 1  # shorter extracted text is rejected as empty
+    min_chars: int = at_least(0, 1)  # shorter extracted text is rejected as empty
 
     def __post_init__(self) -> None:
         if self.timeout_s < 0:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from lmforge.core.config import Range, at_least, positive, unit_interval
 from lmforge.core.io import InputError
 from lmforge.curate.base import Document
 
@@ -61,7 +62,7 @@ class UrlFilterConfig:
     banned_words: list[str] = field(default_factory=list)  # whole words of the URL, split on non-alphanumerics
     banned_words_file: str | None = None
     soft_banned_words: list[str] = field(default_factory=list)
-    soft_word_threshold: int = 2  # datatrove: >= 2 soft-banned words blocks the URL
+    soft_word_threshold: int = at_least(1, 2)  # datatrove: >= 2 soft-banned words blocks the URL
     banned_subwords: list[str] = field(default_factory=list)  # substrings of the URL with non-alphanumerics removed
     missing_url: str = "keep"  # "keep" or "reject" documents without metadata["url"]
 
@@ -128,15 +129,15 @@ GOPHER_STOP_WORDS = ["the", "be", "to", "of", "and", "that", "have", "with"]
 class GopherQualityConfig:
     """Gopher's quality rules (Rae et al. 2021, arXiv:2112.11446, A.1.1); datatrove's defaults."""
 
-    min_doc_words: int | None = 50  # non-symbol words
-    max_doc_words: int | None = 100_000
-    min_avg_word_length: float | None = 3  # mean length of non-symbol words
-    max_avg_word_length: float | None = 10
-    max_symbol_word_ratio: float | None = 0.1  # '#' per token, and '...'/'…' per token
-    max_bullet_lines_ratio: float | None = 0.9  # lines starting with '•' or '-'
-    max_ellipsis_lines_ratio: float | None = 0.3  # lines ending with '...' or '…'
-    min_alpha_words_ratio: float | None = 0.8  # tokens with a letter; datatrove's max_non_alpha_words_ratio
-    min_stop_words: int | None = 2  # case-sensitive, as in datatrove
+    min_doc_words: int | None = at_least(0, 50)  # non-symbol words
+    max_doc_words: int | None = at_least(0, 100_000)
+    min_avg_word_length: float | None = at_least(0, 3)  # mean length of non-symbol words
+    max_avg_word_length: float | None = at_least(0, 10)
+    max_symbol_word_ratio: float | None = at_least(0, 0.1)  # '#' per token, and '...'/'…' per token
+    max_bullet_lines_ratio: float | None = unit_interval(0.9)  # lines starting with '•' or '-'
+    max_ellipsis_lines_ratio: float | None = unit_interval(0.3)  # lines ending with '...' or '…'
+    min_alpha_words_ratio: float | None = unit_interval(0.8)  # tokens with a letter; datatrove's max_non_alpha_words_ratio
+    min_stop_words: int | None = at_least(0, 2)  # case-sensitive, as in datatrove
     stop_words: list[str] = field(default_factory=lambda: list(GOPHER_STOP_WORDS))
 
 
@@ -181,13 +182,15 @@ class GopherQualityFilter:
 class GopherRepetitionConfig:
     """Gopher's repetition rules (arXiv:2112.11446, Table A1); fractions of characters unless named."""
 
-    dup_line_frac: float | None = 0.3  # duplicated lines / lines
-    dup_para_frac: float | None = 0.3  # duplicated paragraphs / paragraphs
-    dup_line_char_frac: float | None = 0.2
-    dup_para_char_frac: float | None = 0.2
-    top_n_grams: dict[int, float] = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
-    dup_n_grams: dict[int, float] = field(
-        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
+    dup_line_frac: float | None = unit_interval(0.3)  # duplicated lines / lines
+    dup_para_frac: float | None = unit_interval(0.3)  # duplicated paragraphs / paragraphs
+    dup_line_char_frac: float | None = unit_interval(0.2)
+    dup_para_char_frac: float | None = unit_interval(0.2)
+    # n -> the largest share of characters the most frequent n-gram may cover
+    top_n_grams: dict[int, float] = unit_interval(keys=Range(1), default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    # n -> the largest share of characters in duplicated n-grams
+    dup_n_grams: dict[int, float] = unit_interval(keys=Range(1), default_factory=lambda: {
+        5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
 
 
 def find_duplicates(items: list[str]) -> tuple[int, int]:
@@ -290,9 +293,9 @@ class C4QualityConfig:
 
     remove_citations: bool = True  # strip [1], [edit], [citation needed]
     filter_no_terminal_punct: bool = True  # FineWeb ran with false
-    min_num_sentences: int | None = 5
-    min_words_per_line: int | None = 3
-    max_word_length: int | None = 1000
+    min_num_sentences: int | None = at_least(0, 5)
+    min_words_per_line: int | None = at_least(0, 3)
+    max_word_length: int | None = positive(1000)
     filter_lorem_ipsum: bool = True
     filter_javascript: bool = True
     filter_curly_bracket: bool = True
@@ -347,12 +350,12 @@ class FineWebQualityConfig:
     The blog gives 0.1 for the duplicated-line characters; the code that ran uses 0.01.
     """
 
-    line_punct_thr: float | None = 0.12  # reject if lines ending in . ' " ! ? are <= this fraction
+    line_punct_thr: float | None = unit_interval(0.12)  # reject if lines ending in . ' " ! ? are <= this fraction
     line_punct_exclude_zero: bool = False  # keep documents where no line ends in punctuation
-    short_line_thr: float | None = 0.67  # reject if lines of <= short_line_length chars are >= this fraction
-    short_line_length: int = 30
-    char_duplicates_ratio: float | None = 0.01  # reject if chars in duplicated lines / chars >= this
-    new_line_ratio: float | None = 0.3  # reject if newlines / words > this
+    short_line_thr: float | None = unit_interval(0.67)  # reject if lines of <= short_line_length chars are >= this fraction
+    short_line_length: int = at_least(0, 30)
+    char_duplicates_ratio: float | None = unit_interval(0.01)  # reject if chars in duplicated lines / chars >= this
+    new_line_ratio: float | None = at_least(0, 0.3)  # reject if newlines / words > this
 
 
 class FineWebQualityFilter:

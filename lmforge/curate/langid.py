@@ -13,14 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmforge.core.config import at_least, unit_interval
 from lmforge.curate.base import Document
 
 
 @dataclass
 class LanguageConfig:
     languages: list[str] = field(default_factory=lambda: ["en"])  # ISO 639 codes of lid.176; [] keeps any
-    threshold: float = 0.65  # datatrove's language_threshold
-    max_chars: int = 0  # classify only the first N characters (0: the whole text)
+    threshold: float = unit_interval(0.65)  # datatrove's language_threshold
+    max_chars: int = at_least(0, 0)  # classify only the first N characters (0: the whole text)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:

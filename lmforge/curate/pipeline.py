@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from lmforge.core.config import dump_config, save_config
+from lmforge.core.config import at_least, dump_config, save_config
 from lmforge.core.io import (
     InputError,
     atomic_write_bytes,
@@ -72,7 +72,7 @@ class CurateConfig:
     steps: list[dict[str, Any]] = field(default_factory=lambda: [dict(s) for s in DEFAULT_STEPS])
     output_format: Literal["parquet", "jsonl"] = "parquet"
     executor: Literal["local", "ray"] = "local"
-    workers: int = 2  # local processes (1: in this process), or CPUs of a local Ray
+    workers: int = at_least(1, 2)  # local processes (1: in this process), or CPUs of a local Ray
     ray_address: str | None = None  # executor ray: "auto" joins a running cluster; null starts one
     known_duplicates: str | None = None  # TSV url_a, url_b[, kind, jaccard]: dedup precision/recall in the report
 

@@ -24,6 +24,7 @@ from typing import Literal
 
 import numpy as np
 
+from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, atomic_write_npy, expand_paths, read_json
 from lmforge.curate.base import Document, PoolMap
 from lmforge.curate.minhash import combine_ngrams, document_words, word_hashes
@@ -128,15 +129,15 @@ class TrainClassifierConfig:
     output: str = "runs/quality-classifier"  # directory for classifier.npz + classifier.json (replaced atomically)
     text_field: str = "text"  # JSON key of the text
     label_field: str = "label"  # JSON key of the 0/1 label
-    hash_bits: int = 20  # features are hashed into 2^hash_bits buckets
-    ngrams: int = 2  # word n-grams up to this order (2 = unigrams + bigrams)
+    hash_bits: int = in_range(20, 8, 28)  # features are hashed into 2^hash_bits buckets
+    ngrams: int = positive(2)  # word n-grams up to this order (2 = unigrams + bigrams)
     normalize: bool = True  # datatrove's text normalisation before splitting words (as MinHash)
-    epochs: int = 5  # passes over the training split
-    batch_size: int = 32  # documents per Adagrad step
-    learning_rate: float = 0.5  # Adagrad step size
-    l2: float = 1e-6  # L2 penalty on the weights
-    validation_fraction: float = 0.1  # held out, for the reported accuracy
-    seed: int = 0  # shuffling and the held-out split
+    epochs: int = positive(5)  # passes over the training split
+    batch_size: int = positive(32)  # documents per Adagrad step
+    learning_rate: float = positive(0.5)  # Adagrad step size
+    l2: float = at_least(0, 1e-6)  # L2 penalty on the weights
+    validation_fraction: float = unit_interval(0.1, high_open=True)  # held out, for the reported accuracy
+    seed: int = seed_field(0)  # shuffling and the held-out split
 
     def __post_init__(self) -> None:
         if not 8 <= self.hash_bits <= 28:
@@ -310,8 +311,8 @@ class ClassifierConfig:
     """Score documents with a trained hashed n-gram classifier; reject those below the cut."""
 
     model: str = ""  # directory written by `lmforge curate train-classifier`
-    threshold: float | None = None  # reject documents whose P(keep) is below this
-    percentile: float | None = None  # or: reject the documents below this percentile of the run's scores
+    threshold: float | None = unit_interval(None)  # reject documents whose P(keep) is below this
+    percentile: float | None = in_range(None, 0, 100, low_open=True, high_open=True)  # or: reject the documents below this percentile of the run's scores
 
     def __post_init__(self) -> None:
         _check_cut("classifier", self.threshold, self.percentile)
@@ -348,10 +349,10 @@ class PerplexityConfig:
 
     checkpoint: str = ""  # lmforge checkpoint directory, or a run directory (its newest checkpoint)
     unit: Literal["perplexity", "bits_per_byte"] = "perplexity"  # what the score and the cut are in
-    threshold: float | None = None  # reject documents scoring above this
-    percentile: float | None = None  # or: reject the documents above this percentile of the run's scores
-    max_tokens: int = 512  # score the first N tokens of each document (capped by the model's max_seq_len)
-    batch_tokens: int = 16384  # padded tokens per forward pass
+    threshold: float | None = positive(None)  # reject documents scoring above this
+    percentile: float | None = in_range(None, 0, 100, low_open=True, high_open=True)  # or: reject the documents above this percentile of the run's scores
+    max_tokens: int = positive(512)  # score the first N tokens of each document (capped by the model's max_seq_len)
+    batch_tokens: int = positive(16384)  # padded tokens per forward pass
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
 
     def __post_init__(self) -> None:

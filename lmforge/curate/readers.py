@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
+from lmforge.core.config import at_least
 from lmforge.core.io import InputError, expand_paths
 from lmforge.curate.base import Document
 from lmforge.data import documents
@@ -63,7 +64,7 @@ class InputsConfig:
     format: Format = "auto"  # auto: by suffix (.warc[.gz], .html/.htm/.xhtml, .jsonl[.gz], .parquet, else text)
     text_field: str = "text"  # JSONL key / Parquet column with the text
     id_field: str = "id"  # optional; missing ids become <file>:<line>
-    records_per_shard: int = 100  # 0: one shard per file
+    records_per_shard: int = at_least(0, 100)  # 0: one shard per file
     warc_record_types: list[str] = field(default_factory=lambda: ["response", "conversion"])
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmforge.core.config import positive, seed_field
 from lmforge.core.io import InputError
 from lmforge.data.shards import Shard, open_shards, read_manifest
 from lmforge.data.skipped import SkippedSamples
@@ -26,7 +27,7 @@ from lmforge.data.skipped import SkippedSamples
 @dataclass
 class DatasetSource:
     path: str  # a directory written by ``lmforge prepare``
-    weight: float = 1.0
+    weight: float = positive(1.0)
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
@@ -38,10 +39,10 @@ class LoaderConfig:
     """Which token datasets to read and how to cut them into windows."""
 
     datasets: list[DatasetSource] = field(default_factory=list)
-    seq_len: int = 256
+    seq_len: int = positive(256)
     bos_aligned: bool = True  # start windows at document starts where the documents allow
     shuffle: bool = True
-    seed: int = 0
+    seed: int = seed_field(0)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:

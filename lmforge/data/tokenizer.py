@@ -16,6 +16,7 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from lmforge.core.config import at_least, positive
 from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json, read_json
 
 # Llama-3's pre-tokenization pattern (itself GPT-4's cl100k pattern).
@@ -32,15 +33,15 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 class TokenizerConfig:
     """What BPE vocabulary to learn and which special tokens to reserve."""
 
-    vocab_size: int = 8192
-    min_frequency: int = 2  # a pair must occur this often to be merged
+    vocab_size: int = at_least(256, 8192)
+    min_frequency: int = at_least(0, 2)  # a pair must occur this often to be merged
     bos_token: str = "<|begin_of_text|>"
     eos_token: str = "<|end_of_text|>"
     pad_token: str = "<|pad|>"
     chat_tokens: list[str] = field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
     extra_special_tokens: list[str] = field(default_factory=list)
-    model_max_length: int = 2048  # recorded in tokenizer_config.json for HF users
-    max_train_chars: int | None = None  # cap on training text, None = use all of it
+    model_max_length: int = positive(2048)  # recorded in tokenizer_config.json for HF users
+    max_train_chars: int | None = positive(None)  # cap on training text, None = use all of it
 
     def __post_init__(self) -> None:
         specials = self.special_tokens

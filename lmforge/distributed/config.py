@@ -10,17 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lmforge.core.config import at_least, positive
+
 
 @dataclass
 class ParallelConfig:
     """Data (FSDP2 / HSDP), tensor and pipeline parallel degrees and their options."""
 
-    dp_replicate: int = 1  # data-parallel replicas that each hold whole weights (HSDP when dp_shard > 1 too)
-    dp_shard: int = -1  # FSDP2 sharding degree; -1 = what the world size leaves after the other degrees
-    tp: int = 1  # tensor parallel: attention heads, MLP width and vocabulary split over this many devices
-    pp: int = 1  # pipeline parallel: consecutive layers split into this many stages
+    dp_replicate: int = positive(1)  # data-parallel replicas that each hold whole weights (HSDP when dp_shard > 1 too)
+    dp_shard: int = at_least(1, -1, also=(-1,))  # FSDP2 sharding degree; -1 = what the world size leaves after the other degrees
+    tp: int = positive(1)  # tensor parallel: attention heads, MLP width and vocabulary split over this many devices
+    pp: int = positive(1)  # pipeline parallel: consecutive layers split into this many stages
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # GPipe (all forwards, then all backwards) or 1F1B
-    pp_microbatches: int | None = None  # pipeline micro-batches per train.micro_batch_size rows; None = pp
+    pp_microbatches: int | None = positive(None)  # pipeline micro-batches per train.micro_batch_size rows; None = pp
     reshard_after_forward: bool = True  # FSDP: True = ZeRO-3 (free gathered weights after forward); False = ZeRO-2-like
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # FSDP weights in this dtype, grads reduced in fp32; auto = train.precision
     sequence_parallel: bool = False  # tp: norms and residuals sharded along the sequence (less activation memory)

@@ -15,12 +15,17 @@ The arithmetic follows what this code keeps alive, for the busiest pipeline stag
   one layer is recomputed at a time (after the output's gradients are gone). Tensor parallelism splits the heads', MLP and vocabulary
   terms (and, with sequence parallelism, the rest); pipeline stages hold their layers'
   activations for the micro-batches in flight (all of them for GPipe, up to ``pp`` for 1F1B).
+
+``check_memory_fits`` refuses a training run whose plan cannot fit the device before the
+stage allocates anything (a micro-batch of 10^8 rows would otherwise swap or hang).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from lmforge.core.config import ConfigError
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import Layout, stage_layer_ranges
 
@@ -135,3 +140,57 @@ def format_bytes(n: float) -> str:
             return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+def peak_lower_bound(plan: MemoryPlan, adapters_only: bool = False) -> int:
+    """Bytes a training step needs at least: weights and optimizer state, plus the larger of
+    the gradients and the activations (backward frees activations as gradients appear). With
+    adapters only (LoRA), just the activations: the frozen base may be stored in 4 bits."""
+    if adapters_only:
+        return plan.activations
+    return plan.parameters + plan.optimizer + max(plan.gradients, plan.activations)
+
+
+def available_bytes(device) -> tuple[int, str] | None:
+    """(bytes a training process may use on ``device``, what they are), or None when unknown:
+    a GPU's free memory (under ``torchrun`` the rank's own GPU), or the host's RAM shared by
+    its local ranks."""
+    if device.type == "cuda":
+        import torch
+
+        index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        free, _ = torch.cuda.mem_get_info(index)
+        return free, f"free on cuda:{index}"
+    if device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return total // ranks, "of RAM" + (f" per process ({ranks} on this host)" if ranks > 1 else "")
+    return None
+
+
+def check_memory_fits(model, parallel: ParallelConfig, layout: Layout, device, *, micro_batch_size: int,
+                      seq_len: int, precision: str, activation_checkpointing: bool,
+                      seq_key: str = "data.seq_len", adapters_only: bool = False) -> int | None:
+    """Refuse (``ConfigError``, one line) a run whose step needs more than ``device`` has, by
+    ``peak_lower_bound`` of its plan, before any allocation; the estimate in bytes, or None if
+    the device's memory is unknown. ``precision: auto`` is planned at its cheaper choice."""
+    have = available_bytes(device)
+    if have is None:
+        return None
+    choices = ["bf16", "fp32"] if precision == "auto" else [precision]
+    plans = [plan_memory(model, parallel, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=p,
+                         activation_checkpointing=activation_checkpointing) for p in choices]
+    need = min(peak_lower_bound(p, adapters_only) for p in plans)
+    available, what = have
+    if need > available:
+        plan = min(plans, key=lambda p: peak_lower_bound(p, adapters_only))
+        held = "" if adapters_only else f"weights + optimizer {format_bytes(plan.parameters + plan.optimizer)}, "
+        raise ConfigError(
+            f"train.micro_batch_size = {micro_batch_size} x {seq_key} = {seq_len} needs at least "
+            f"{format_bytes(need)} per device ({held}activations {format_bytes(plan.activations)}), more than the "
+            f"{format_bytes(available)} {what}: lower train.micro_batch_size (train.batch_tokens keeps the tokens "
+            f"per step) or {seq_key}, or set train.activation_checkpointing=true")
+    return need

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from lmforge.core.config import at_least, check_ranges, positive
+
 
 @dataclass
 class ModelConfig:
@@ -15,45 +17,47 @@ class ModelConfig:
     """
 
     preset: str | None = None  # tiny | gpt2-124m | smollm2-135m | llama3-1b (see PRESETS)
-    vocab_size: int = 8192
-    d_model: int = 384
-    n_layers: int = 6
-    n_heads: int = 6
-    n_kv_heads: int | None = None  # None = n_heads (MHA); 1 = MQA; in between = GQA
-    head_dim: int | None = None  # None = d_model // n_heads
+    vocab_size: int = positive(8192)
+    d_model: int = positive(384)
+    n_layers: int = positive(6)
+    n_heads: int = positive(6)
+    n_kv_heads: int | None = positive(None)  # None = n_heads (MHA); 1 = MQA; in between = GQA
+    head_dim: int | None = positive(None)  # None = d_model // n_heads
     ffn: Literal["swiglu", "gelu"] = "swiglu"
-    ffn_hidden: int | None = None  # None = 8/3 d_model rounded up to 64 (SwiGLU) or 4 d_model (GELU)
+    ffn_hidden: int | None = positive(None)  # None = 8/3 d_model rounded up to 64 (SwiGLU) or 4 d_model (GELU)
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = positive(1e-5)
+    rope_theta: float = positive(10000.0)
     rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's RoPE scaling, set by the four keys below
-    rope_factor: float = 1.0  # long wavelengths are stretched by this factor (Llama 3.1/3.2: 8 or 32)
-    rope_low_freq_factor: float = 1.0  # wavelengths above rope_original_max_seq_len / this are fully stretched
-    rope_high_freq_factor: float = 4.0  # wavelengths below rope_original_max_seq_len / this are kept
-    rope_original_max_seq_len: int | None = None  # the context the model was pretrained at (Llama 3: 8192)
-    max_seq_len: int = 2048
+    rope_factor: float = at_least(1, 1.0)  # long wavelengths are stretched by this factor (Llama 3.1/3.2: 8 or 32)
+    rope_low_freq_factor: float = positive(1.0)  # wavelengths above rope_original_max_seq_len / this are fully stretched
+    rope_high_freq_factor: float = positive(4.0)  # wavelengths below rope_original_max_seq_len / this are kept
+    rope_original_max_seq_len: int | None = positive(None)  # the context the model was pretrained at (Llama 3: 8192)
+    max_seq_len: int = positive(2048)
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2 has them)
     out_bias: bool = False  # bias on the attention output projection
     mlp_bias: bool = False
-    init_std: float = 0.02
+    init_std: float = positive(0.02)
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        check_ranges(self, source="model")  # built in Python too: a zero or negative size fails here
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.n_heads < 1 or self.n_kv_heads < 1:
             raise ValueError(f"n_heads and n_kv_heads must be at least 1, got {self.n_heads} and {self.n_kv_heads}")
         if self.head_dim is None:
             if self.d_model % self.n_heads:
-                raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
+                raise ValueError(f"d_model = {self.d_model} must be divisible by n_heads = {self.n_heads} "
+                                 "(or set head_dim)")
             self.head_dim = self.d_model // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
+            raise ValueError(f"n_heads = {self.n_heads} must be a multiple of n_kv_heads = {self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+            raise ValueError(f"head_dim = {self.head_dim} must be even for RoPE")
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.d_model if self.ffn == "gelu" else 64 * -(-(8 * self.d_model // 3) // 64)
         self._check_rope_scaling()
@@ -78,12 +82,10 @@ class ModelConfig:
                 f"rope_scaling llama3 needs rope_original_max_seq_len, the pretraining context "
                 f"(a positive integer, 8192 for Llama 3.1/3.2), got {self.rope_original_max_seq_len}"
             )
-        if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor {self.rope_factor} must be >= 1 (1 leaves RoPE unchanged)")
-        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        if not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(
-                f"rope_low_freq_factor {self.rope_low_freq_factor} and rope_high_freq_factor {self.rope_high_freq_factor} "
-                "must satisfy 0 < low < high (Llama 3.1/3.2: 1 and 4)"
+                f"rope_low_freq_factor = {self.rope_low_freq_factor} must be below rope_high_freq_factor = "
+                f"{self.rope_high_freq_factor} (Llama 3.1/3.2: 1 and 4)"
             )
 
     @classmethod

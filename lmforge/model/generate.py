@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.core.config import at_least, positive, seed_field, unit_interval
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.transformer import (
     KVCache,
@@ -384,13 +385,13 @@ def decode_step(model: Transformer | FusedTransformer, tokens: torch.Tensor, sta
 class GenerationConfig:
     """How to pick tokens and when to stop."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = positive(128)
+    temperature: float = at_least(0, 1.0)  # 0 = greedy
+    top_k: int = at_least(0, 0)  # 0 = off
+    top_p: float = unit_interval(1.0, low_open=True)  # 1 = off
     stop: list[str] = field(default_factory=list)  # the text is cut before the first one found
-    stop_token_ids: list[int] | None = None  # None = the tokenizer's EOS; [] = never stop early
-    seed: int | None = None  # None = torch's global generator
+    stop_token_ids: list[int] | None = at_least(0, None)  # None = the tokenizer's EOS; [] = never stop early
+    seed: int | None = seed_field(None)  # None = torch's global generator
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.core.config import positive, unit_interval
 from lmforge.peft.nf4 import NF4Linear
 
 DEFAULT_TARGETS = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3"]
@@ -50,9 +51,9 @@ class LoraConfig:
     Defaults follow torchtune's LoRA configs (r 8, α 16, dropout 0) on every projection.
     """
 
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    r: int = positive(8)
+    alpha: float = positive(16.0)
+    dropout: float = unit_interval(0.0, high_open=True)
     target_modules: list[str] | str = field(default_factory=lambda: list(DEFAULT_TARGETS))
     use_rslora: bool = False  # s = α/√r instead of α/r
     use_dora: bool = False
@@ -60,8 +61,8 @@ class LoraConfig:
     # QLoRA: store each targeted linear's weight in NF4 (double-quantised scales) under the adapter.
     # The QLoRA paper's blocks are 64 and 256, so a weight needs a multiple of 64·256 elements.
     quantize_base: bool = False
-    nf4_block_size: int = 64
-    nf4_scaler_block_size: int = 256
+    nf4_block_size: int = positive(64)
+    nf4_scaler_block_size: int = positive(256)
 
     def __post_init__(self) -> None:
         if self.r < 1:

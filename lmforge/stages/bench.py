@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.config import load_config
+from lmforge.core.config import load_config, positive
 from lmforge.core.run import log
 from lmforge.train.loop import resolve_device
 from lmforge.train.metrics import cached_peak, datasheet_peak, measure_matmul_peak, peak_cache_path, store_peak
@@ -33,8 +33,8 @@ class BenchRecipe:
     what: Literal["peak"] = "peak"
     device: str = "auto"
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # any of float32, bfloat16, float16
-    size: int = 2048  # n of the n x n matmul
-    seconds: float = 3.0  # per dtype; the best rate observed is kept
+    size: int = positive(2048)  # n of the n x n matmul
+    seconds: float = positive(3.0)  # per dtype; the best rate observed is kept
     measure: bool = False  # a GPU in the data-sheet table: time it and use the measured figure for MFU
 
     def __post_init__(self) -> None:

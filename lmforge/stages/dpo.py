@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from lmforge.core.config import positive, seed_field
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.preference import pair_rows, read_preference_pairs
@@ -70,12 +71,12 @@ from lmforge.train.metrics import loss_curve_lines
 class PreferenceDataConfig:
     train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
     val: list[str] = field(default_factory=list)  # held-out pairs: validation margins and accuracy
-    max_length: int = 512  # tokens of prompt + completion
+    max_length: int = positive(512)  # tokens of prompt + completion
     on_bad: Literal["error", "skip"] = "error"  # a bad record (identical pair, empty completion, prompt too long...)
     # a completion past max_length: truncated (TRL's DPO/KTO keep_start), skipped and counted, or an error;
     # the reward stage skips by default (RewardDataConfig), as a reward read at a cut-off token is meaningless
     on_too_long: Literal["error", "truncate", "skip"] = "truncate"
-    seed: int = 0
+    seed: int = seed_field(0)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.config import load_config
+from lmforge.core.config import at_least, load_config, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.core.run import log, start_run
 from lmforge.data.tokenizer import Tokenizer
@@ -35,13 +35,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class GenerateRecipe:
     checkpoint: str = "runs/demo/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
     prompts: list[str] = field(default_factory=lambda: ["To be, or not to be"])
-    max_new_tokens: int = 128
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 0.95  # nucleus; 1 = off
+    max_new_tokens: int = positive(128)
+    temperature: float = at_least(0, 0.8)  # 0 = greedy
+    top_k: int = at_least(0, 0)  # 0 = off
+    top_p: float = unit_interval(0.95, low_open=True)  # nucleus; 1 = off
     stop: list[str] = field(default_factory=list)  # cut the completion before the first of these
-    stop_token_ids: list[int] | None = None  # stop at any of these token ids; null = the tokenizer's end of text; [] = never early
-    seed: int | None = 0  # same seed, same prompts -> same completions; null = unseeded
+    stop_token_ids: list[int] | None = at_least(0, None)  # stop at any of these token ids; null = the tokenizer's end of text; [] = never early
+    seed: int | None = seed_field(0)  # same seed, same prompts -> same completions; null = unseeded
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"  # auto = cuda when available, else cpu
     add_bos: bool = True  # prompt = [bos] + encode(text), as documents were in pre-training

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from lmforge.core.config import load_config
+from lmforge.core.config import load_config, positive
 from lmforge.distributed.memory import MemoryPlan, format_bytes, plan_memory
 from lmforge.distributed.mesh import check_layout, resolve_layout
 from lmforge.stages.pretrain import PretrainRecipe
@@ -23,7 +23,7 @@ from lmforge.stages.pretrain import PretrainRecipe
 
 @dataclass
 class PlanRecipe(PretrainRecipe):
-    world_size: int | None = None  # processes to plan for; None = the product of the degrees (dp_shard -1 as 1)
+    world_size: int | None = positive(None)  # processes to plan for; None = the product of the degrees (dp_shard -1 as 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.core.config import save_config
+from lmforge.core.config import positive, save_config, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths
 from lmforge.core.run import log, progress_bar
 from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents
@@ -26,11 +26,11 @@ class PrepareRecipe:
     run_dir: str = "runs/data"  # the prepared dataset: shards, manifest.json, config.yaml, stats.json
     tokenizer: str = "runs/tokenizer"  # directory holding tokenizer.json
     data: DocumentsConfig = field(default_factory=DocumentsConfig)
-    val_fraction: float = 0.05  # by a stable hash of the document id
-    shard_tokens: int = 50_000_000  # a shard is closed once it holds this many tokens
+    val_fraction: float = unit_interval(0.05, high_open=True)  # by a stable hash of the document id
+    shard_tokens: int = positive(50_000_000)  # a shard is closed once it holds this many tokens
     add_bos: bool = True
     add_eos: bool = True
-    batch_docs: int = 512  # documents per parallel encode call
+    batch_docs: int = positive(512)  # documents per parallel encode call
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:

@@ -30,6 +30,7 @@ from lmforge.data.loader import LoaderConfig, TokenLoader
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
 from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.memory import check_memory_fits
 from lmforge.distributed.mesh import (
     ParallelContext,
     check_layout,
@@ -95,6 +96,9 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
 def run_pretrain(recipe: PretrainRecipe) -> dict:
     layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
     check_layout(layout, recipe.parallel, recipe.model, recipe.train.micro_batch_size)
+    check_memory_fits(recipe.model, recipe.parallel, layout, resolve_device(recipe.train.device),
+                      micro_batch_size=recipe.train.micro_batch_size, seq_len=recipe.data.seq_len,
+                      precision=recipe.train.precision, activation_checkpointing=recipe.train.activation_checkpointing)
     if not recipe.data.datasets:
         raise InputError("data.datasets is empty: list at least one directory written by `lmforge prepare`")
     tok = Tokenizer.load(recipe.tokenizer)

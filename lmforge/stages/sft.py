@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from lmforge.core.config import positive, seed_field
 from lmforge.core.io import atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.chat import read_sft_examples
@@ -55,12 +56,12 @@ from lmforge.train.metrics import loss_curve_lines
 class SFTDataConfig:
     train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
     val: list[str] = field(default_factory=list)
-    max_length: int = 512  # tokens per example (and per packed row)
+    max_length: int = positive(512)  # tokens per example (and per packed row)
     packing: bool = True  # several examples per row, block-diagonal attention
     assistant_only: bool = True  # loss on assistant turns only (else on every token)
     on_bad: Literal["error", "skip"] = "error"  # an invalid example: stop, or skip and count
     on_too_long: Literal["error", "truncate", "skip"] = "error"
-    seed: int = 0
+    seed: int = seed_field(0)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmforge.core.config import positive, unit_interval
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, progress_bar, start_run
 from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents, split_of
@@ -27,8 +28,8 @@ class TokenizerRecipe:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # Documents whose id hashes below this fraction are held out to measure compression.
     # Use the same value as `prepare`'s val_fraction so the tokenizer never sees validation text.
-    heldout_fraction: float = 0.05
-    max_heldout_chars: int = 20_000_000
+    heldout_fraction: float = unit_interval(0.05, high_open=True)
+    max_heldout_chars: int = positive(20_000_000)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.heldout_fraction < 1.0:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lmforge.core.config import ConfigError
+from lmforge.core.config import ConfigError, at_least, positive
 from lmforge.core.io import InputError, atomic_directory, expand_paths
 from lmforge.core.run import log, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
@@ -26,8 +26,17 @@ from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.distributed.mesh import ParallelContext, launched_world_size, parallel_session, resolve_layout
-from lmforge.model.checkpoint import TOKENIZER_FILES, load_model, load_weights, write_checksums, write_model_files
+from lmforge.distributed.memory import check_memory_fits
+from lmforge.distributed.mesh import Layout, ParallelContext, launched_world_size, parallel_session, resolve_layout
+from lmforge.model.checkpoint import (
+    TOKENIZER_FILES,
+    load_model,
+    load_model_config,
+    load_weights,
+    resolve_checkpoint,
+    write_checksums,
+    write_model_files,
+)
 from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
@@ -39,8 +48,8 @@ from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, 
 class ExactMatchConfig:
     exact_match: bool = True  # greedy answers to validation prompts, compared to the reference
     tasks: list[str] = field(default_factory=list)  # files of tasks to score; empty: the validation data
-    max_examples: int = 200
-    max_new_tokens: int = 32
+    max_examples: int = at_least(0, 200)
+    max_new_tokens: int = positive(32)
 
 
 def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int,
@@ -114,9 +123,10 @@ def start_finetune_run(recipe, stage: str, read_examples: Callable,
     reads all examples and loads the whole base, rank 0 alone writes the run directory and
     chooses the precision for all."""
     check_data_paths(recipe, stage)
+    device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
+    check_finetune_memory(recipe, device, parallel)
     logging_rank = parallel is None or parallel.is_logging_rank
     run_dir = start_run(recipe, recipe.run_dir) if logging_rank else Path(recipe.run_dir)
-    device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
     precision = run_precision(recipe.train, run_dir, device, parallel)  # rank 0 chooses for every rank
     torch.manual_seed(recipe.train.seed)
     model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length, parallel)
@@ -131,6 +141,17 @@ def start_finetune_run(recipe, stage: str, read_examples: Callable,
              len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
     return FinetuneRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
                        skipped)
+
+
+def check_finetune_memory(recipe, device: torch.device, parallel: ParallelContext | None) -> None:
+    """Refuse a micro-batch of ``data.max_length`` rows the device cannot hold, from the base's
+    config alone, before the base is loaded (``check_memory_fits``)."""
+    model = load_model_config(resolve_checkpoint(recipe.checkpoint, verify=False))
+    layout = parallel.layout if parallel is not None else Layout()
+    check_memory_fits(model, recipe.parallel, layout, device, micro_batch_size=recipe.train.micro_batch_size,
+                      seq_len=recipe.data.max_length, precision=recipe.train.precision,
+                      activation_checkpointing=recipe.train.activation_checkpointing, seq_key="data.max_length",
+                      adapters_only=getattr(recipe, "lora", None) is not None)
 
 
 def row_accumulation_steps(cfg: TrainConfig, max_length: int, rows_per_example: int = 1, world_size: int = 1) -> int:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tqdm import tqdm
 
-from lmforge.core.config import to_dict
+from lmforge.core.config import at_least, positive, seed_field, to_dict, unit_interval
 from lmforge.core.io import InputError
 from lmforge.core.run import log, progress_bar
 from lmforge.distributed.checkpoint import is_sharded_checkpoint
@@ -59,34 +59,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class TrainConfig:
     """Optimizer, schedule, batch, precision, evaluation and checkpointing of a training run."""
 
-    max_steps: int = 1000
-    lr: float = 3e-4  # peak learning rate
-    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
-    warmup_steps: int = 100
+    max_steps: int = positive(1000)
+    lr: float = positive(3e-4)  # peak learning rate
+    min_lr_ratio: float = unit_interval(0.1)  # the schedule ends at lr * min_lr_ratio
+    warmup_steps: int = at_least(0, 100)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    decay_fraction: float = 0.2  # wsd: share of steps spent decaying
-    weight_decay: float = 0.1  # on weight matrices only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    micro_batch_size: int = 8  # sequences per forward/backward on each rank
-    batch_tokens: int | None = None  # target tokens per optimizer step; None = one micro-batch
+    decay_fraction: float = unit_interval(0.2, low_open=True)  # wsd: share of steps spent decaying
+    weight_decay: float = at_least(0, 0.1)  # on weight matrices only
+    beta1: float = unit_interval(0.9, high_open=True)
+    beta2: float = unit_interval(0.95, high_open=True)
+    eps: float = positive(1e-8)
+    grad_clip: float = at_least(0, 1.0)  # max global gradient norm; 0 disables clipping
+    micro_batch_size: int = positive(8)  # sequences per forward/backward on each rank
+    batch_tokens: int | None = positive(None)  # target tokens per optimizer step; None = one micro-batch
     # autocast dtype; fp16 adds dynamic loss scaling; auto = bf16 where it is faster than fp32
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     activation_checkpointing: bool = False  # recompute each block in the backward pass
     compile: bool = False  # torch.compile the model's forward and the loss as one graph
-    seed: int = 0
+    seed: int = seed_field(0)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    eval_every: int = 100  # steps between validations (0: only at the end)
-    eval_batches: int | None = 20  # validation micro-batches per evaluation, over all data-parallel ranks (None: the whole split)
-    log_every: int = 10  # steps between console lines (metrics.jsonl gets every step)
-    checkpoint_every: int = 500  # steps between checkpoints (one is always written at the end)
-    keep_checkpoints: int = 2
+    eval_every: int = at_least(0, 100)  # steps between validations (0: only at the end)
+    eval_batches: int | None = positive(20)  # validation micro-batches per evaluation, over all data-parallel ranks (None: the whole split)
+    log_every: int = positive(10)  # steps between console lines (metrics.jsonl gets every step)
+    checkpoint_every: int = at_least(0, 500)  # steps between checkpoints (0: none but the one always written at the end)
+    keep_checkpoints: int = at_least(1, 2)  # the final checkpoint is always kept
     resume: str = "auto"  # auto: newest valid checkpoint in run_dir | never | a checkpoint directory
     tensorboard: bool = True
-    max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
-    stop_at_step: int | None = None  # stop (with a checkpoint) at this step; the schedule still spans max_steps
+    max_minutes: float | None = positive(None)  # stop (with a checkpoint) after this much wall time
+    stop_at_step: int | None = positive(None)  # stop (with a checkpoint) at this step; the schedule still spans max_steps
     spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection: warn, skip or roll back
 
     def __post_init__(self) -> None:

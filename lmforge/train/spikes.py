@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from lmforge.core.config import at_least, check_ranges, positive
 from lmforge.core.run import log
 
 EVENT = "loss_spike"
@@ -44,26 +45,18 @@ class SpikeConfig:
     """``train.spikes``: the loss-spike detector and what it does on a spike (off by default)."""
 
     policy: Literal["off", "warn", "skip", "rollback"] = "off"
-    window: int = 128  # accepted step losses the mean and standard deviation are taken over
-    threshold: float = 6.0  # a spike: this many standard deviations above the window's mean
-    min_observations: int = 64  # losses in the window before any step is judged
-    max_consecutive: int = 10  # spikes in a row that restart the window (a new loss level, not a spike)
-    max_rollbacks: int = 3  # per run; later spikes are skipped
-    skip_steps_after: int = 0  # rollback: also skip the batches of this many steps after the spike
+    window: int = at_least(2, 128)  # accepted step losses the mean and standard deviation are taken over
+    threshold: float = positive(6.0)  # a spike: this many standard deviations above the window's mean
+    min_observations: int = at_least(2, 64)  # losses in the window before any step is judged
+    max_consecutive: int = positive(10)  # spikes in a row that restart the window (a new loss level, not a spike)
+    max_rollbacks: int = at_least(0, 3)  # per run; later spikes are skipped
+    skip_steps_after: int = at_least(0, 0)  # rollback: also skip the batches of this many steps after the spike
 
     def __post_init__(self) -> None:
-        if self.window < 2:
-            raise ValueError(f"train.spikes.window must be at least 2, got {self.window}")
-        if not 2 <= self.min_observations <= self.window:
-            raise ValueError(f"train.spikes.min_observations must be in [2, window={self.window}], "
-                             f"got {self.min_observations}")
-        if not self.threshold > 0:
-            raise ValueError(f"train.spikes.threshold must be positive (standard deviations), got {self.threshold}")
-        if self.max_consecutive < 1:
-            raise ValueError(f"train.spikes.max_consecutive must be at least 1, got {self.max_consecutive}")
-        if self.max_rollbacks < 0 or self.skip_steps_after < 0:
-            raise ValueError("train.spikes.max_rollbacks and skip_steps_after must be non-negative, got "
-                             f"{self.max_rollbacks} and {self.skip_steps_after}")
+        check_ranges(self, "train.spikes")
+        if self.min_observations > self.window:
+            raise ValueError(f"train.spikes.min_observations = {self.min_observations} must be at most "
+                             f"train.spikes.window = {self.window}")
 
 
 def z_score(history: list[float], loss: float) -> tuple[float, float, float]:

@@ -183,3 +183,23 @@ def test_a_verb_that_runs_in_one_process_refuses_torchrun_before_any_work(argv, 
     assert "pretrain, sft, reward, dpo, kto" in err
     assert not out.exists()
     assert {v.name for v in VERBS if v.distributed} == {"pretrain", "sft", "reward", "dpo", "kto"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=nan", "overrides: 'train.lr' = nan: must be > 0 and finite"),
+    ("model.n_kv_heads=0", "overrides: 'model.n_kv_heads' = 0: must be > 0"),
+])
+def test_an_out_of_range_value_exits_2_with_one_line_and_no_traceback(override, message, capsys):
+    assert main(["pretrain", override]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lmforge pretrain: error: {message}\n"
+
+
+def test_an_impossible_micro_batch_is_refused_by_its_memory_estimate_before_any_work(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["pretrain", f"run_dir={run_dir}", "train.micro_batch_size=100000000", "train.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.match(r"lmforge pretrain: error: train\.micro_batch_size = 100000000 x data\.seq_len = 256 needs at "
+                    r"least [\d.]+ [KMGT]?B per device", err)
+    assert not run_dir.exists()

@@ -1,10 +1,23 @@
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 import pytest
 import yaml
 
-from lmforge.core.config import ConfigError, dump_config, from_dict, load_config, parse_scalar
+from lmforge.core.config import (
+    ConfigError,
+    Range,
+    at_least,
+    check_ranges,
+    dump_config,
+    field_range,
+    from_dict,
+    load_config,
+    parse_scalar,
+    positive,
+    unit_interval,
+)
 from lmforge.core.run import start_run
 
 
@@ -115,3 +128,159 @@ def test_parse_scalar_reads_numbers_lists_and_strings():
     assert parse_scalar("[a, b]") == ["a", "b"]
     assert parse_scalar("true") is True
     assert parse_scalar("runs/x") == "runs/x"
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclass
+class RangedCfg:
+    lr: float = positive(1e-3)
+    ratio: float = unit_interval(0.1)
+    beta: float = unit_interval(0.9, high_open=True)
+    steps: int = at_least(0, 10)
+    shard: int = at_least(1, -1, also=(-1,))
+    cap: float | None = positive(None, allow_inf=True)
+    ids: list[int] | None = at_least(0, None)
+    limits: dict[int, float] = unit_interval(keys=Range(1), default_factory=lambda: {2: 0.5})
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ratio=-1", "'ratio' = -1: must be in [0, 1]"),
+    ("beta=1.5", "'beta' = 1.5: must be in [0, 1)"),
+    ("beta=1", "'beta' = 1: must be in [0, 1)"),
+    ("lr=0", "'lr' = 0: must be > 0 and finite"),
+    ("lr=nan", "'lr' = nan: must be > 0 and finite"),
+    ("lr=inf", "'lr' = inf: must be > 0 and finite"),
+    ("steps=-1", "'steps' = -1: must be >= 0"),
+    ("shard=0", "'shard' = 0: must be -1 or >= 1"),
+    ("cap=nan", "'cap' = nan: must be > 0"),
+    ("ids=[3,-2]", "'ids[1]' = -2: must be >= 0"),
+    ("limits={2: 1.5}", "'limits.2' = 1.5: must be in [0, 1]"),
+    ("limits={0: 0.5}", "'limits' has the key 0: keys must be >= 1"),
+])
+def test_a_number_outside_its_fields_range_is_one_line_naming_key_value_and_range(override, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(RangedCfg, None, [override])
+    assert str(exc.value) == f"overrides: {message}"
+
+
+def test_values_at_closed_bounds_special_values_and_allowed_infinity_are_accepted():
+    cfg = load_config(RangedCfg, None, ["ratio=0", "beta=0", "steps=0", "shard=-1", "cap=inf", "ids=[]", "cap=null"])
+    assert (cfg.ratio, cfg.steps, cfg.shard, cfg.cap, cfg.ids) == (0.0, 0, -1, None, [])
+    assert load_config(RangedCfg, None, ["cap=inf"]).cap == float("inf")
+
+
+def test_a_range_error_names_the_recipe_file_and_the_dotted_key(tmp_path):
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    p = write(tmp_path, "train:\n  min_lr_ratio: -1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(PretrainRecipe, p)
+    assert str(exc.value) == f"{p}: 'train.min_lr_ratio' = -1: must be in [0, 1]"
+
+
+def test_check_ranges_checks_a_config_built_in_python_with_dotted_keys():
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    recipe = PretrainRecipe()
+    recipe.train.lr = float("nan")
+    with pytest.raises(ConfigError, match=r"^config: 'train\.lr' = nan: must be > 0 and finite$"):
+        check_ranges(recipe)
+
+
+# The issue's examples: each is refused by load_config before any work, in one line.
+ISSUE_EXAMPLES = [
+    ("train.min_lr_ratio=-1", "'train.min_lr_ratio' = -1: must be in [0, 1]"),
+    ("model.d_model=0", "'model.d_model' = 0: must be > 0"),
+    ("train.checkpoint_every=-1", "'train.checkpoint_every' = -1: must be >= 0"),
+    ("train.batch_tokens=0", "'train.batch_tokens' = 0: must be > 0"),
+    ("model.n_kv_heads=0", "'model.n_kv_heads' = 0: must be > 0"),
+    ("model.n_layers=0", "'model.n_layers' = 0: must be > 0"),
+    ("train.lr=nan", "'train.lr' = nan: must be > 0 and finite"),
+    ("train.beta1=1.5", "'train.beta1' = 1.5: must be in [0, 1)"),
+    ("train.lr=inf", "'train.lr' = inf: must be > 0 and finite"),
+    ("train.eps=0", "'train.eps' = 0: must be > 0 and finite"),
+    ("model.rope_theta=0", "'model.rope_theta' = 0: must be > 0 and finite"),
+]
+
+
+@pytest.mark.parametrize("override, message", ISSUE_EXAMPLES)
+def test_the_issues_bad_pretrain_values_are_refused_by_load_config(override, message):
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(PretrainRecipe, None, [override])
+    assert str(exc.value) == f"overrides: {message}"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_heads=5", "'model': d_model = 384 must be divisible by n_heads = 5 (or set head_dim)"),
+    ("model.n_kv_heads=4", "'model': n_heads = 6 must be a multiple of n_kv_heads = 4"),
+    ("model.head_dim=63", "'model': head_dim = 63 must be even for RoPE"),
+])
+def test_model_shape_constraints_between_keys_are_one_line_naming_both(override, message):
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(PretrainRecipe, None, [override])
+    assert str(exc.value) == f"overrides: {message}"
+
+
+def test_a_model_config_built_in_python_checks_its_ranges_before_dividing():
+    from lmforge.model.config import ModelConfig
+
+    with pytest.raises(ConfigError, match=r"'n_heads' = 0: must be > 0"):
+        ModelConfig(n_heads=0)
+
+
+def config_roots() -> list[type]:
+    """Every config dataclass a user sets: each verb's recipe, curate's step types and
+    train-classifier, and the generation engine's config."""
+    from lmforge.curate.quality import TrainClassifierConfig
+    from lmforge.curate.steps import STEP_TYPES, _load
+    from lmforge.model.generate import GenerationConfig
+    from lmforge.stages import VERBS
+
+    return ([verb.load().RECIPE for verb in VERBS] + [_load(t)[0] for t in STEP_TYPES]
+            + [TrainClassifierConfig, GenerationConfig])
+
+
+def reachable_dataclasses(roots: list[type]) -> list[type]:
+    seen: list[type] = []
+
+    def visit(tp) -> None:
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            if tp in seen:
+                return
+            seen.append(tp)
+            for hint in get_type_hints(tp).values():
+                visit(hint)
+        for arg in get_args(tp):
+            visit(arg)
+
+    for root in roots:
+        visit(root)
+    return seen
+
+
+def holds_numbers(tp) -> bool:
+    """Whether a field's annotation has an int or float in it (``int | None``, ``list[int]``, ``dict[int, float]``)."""
+    return tp in (int, float) or any(holds_numbers(a) for a in get_args(tp))
+
+
+def test_every_numeric_field_of_every_config_declares_its_range():
+    classes = reachable_dataclasses(config_roots())
+    assert len(classes) > 30
+    missing = [f"{cls.__module__}.{cls.__qualname__}.{f.name}" for cls in classes
+               for f in dataclasses.fields(cls) if holds_numbers(get_type_hints(cls)[f.name]) and field_range(f) is None]
+    assert not missing, f"declare a range (positive(), at_least(), unit_interval(), in_range()) for: {missing}"
+
+
+def test_every_config_default_lies_in_its_declared_range():
+    for root in config_roots():
+        try:
+            instance = root()
+        except (TypeError, ValueError):  # a recipe with required keys (export, import)
+            continue
+        check_ranges(instance, source=root.__qualname__)

@@ -106,3 +106,41 @@ def test_plan_memory_cli_prints_every_kind_with_and_without_checkpointing(capsys
     for row in ("parameters", "gradients", "optimizer state", "activations", "total"):
         assert row in out
     assert "no checkpointing" in out and "activation ckpt" in out and "6.38 GB" in out
+
+
+def test_a_step_larger_than_the_device_is_refused_naming_the_batch_and_the_estimate(monkeypatch):
+    import lmforge.distributed.memory as memory
+    from lmforge.core.config import ConfigError
+
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
+    args = dict(micro_batch_size=8, seq_len=128, precision="fp32", activation_checkpointing=False)
+    plan = plan_memory(cfg, ParallelConfig(), Layout(), **args)
+    need = plan.parameters + plan.optimizer + max(plan.gradients, plan.activations)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (need, "of RAM"))
+    assert memory.check_memory_fits(cfg, ParallelConfig(), Layout(), torch.device("cpu"), **args) == need
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (need - 1, "of RAM"))
+    with pytest.raises(ConfigError, match=r"^train\.micro_batch_size = 8 x data\.seq_len = 128 needs at least "
+                                          r"[\d.]+ [KMG]?B per device \(weights \+ optimizer .*, activations .*\), "
+                                          r"more than the [\d.]+ [KMG]?B of RAM: lower train\.micro_batch_size"):
+        memory.check_memory_fits(cfg, ParallelConfig(), Layout(), torch.device("cpu"), **args)
+
+
+def test_adapter_training_is_refused_only_for_its_activations(monkeypatch):
+    import lmforge.distributed.memory as memory
+
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
+    args = dict(micro_batch_size=8, seq_len=128, precision="fp32", activation_checkpointing=False)
+    plan = plan_memory(cfg, ParallelConfig(), Layout(), **args)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (plan.activations, "of RAM"))
+    assert memory.check_memory_fits(cfg, ParallelConfig(), Layout(), torch.device("cpu"), adapters_only=True,
+                                    **args) == plan.activations
+
+
+def test_this_machines_memory_is_known_and_a_demo_step_fits_in_it():
+    from lmforge.distributed.memory import available_bytes, check_memory_fits
+
+    available, what = available_bytes(torch.device("cpu"))
+    assert available > 2**28 and what == "of RAM"
+    cfg = ModelConfig.from_preset("tiny")
+    assert check_memory_fits(cfg, ParallelConfig(), Layout(), torch.device("cpu"), micro_batch_size=8, seq_len=256,
+                             precision="auto", activation_checkpointing=False) < available

@@ -103,9 +103,9 @@ def test_rope_scaling_settings_are_validated():
         small(rope_factor=8.0)
     with pytest.raises(ValueError, match="needs rope_original_max_seq_len"):
         small(rope_scaling="llama3", rope_factor=8.0)
-    with pytest.raises(ValueError, match="rope_factor 0.5 must be >= 1"):
+    with pytest.raises(ValueError, match="'rope_factor' = 0.5: must be >= 1"):
         small(**{**llama3, "rope_factor": 0.5})
-    with pytest.raises(ValueError, match="0 < low < high"):
+    with pytest.raises(ValueError, match="rope_low_freq_factor = 4.0 must be below rope_high_freq_factor = 4.0"):
         small(**llama3, rope_low_freq_factor=4.0)
     with pytest.raises(ValueError, match="rope_scaling 'yarn' is not supported"):
         small(rope_scaling="yarn")

@@ -125,3 +125,15 @@ def test_sft_under_torchrun_refuses_tensor_pipeline_and_qlora_layouts_before_any
     with pytest.raises(ConfigError, match=r"(?s)sft under torchrun .*(parallel\.tp=1 and parallel\.pp=1|quantize_base=false)"):
         run_sft(recipe(tmp_path, base_checkpoint, sft_data, *overrides))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_micro_batch_the_machine_cannot_hold_is_refused_before_the_model_loads(tmp_path, base_checkpoint, sft_data,
+                                                                                 monkeypatch):
+    import lmforge.train.finetune as finetune
+    from lmforge.core.config import ConfigError
+
+    monkeypatch.setattr(finetune, "load_base", lambda *a, **k: pytest.fail("the base must not load"))
+    with pytest.raises(ConfigError, match=r"^train\.micro_batch_size = 100000000 x data\.max_length = 128 needs at "
+                                          r"least [\d.]+ [KMGT]?B per device .* more than the [\d.]+ [KMGT]?B of RAM"):
+        run_sft(recipe(tmp_path, base_checkpoint, sft_data, "train.micro_batch_size=100000000"))
+    assert not (tmp_path / "run").exists()

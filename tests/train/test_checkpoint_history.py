@@ -57,7 +57,7 @@ def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(make_reci
 
 
 def test_keep_checkpoints_must_keep_at_least_one(make_recipe):
-    with pytest.raises(ConfigError, match="keep_checkpoints must be at least 1"):
+    with pytest.raises(ConfigError, match=r"'train\.keep_checkpoints' = 0: must be >= 1"):
         make_recipe(**{"train.keep_checkpoints": 0})
 
 
