@@ -125,3 +125,12 @@ def test_sft_under_torchrun_refuses_tensor_pipeline_and_qlora_layouts_before_any
     with pytest.raises(ConfigError, match=r"(?s)sft under torchrun .*(parallel\.tp=1 and parallel\.pp=1|quantize_base=false)"):
         run_sft(recipe(tmp_path, base_checkpoint, sft_data, *overrides))
     assert not (tmp_path / "run").exists()
+
+
+def test_rerunning_a_completed_run_keeps_its_summary(tmp_path, base_checkpoint, sft_data):
+    run_sft(recipe(tmp_path, base_checkpoint, sft_data))
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    again = run_sft(recipe(tmp_path, base_checkpoint, sft_data))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == saved
+    for key in ("val_loss", "final_loss", "checkpoint", "tokens_per_s", "exact_match_after", "final_checkpoint"):
+        assert key in saved and again[key] == saved[key]
