@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import socket
 import sys
 from collections.abc import Iterator
@@ -108,6 +109,18 @@ def run_dir_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path]:
     finally:
         if took:
             release_run_dir(run_dir)
+
+
+def clear_run_dir(run_dir: str | Path) -> None:
+    """Remove everything in ``run_dir`` but its lock file and holder information, which the run
+    holding the lock keeps (a new lock file would be a second, free lock for another run to take)."""
+    for path in Path(run_dir).iterdir():
+        if path.name in (LOCK_FILE, HOLDER_FILE):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _holder(run_dir: Path) -> str:

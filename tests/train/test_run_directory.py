@@ -2,8 +2,6 @@
 once, or started with a command that fails."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -12,6 +10,7 @@ from lmforge.core.io import InputError
 from lmforge.core.run import RunDirBusy, run_dir_lock
 from lmforge.stages.pretrain import run_pretrain
 from lmforge.train.metrics import METRICS_FILE, read_metrics
+from tests.core.test_run import hold_in_subprocess
 
 
 def test_a_run_resumes_after_its_metrics_file_was_torn_mid_record(make_recipe, tmp_path):
@@ -68,12 +67,8 @@ def test_the_config_of_a_resumed_run_is_replaced_once_it_checkpoints(make_recipe
 
 
 def test_a_second_run_into_a_busy_run_dir_fails_at_once_naming_the_holder(make_recipe, tmp_path):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from lmforge.core.run import run_dir_lock\n"
-         f"with run_dir_lock({str(tmp_path / 'run')!r}):\n    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = hold_in_subprocess(tmp_path / "run")
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirBusy, match=rf"pid {holder.pid} on "):
             run_pretrain(make_recipe())
         assert not (tmp_path / "run" / METRICS_FILE).exists() and not (tmp_path / "run" / "config.yaml").exists()
