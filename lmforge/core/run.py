@@ -83,10 +83,15 @@ def acquire_run_dir(run_dir: str | Path) -> bool:
         raise RunDirBusy(f"{run_dir} is in use by another run ({_holder(run_dir)}); wait for it to finish, "
                          f"or stop it, or choose another run_dir") from None
     _held[key] = fd
-    atomic_write_json(run_dir / HOLDER_FILE, {
-        "pid": os.getpid(), "host": socket.gethostname(), "started": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(sys.argv) or sys.executable,
-    })
+    try:
+        atomic_write_json(run_dir / HOLDER_FILE, {
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": shlex.join(sys.argv) or sys.executable,
+        })
+    except BaseException:
+        release_run_dir(run_dir)
+        raise
     return True
 
 
