@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
+import os
+import shlex
+import shutil
+import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from lmforge.core.config import save_config
+from lmforge.core.config import dump_config, save_config
+from lmforge.core.io import InputError, atomic_write_json
 
 log = logging.getLogger("lmforge")
 
@@ -40,12 +50,123 @@ def setup_logging(level: int = logging.INFO) -> None:
     log.propagate = False
 
 
-def start_run(cfg: Any, run_dir: str | Path) -> Path:
-    """Create the run directory and write the resolved config into it."""
+# --------------------------------------------------------------------------- run directories
+
+LOCK_FILE = ".lmforge-lock"  # flock'ed while a run writes into the directory; never removed
+HOLDER_FILE = ".lmforge-lock.json"  # who holds the lock: pid, host, start time, command
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+
+
+class RunDirBusy(InputError):
+    """Another process is writing into the run directory."""
+
+
+_held: dict[str, int] = {}  # real path of a run directory -> descriptor of its locked LOCK_FILE
+
+
+def acquire_run_dir(run_dir: str | Path) -> bool:
+    """Create ``run_dir`` and lock it for this process, or raise RunDirBusy naming the process
+    that holds it. The lock is an OS advisory lock (``flock``) on ``LOCK_FILE``: the system drops
+    it when its process ends, however it ends, so a killed run leaves no stale lock. True when
+    this call took the lock, False when this process held it already."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir)
+    key = os.path.realpath(run_dir)
+    if key in _held:
+        return False
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirBusy(f"{run_dir} is in use by another run ({_holder(run_dir)}); wait for it to finish, "
+                         f"or stop it, or choose another run_dir") from None
+    _held[key] = fd
+    try:
+        atomic_write_json(run_dir / HOLDER_FILE, {
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": shlex.join(sys.argv) or sys.executable,
+        })
+    except BaseException:
+        release_run_dir(run_dir)
+        raise
+    return True
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Unlock a run directory this process locked (nothing if it holds no lock on it)."""
+    fd = _held.pop(os.path.realpath(run_dir), None)
+    if fd is not None:
+        Path(run_dir, HOLDER_FILE).unlink(missing_ok=True)
+        os.close(fd)  # closing the only descriptor of the open file releases the flock
+
+
+@contextmanager
+def run_dir_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path]:
+    """Hold ``run_dir``'s lock for the block (``acquire_run_dir``); a lock this process already
+    held stays held after it. ``enabled=False`` (ranks other than 0 of a torchrun job, which
+    write into the directory rank 0 holds) takes no lock."""
+    took = enabled and acquire_run_dir(run_dir)
+    try:
+        yield Path(run_dir)
+    finally:
+        if took:
+            release_run_dir(run_dir)
+
+
+def clear_run_dir(run_dir: str | Path) -> None:
+    """Remove everything in ``run_dir`` but its lock file and holder information, which the run
+    holding the lock keeps (a new lock file would be a second, free lock for another run to take)."""
+    for path in Path(run_dir).iterdir():
+        if path.name in (LOCK_FILE, HOLDER_FILE):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _holder(run_dir: Path) -> str:
+    try:
+        h = json.loads((run_dir / HOLDER_FILE).read_text())
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+    except (OSError, ValueError, KeyError, TypeError):  # being written, or written by another version
+        return f"see {run_dir / HOLDER_FILE}"
+
+
+def start_run(cfg: Any, run_dir: str | Path) -> Path:
+    """Lock the run directory for this process (until the enclosing ``run_dir_lock`` ends, or the
+    process does) and write the resolved config into it if it has none. An existing run's
+    config is replaced only by ``record_config``, once the run has really moved on (the loop
+    calls it at each checkpoint), so a command that fails first leaves the run as it was."""
+    run_dir = Path(run_dir)
+    acquire_run_dir(run_dir)
+    if not (run_dir / CONFIG_FILE).exists():
+        save_config(cfg, run_dir)
     return run_dir
+
+
+def record_config(cfg: Any, run_dir: str | Path) -> None:
+    """Write ``cfg`` as the run's config (atomically), unless it is already the one written, or None."""
+    path = Path(run_dir) / CONFIG_FILE
+    if cfg is not None and (not path.exists() or path.read_text() != dump_config(cfg)):
+        save_config(cfg, run_dir)
+
+
+def completed_summary(run_dir: str | Path, summary: dict) -> dict | None:
+    """The ``summary.json`` a completed run wrote, when the loop's ``summary`` says this rerun
+    found the run already complete: the stage returns it rather than overwrite it with a
+    summary of no training. None otherwise, and when there is none (the run stopped between
+    its last checkpoint and its summary: the stage finishes it as usual)."""
+    if not summary.get("already_complete"):
+        return None
+    try:
+        stored = json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) else None
 
 
 def progress_bar(total: float | None, desc: str, unit: str = "it", **kwargs: Any) -> tqdm:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from lmforge.core.config import positive, seed_field
 from lmforge.core.io import atomic_write_json
-from lmforge.core.run import log
+from lmforge.core.run import completed_summary, log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
 from lmforge.data.tokenizer import Tokenizer
@@ -238,6 +238,8 @@ def run_preference_training(recipe, objective_for: Callable[[Reference | None], 
         tokenizer_dir=run.tok_dir,
         parallel=parallel,
     )
+    if (stored := completed_summary(run_dir, summary)) is not None:  # a rerun: the run's own summary stands
+        return {**stored, **summary}
     objective = reference = None  # a live reference's sharded copy goes with them
     model = gathered_for_saving(run, model, summary, recipe.lora, parallel)
     if model is None:

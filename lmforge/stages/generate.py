@@ -22,7 +22,7 @@ import torch
 
 from lmforge.core.config import at_least, load_config, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_text
-from lmforge.core.run import log, start_run
+from lmforge.core.run import log, record_config, run_dir_lock, start_run
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.checkpoint import load_model
 from lmforge.model.generate import GenerationConfig, generate
@@ -102,8 +102,11 @@ def run_generate(recipe: GenerateRecipe) -> list[dict]:
         print(prompt + r.text, flush=True)
         records.append({"prompt": prompt, **asdict(r)})
     if recipe.run_dir is not None:
-        run_dir = start_run(recipe, recipe.run_dir)
-        atomic_write_text(run_dir / "generations.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        with run_dir_lock(recipe.run_dir):
+            run_dir = start_run(recipe, recipe.run_dir)
+            atomic_write_text(run_dir / "generations.jsonl",
+                              "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            record_config(recipe, run_dir)  # the config of the generations now there
         log.info("generate: wrote %s", run_dir / "generations.jsonl")
     return records
 

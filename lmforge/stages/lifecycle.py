@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
 from lmforge.core.io import atomic_write_json, atomic_write_text, file_stamps, named_paths
-from lmforge.core.run import log, start_run
+from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.stages import VERBS_BY_NAME
 
 MARKER = ".lmforge-complete.json"
@@ -73,6 +72,14 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
             raise ConfigError(f"stage {name!r}: {exc}") from exc
         plans.append((name, spec, module, cfg))
 
+    with run_dir_lock(recipe.run_dir):  # a second lifecycle into it fails at once, naming this one
+        results = run_stages(recipe, plans)
+    log.info("report: %s", Path(recipe.run_dir) / "report.md")
+    return results
+
+
+def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
+    """Each planned stage in order, skipped when complete, then lifecycle.json and report.md."""
     run_dir = start_run(recipe, recipe.run_dir)
     results = []
     upstream_ran = False
@@ -81,40 +88,41 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
         if stage_dir.resolve() == run_dir.resolve():
             raise ConfigError(f"stage {name!r}: its run_dir must differ from the lifecycle's run_dir {run_dir}")
         digest = hashlib.sha256(dump_config(cfg).encode()).hexdigest()
-        inputs = inventory_digest(named_paths(to_dict(cfg), skip_keys=("run_dir",)), exclude=[stage_dir])
-        marker = stage_dir / MARKER
-        done = read_marker(marker)
-        stale = done is not None and staleness(done, digest, inputs, stage_dir)
-        if done is not None and not stale and not upstream_ran and not recipe.force:
-            log.info("== %s (%s): complete, skipped (outputs in %s)", name, spec.verb, stage_dir)
-            results.append({**done, "status": "skipped"})
-            continue
-        if done is not None:
-            # Complete outputs of another config, of other inputs or damaged since: start the stage
-            # afresh rather than resume from them. Outputs without a marker are an interrupted run and are resumed.
-            why = stale or ("an earlier stage ran again" if upstream_ran else "force=true")
-            log.info("== %s (%s): outputs in %s are stale (%s); removing them", name, spec.verb, stage_dir, why)
-            shutil.rmtree(stage_dir)
-        log.info("== %s (%s)", name, spec.verb)
-        t0 = time.perf_counter()
-        result = module.run(cfg)
-        entry = {
-            "name": name,
-            "verb": spec.verb,
-            "run_dir": str(stage_dir),
-            "config_sha256": digest,
-            "inputs_sha256": inputs,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "result": _jsonable(result),
-        }
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        entry["outputs_sha256"] = inventory_digest([stage_dir], exclude=[marker])
-        atomic_write_json(marker, entry)
+        named = named_paths(to_dict(cfg), skip_keys=("run_dir",))
+        inputs = inventory_digest(named, exclude=[stage_dir, *lock_files(named)])
+        with run_dir_lock(stage_dir):  # held from the check of its outputs to its marker
+            marker = stage_dir / MARKER
+            done = read_marker(marker)
+            stale = done is not None and staleness(done, digest, inputs, stage_dir)
+            if done is not None and not stale and not upstream_ran and not recipe.force:
+                log.info("== %s (%s): complete, skipped (outputs in %s)", name, spec.verb, stage_dir)
+                results.append({**done, "status": "skipped"})
+                continue
+            if done is not None:
+                # Complete outputs of another config, of other inputs or damaged since: start the stage
+                # afresh rather than resume from them. Outputs without a marker are an interrupted run and are resumed.
+                why = stale or ("an earlier stage ran again" if upstream_ran else "force=true")
+                log.info("== %s (%s): outputs in %s are stale (%s); removing them", name, spec.verb, stage_dir, why)
+                clear_run_dir(stage_dir)
+            log.info("== %s (%s)", name, spec.verb)
+            t0 = time.perf_counter()
+            result = module.run(cfg)
+            entry = {
+                "name": name,
+                "verb": spec.verb,
+                "run_dir": str(stage_dir),
+                "config_sha256": digest,
+                "inputs_sha256": inputs,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "result": _jsonable(result),
+            }
+            entry["outputs_sha256"] = outputs_digest(stage_dir)
+            atomic_write_json(marker, entry)
         results.append({**entry, "status": "ran"})
         upstream_ran = True
     atomic_write_json(run_dir / "lifecycle.json", results)
     write_report(run_dir, results)
-    log.info("report: %s", run_dir / "report.md")
+    record_config(recipe, run_dir)  # the lifecycle the report describes
     return results
 
 
@@ -137,9 +145,20 @@ def staleness(done: dict, config_digest: str, inputs_digest: str, stage_dir: Pat
         return "its config changed"
     if done.get("inputs_sha256") != inputs_digest:
         return "files its config names changed"
-    if done.get("outputs_sha256") != inventory_digest([stage_dir], exclude=[stage_dir / MARKER]):
+    if done.get("outputs_sha256") != outputs_digest(stage_dir):
         return "its outputs were changed or removed"
     return None
+
+
+def outputs_digest(stage_dir: Path) -> str:
+    """``inventory_digest`` of a stage's outputs: all of its run directory but the marker and the lock."""
+    return inventory_digest([stage_dir], exclude=[stage_dir / MARKER, *lock_files([stage_dir])])
+
+
+def lock_files(paths: list[Path]) -> list[Path]:
+    """The run-directory lock files that folders among ``paths`` may hold: they come and go with
+    the runs that write there (a stage that replaces its directory drops them), not with the outputs."""
+    return [path / name for path in paths for name in (LOCK_FILE, HOLDER_FILE)]
 
 
 def inventory_digest(paths: list[Path], exclude: list[Path]) -> str:

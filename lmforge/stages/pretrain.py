@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.core.io import InputError, atomic_write_json
-from lmforge.core.run import log, start_run
+from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
 from lmforge.data.loader import LoaderConfig, TokenLoader
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
@@ -113,6 +113,12 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
 
     if layout.world_size > 1:
         return run_pretrain_distributed(recipe, tok, manifests)
+    with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
+        return run_pretrain_local(recipe, tok, manifests)
+
+
+def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict]) -> dict:
+    """``run_pretrain`` in one process."""
     run_dir = start_run(recipe, recipe.run_dir)
     cfg = recipe.train
     device = resolve_device(cfg.device)
@@ -152,6 +158,8 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         parallel=ctx,
         pipeline=pipeline,
     )
+    if (stored := completed_summary(run_dir, summary)) is not None:  # a rerun: the run's own summary stands
+        return {**stored, **summary}
     summary.update(params=recipe.model.num_params(), flops_per_token=flops_per_token,
                    tokens_per_step=grad_accum * cfg.micro_batch_size * recipe.data.seq_len * dp)
     if ctx is not None:
@@ -168,7 +176,8 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
 def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict]) -> dict:
     """``run_pretrain`` on one rank of a ``torchrun`` job: the model is built whole on every
     rank from the same seed, split into this rank's pipeline stage, then parallelized."""
-    with parallel_session(recipe.parallel, recipe.train.device) as ctx:
+    with (parallel_session(recipe.parallel, recipe.train.device) as ctx,
+          run_dir_lock(recipe.run_dir, enabled=ctx.is_logging_rank)):  # rank 0 holds it for the job
         layout = ctx.layout
         if ctx.is_logging_rank:
             start_run(recipe, recipe.run_dir)

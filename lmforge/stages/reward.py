@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from lmforge.core.io import atomic_write_json
-from lmforge.core.run import log
+from lmforge.core.run import completed_summary, log
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.config import ParallelConfig
@@ -103,6 +103,8 @@ def train_reward(recipe: RewardRecipe, parallel: ParallelContext | None = None) 
         tokenizer_dir=run.tok_dir,
         parallel=parallel,
     )
+    if (stored := completed_summary(run_dir, summary)) is not None:  # a rerun: the run's own summary stands
+        return {**stored, **summary}
     after = held_out()
     backbone = None  # the sharded backbone's last reference here: freed once gathered
     model = gathered_for_saving(run, model, summary, recipe.lora, parallel, wrap=RewardModel)

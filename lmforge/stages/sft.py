@@ -26,7 +26,7 @@ import torch
 
 from lmforge.core.config import positive, seed_field
 from lmforge.core.io import atomic_write_json
-from lmforge.core.run import log
+from lmforge.core.run import completed_summary, log
 from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.data.rows import RowLoader
@@ -131,6 +131,8 @@ def train_sft(recipe: SFTRecipe, ctx: ParallelContext | None = None) -> dict:
         tokenizer_dir=run.tok_dir,
         parallel=ctx,
     )
+    if (stored := completed_summary(run_dir, summary)) is not None:  # a rerun: the run's own summary stands
+        return {**stored, **summary}
     summary["tokens_per_step"] = grad_accum * cfg.micro_batch_size * d.max_length * dp
     model = gathered_for_saving(run, model, summary, recipe.lora, ctx)
     if model is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lmforge.core.config import positive, unit_interval
 from lmforge.core.io import InputError, atomic_write_json
-from lmforge.core.run import log, progress_bar, start_run
+from lmforge.core.run import log, progress_bar, record_config, run_dir_lock, start_run
 from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents, split_of
 from lmforge.data.tokenizer import TokenizerConfig, compression_stats, train_tokenizer
 
@@ -37,6 +37,12 @@ class TokenizerRecipe:
 
 
 def run_tokenizer(recipe: TokenizerRecipe) -> dict:
+    with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
+        return write_tokenizer(recipe)
+
+
+def write_tokenizer(recipe: TokenizerRecipe) -> dict:
+    """``run_tokenizer`` in its locked run directory."""
     run_dir = start_run(recipe, recipe.run_dir)
     skipped = SkipLog()
     heldout: list[str] = []
@@ -72,6 +78,7 @@ def run_tokenizer(recipe: TokenizerRecipe) -> dict:
         "tokenizer_sha256": tok.sha256,
     }
     atomic_write_json(run_dir / "stats.json", stats)
+    record_config(recipe, run_dir)  # the config of the tokenizer now there
     log.info(
         "tokenizer: %d tokens learned from %d documents (%.1f MB) in %.1fs -> %s",
         tok.vocab_size, counts["documents"], counts["chars"] / 1e6, seconds, run_dir,

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lmforge.core.config import ConfigError, at_least, positive
 from lmforge.core.io import InputError, atomic_directory, expand_paths
-from lmforge.core.run import log, start_run
+from lmforge.core.run import log, run_dir_lock, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records, render_chatml
 from lmforge.data.documents import SkipLog
 from lmforge.data.packing import IGNORE_INDEX
@@ -79,7 +79,8 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
     are refused before any work."""
     layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
     if layout.world_size == 1:
-        return body(None)
+        with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
+            return body(None)
     problems = []
     if layout.tp > 1 or layout.pp > 1:
         problems.append(f"parallel.tp={layout.tp} and parallel.pp={layout.pp}: {stage} shards data-parallel only "
@@ -89,7 +90,8 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
                         "or set lora.quantize_base=false")
     if problems:
         raise ConfigError(f"{stage} under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
-    with parallel_session(recipe.parallel, recipe.train.device) as ctx:
+    with (parallel_session(recipe.parallel, recipe.train.device) as ctx,
+          run_dir_lock(recipe.run_dir, enabled=ctx.is_logging_rank)):  # rank 0 holds it for the job
         return body(ctx)
 
 

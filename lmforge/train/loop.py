@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from lmforge.core.config import at_least, positive, seed_field, to_dict, unit_interval
 from lmforge.core.io import InputError
-from lmforge.core.run import log, progress_bar
+from lmforge.core.run import log, progress_bar, record_config
 from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.clip import clip_grad_norm_
 from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
@@ -495,7 +495,7 @@ def train(
     if start_step >= cfg.max_steps:
         log.info("run already complete at step %d (max_steps %d)", start_step, cfg.max_steps)
         metrics.close()
-        return summary
+        return {**summary, "already_complete": True}  # the stage keeps the run's summary.json (completed_summary)
 
     model.train()
     bar = (progress_bar(cfg.max_steps, "training", unit="step", initial=start_step) if logging_rank
@@ -564,6 +564,8 @@ def train(
             bar.write(_format_step(record, cfg.max_steps))
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or is_last or out_of_time:
             last_ckpt = checkpoint(done, final=is_last or out_of_time)
+            if logging_rank:  # the run's config is the one its newest checkpoint was trained with
+                record_config(recipe, run_dir)
         if out_of_time and not is_last:
             log.info("stopping at step %d (max_minutes=%s, stop_at_step=%s); resume with train.resume=auto",
                      done, cfg.max_minutes, cfg.stop_at_step)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lmforge.core.io import atomic_write_json
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
 from lmforge.core.run import log
 from lmforge.train.spikes import report_lines
 
@@ -26,9 +26,10 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         if resume_step is not None and self.path.exists():
-            # drop records past the checkpoint we resume from; they will be logged again
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            # drop records past the checkpoint we resume from (they will be logged again) and a torn
+            # last line; replaced in one step, so a failure here leaves the old file whole
+            kept = [r for r in parse_metrics(self.path) if r.get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         self.file = open(self.path, "a", encoding="utf-8")
@@ -59,11 +60,35 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path, events: bool = False) -> list[dict]:
-    """The step records of ``metrics.jsonl``; with ``events``, only the event records (those with an
-    ``event`` key, e.g. loss spikes), which lack a step's fields."""
+    """The step records of a run's ``metrics.jsonl`` (none without one), as ``parse_metrics`` reads
+    them; with ``events``, only the event records (those with an ``event`` key, e.g. loss spikes),
+    which lack a step's fields."""
     path = Path(run_dir) / METRICS_FILE
-    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    records = parse_metrics(path) if path.exists() else []
     return [r for r in records if ("event" in r) == events]
+
+
+def parse_metrics(path: Path) -> list[dict]:
+    """The JSON records of a metrics file, one a line. An unterminated last line that is not a
+    record was torn by a run killed or out of disk mid-write: it is dropped with a warning. Any
+    other line that is not a record is corruption: an InputError naming the file and line."""
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError of bytes cut mid-character
+            if number == len(lines):  # after the last newline: the write never finished
+                log.warning("%s:%d: dropped a torn last line (%d bytes; the run stopped mid-write)",
+                            path, number, len(line))
+                break
+            raise InputError(f"{path}:{number}: not a JSON record ({exc}); the file is corrupt") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{path}:{number}: not a JSON record (a {type(record).__name__}); the file is corrupt")
+        records.append(record)
+    return records
 
 
 def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> list[str]:

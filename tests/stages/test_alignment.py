@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -53,6 +54,22 @@ def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, ba
     assert before["exact_match"]["examples"] == 4
     model, where = load_model(tmp_path / "dpo")
     assert where.name == "final"
+
+
+@pytest.mark.parametrize("stage", ["dpo", "reward"])
+def test_rerunning_a_completed_run_keeps_its_summary(tmp_path, base_checkpoint, data, stage):
+    if stage == "dpo":
+        run_stage, make = run_dpo, lambda: dpo_recipe(tmp_path, base_checkpoint, data)
+    else:
+        run_stage, make = run_reward, lambda: load_config(RewardRecipe, None, [
+            f"run_dir={tmp_path / stage}", f"checkpoint={base_checkpoint}", f"data.train=[{data / 'train.jsonl'}]",
+            f"data.val=[{data / 'val.jsonl'}]", *COMMON])
+    run_stage(make())
+    saved = json.loads((tmp_path / stage / "summary.json").read_text())
+    again = run_stage(make())
+    assert json.loads((tmp_path / stage / "summary.json").read_text()) == saved
+    for key in ("val_loss", "final_loss", "checkpoint", "tokens_per_s", "after", "final_checkpoint"):
+        assert key in saved and again[key] == saved[key]
 
 
 @pytest.mark.parametrize("precompute", ["true", "false"])

@@ -4,7 +4,9 @@ import pytest
 import yaml
 
 from lmforge.core.config import ConfigError, load_config
+from lmforge.core.run import RunDirBusy
 from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
+from tests.core.test_run import hold_in_subprocess
 
 
 @pytest.fixture()
@@ -80,3 +82,14 @@ def test_a_stage_whose_outputs_were_removed_or_whose_inputs_changed_runs_again(l
     changed = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
     assert [r["status"] for r in changed] == ["ran", "ran", "ran"]
     assert [r["status"] for r in run_lifecycle(load_config(LifecycleRecipe, lifecycle))] == ["skipped"] * 3
+
+
+def test_a_busy_stage_directory_stops_the_lifecycle_before_its_outputs_are_removed(lifecycle, tmp_path):
+    run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    holder = hold_in_subprocess(tmp_path / "pretrain")  # e.g. `lmforge pretrain` run by hand into it
+    try:
+        with pytest.raises(RunDirBusy, match=rf"pid {holder.pid} on "):
+            run_lifecycle(load_config(LifecycleRecipe, lifecycle, ["force=true"]))
+        assert (tmp_path / "pretrain" / "checkpoints" / "step_00000004").is_dir()
+    finally:
+        holder.communicate("")

@@ -137,3 +137,12 @@ def test_a_micro_batch_the_machine_cannot_hold_is_refused_before_the_model_loads
                                           r"least [\d.]+ [KMGT]?B per device .* more than the [\d.]+ [KMGT]?B of RAM"):
         run_sft(recipe(tmp_path, base_checkpoint, sft_data, "train.micro_batch_size=100000000"))
     assert not (tmp_path / "run").exists()
+
+
+def test_rerunning_a_completed_run_keeps_its_summary(tmp_path, base_checkpoint, sft_data):
+    run_sft(recipe(tmp_path, base_checkpoint, sft_data))
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    again = run_sft(recipe(tmp_path, base_checkpoint, sft_data))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == saved
+    for key in ("val_loss", "final_loss", "checkpoint", "tokens_per_s", "exact_match_after", "final_checkpoint"):
+        assert key in saved and again[key] == saved[key]

@@ -1,0 +1,105 @@
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from lmforge.core.run import (
+    HOLDER_FILE,
+    LOCK_FILE,
+    RunDirBusy,
+    acquire_run_dir,
+    completed_summary,
+    record_config,
+    release_run_dir,
+    run_dir_lock,
+    start_run,
+)
+
+
+@dataclass
+class Recipe:
+    run_dir: str = "runs/x"
+    lr: float = 1e-3
+
+
+def hold_in_subprocess(run_dir) -> subprocess.Popen:
+    """A process holding ``run_dir``'s lock until its stdin closes (or it is killed)."""
+    code = ("import sys; from lmforge.core.run import run_dir_lock\n"
+            f"with run_dir_lock({str(run_dir)!r}):\n    print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, "pretrain", "recipe.yaml"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_locked_run_dir_refuses_a_second_run_naming_pid_host_start_and_command(tmp_path):
+    holder = hold_in_subprocess(tmp_path / "run")
+    try:
+        with pytest.raises(RunDirBusy) as err:
+            start_run(Recipe(), tmp_path / "run")
+        message = str(err.value)
+        assert f"pid {holder.pid} on {socket.gethostname()}, started 20" in message
+        assert "-c pretrain recipe.yaml" in message and str(tmp_path / "run") in message
+    finally:
+        holder.communicate("")
+    assert not (tmp_path / "run" / HOLDER_FILE).exists()  # the holder cleaned up after itself
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    holder = hold_in_subprocess(tmp_path / "run")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    holder.stdout.close()
+    assert (tmp_path / "run" / HOLDER_FILE).exists()  # stale holder information, but no lock
+    with run_dir_lock(tmp_path / "run"):
+        holder_info = json.loads((tmp_path / "run" / HOLDER_FILE).read_text())
+        assert holder_info["pid"] == os.getpid()
+
+
+def test_the_lock_conflicts_with_another_open_file_in_the_same_process_until_the_block_ends(tmp_path):
+    run_dir = tmp_path / "run"
+    with run_dir_lock(run_dir):
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: free
+    finally:
+        os.close(fd)
+
+
+def test_a_process_that_holds_the_lock_may_start_runs_inside_it_and_keeps_it_after_them(tmp_path):
+    with run_dir_lock(tmp_path / "run"):
+        assert start_run(Recipe(), tmp_path / "run") == tmp_path / "run"
+        with run_dir_lock(tmp_path / "run"):  # nested: a no-op
+            pass
+        assert acquire_run_dir(tmp_path / "run") is False  # still held
+    assert acquire_run_dir(tmp_path / "run") is True
+    release_run_dir(tmp_path / "run")
+
+
+def test_start_run_keeps_an_existing_runs_config_until_record_config(tmp_path):
+    with run_dir_lock(tmp_path / "run"):
+        start_run(Recipe(lr=1e-3), tmp_path / "run")
+        first = (tmp_path / "run" / "config.yaml").read_text()
+        start_run(Recipe(lr=5.0), tmp_path / "run")
+        assert (tmp_path / "run" / "config.yaml").read_text() == first
+        record_config(Recipe(lr=5.0), tmp_path / "run")
+        assert "lr: 5.0" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_completed_summary_is_the_stored_one_only_for_a_run_found_complete(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 8, "val_loss": 2.5}))
+    assert completed_summary(tmp_path, {"step": 8, "final_loss": 2.4}) is None  # it trained: write anew
+    assert completed_summary(tmp_path, {"step": 8, "already_complete": True}) == {"step": 8, "val_loss": 2.5}
+    assert completed_summary(tmp_path / "none", {"step": 8, "already_complete": True}) is None
