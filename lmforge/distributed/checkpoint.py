@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -128,7 +129,7 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
 def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load a sharded checkpoint into ``model`` and ``optimizer`` as laid out now (any layout)."""
     state = sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
+    safe_load(state, directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=OPTIONS)
 
 
@@ -138,10 +139,25 @@ def model_tensor_sizes(reader: SafeReader) -> dict[str, tuple[torch.Size, torch.
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
+def safe_load(state: dict, directory: str | Path, reader: SafeReader | None = None, no_dist: bool = False) -> None:
+    """``dcp.load`` of ``state`` from ``directory`` through ``SafeReader`` and ``SafeLoadPlanner``. DCP
+    wraps every rank's error in a ``CheckpointException`` (a ``BaseException``): a refusal comes
+    out as the ``InputError`` it was, any other failure as one naming the checkpoint."""
+    try:
+        dcp.load(state, storage_reader=reader or SafeReader(str(directory)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as exc:
+        errors = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+        refused = [e for e in errors if isinstance(e, InputError)]
+        if refused:
+            message = str(refused[0])
+            raise InputError(message if str(directory) in message else f"{directory}: {message}") from exc
+        raise InputError(f"{directory}: cannot read the sharded checkpoint: {errors[0] if errors else exc}") from exc
+
+
 def _load_alone(state: dict, reader: SafeReader) -> None:
     with warnings.catch_warnings():  # no_dist is the intent here: torch's "assuming single process" is noise
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        safe_load(state, reader.path, reader, no_dist=True)
 
 
 def read_model_state(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -204,17 +204,25 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", verify: boo
 
 def read_weights(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A checkpoint's weights by parameter name: ``model.safetensors``, or else the shards of a
-    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them."""
+    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them. Weights
+    holding NaN or inf are an ``InputError`` (a diverged run's: nothing to generate or export from)."""
     directory = Path(directory)
     sharded = not (directory / WEIGHTS).is_file() and (directory / SHARDED_METADATA).is_file()
     try:
         if sharded:
             from lmforge.distributed.checkpoint import read_model_state
 
-            return {k: v.to(device) for k, v in read_model_state(directory).items()}
-        return load_file(str(directory / WEIGHTS), device=str(device))
+            state = {k: v.to(device) for k, v in read_model_state(directory).items()}
+        else:
+            state = load_file(str(directory / WEIGHTS), device=str(device))
+    except InputError:
+        raise
     except Exception as exc:  # safetensors and DCP raise their own error types for truncated files
         raise InputError(f"{directory if sharded else directory / WEIGHTS}: cannot read weights: {exc}") from exc
+    bad = nonfinite_weights(state.items())
+    if bad:
+        raise InputError(_nonfinite_message(str(directory), bad))
+    return state
 
 
 def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:
@@ -229,9 +237,6 @@ def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str)
     if mismatched:
         raise InputError(f"{where}: weights do not match the model config: {', '.join(mismatched[:3])}"
                          + (f" and {len(mismatched) - 3} more" if len(mismatched) > 3 else ""))
-    bad = nonfinite_weights(state.items())
-    if bad:
-        raise InputError(_nonfinite_message(where, bad))
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed_missing = {output_key} if core.cfg.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
