@@ -116,3 +116,50 @@ def test_a_sharded_metadata_naming_a_shard_outside_the_checkpoint_is_refused(run
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(InputError, match="outside the checkpoint directory"):
         read_model_state(ckpt)
+
+
+@pytest.fixture()
+def one_rank_group():
+    """A process group of this process alone: the distributed loop runs in the test process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_background_checkpoint_is_committed_once_its_shards_are_written_not_at_the_next_one(
+        one_rank_group, recipe_for, tmp_path, monkeypatch):
+    from concurrent.futures import Future
+
+    import lmforge.train.checkpoint as train_checkpoint
+    import lmforge.train.loop as loop
+    from lmforge.data.shards import read_manifest
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.model.checkpoint import verify_checksums
+    from lmforge.stages.pretrain import run_pretrain_distributed
+
+    def written_save(directory, model, optimizer, async_group=None):  # a background save that has finished
+        save_sharded(directory, model, optimizer)
+        done = Future()
+        done.set_result(None)
+        return done if async_group is not None else None
+
+    real_step, steps = loop.train_step, []
+
+    def crash_at_step_3(*args, **kwargs):
+        steps.append(None)
+        if len(steps) == 3:
+            raise KeyboardInterrupt("killed")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_checkpoint, "save_sharded", written_save)
+    monkeypatch.setattr(loop, "train_step", crash_at_step_3)
+    recipe = recipe_for(tmp_path / "run", **{"train.max_steps": 6, "train.checkpoint_every": 2,
+                                             "parallel.async_checkpoint": True})
+    with pytest.raises(KeyboardInterrupt):
+        run_pretrain_distributed(recipe, Tokenizer.load(recipe.tokenizer),
+                                 [read_manifest(d.path) for d in recipe.data.datasets])
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in ckpts.iterdir()] == ["step_00000002"]  # committed, no temporary directory left
+    verify_checksums(ckpts / "step_00000002")
