@@ -495,8 +495,9 @@ def train(
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             metrics.close()
             raise FloatingPointError(
-                f"loss or gradient norm non-finite for {nonfinite_in_a_row} steps in a row (loss {loss_value} at step "
-                f"{step + 1}); lower train.lr, raise train.warmup_steps, or resume from the last checkpoint"
+                f"non-finite loss or gradient norm for {nonfinite_in_a_row} steps in a row, each skipped (step "
+                f"{step + 1}: loss {loss_value}, gradient norm {float(grad_norm)}); lower train.lr, raise "
+                f"train.warmup_steps, or resume from the last checkpoint"
             )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
