@@ -113,13 +113,14 @@ def refuse_nonfinite_weights(model: torch.nn.Module, target: Path, distributed: 
 
 
 def remove_unfinished_checkpoints(run_dir: Path) -> list[Path]:
-    """Remove the temporary directories of checkpoints a killed run was writing, with a log line."""
+    """Remove what a killed run of ``run_dir`` was writing (temporary checkpoint directories, a
+    fine-tuning run's ``final/``, its summary), with a log line; call it before the run writes."""
     from lmforge.core.run import log
 
-    removed = remove_temporaries(Path(run_dir) / "checkpoints")
+    removed = remove_temporaries(Path(run_dir) / "checkpoints") + remove_temporaries(run_dir)
     if removed:
-        log.info("removed %d temporary checkpoint directories a killed run left in %s: %s", len(removed),
-                 removed[0].parent, ", ".join(p.name for p in removed))
+        log.info("removed %d temporary files and directories a killed run left in %s: %s", len(removed), run_dir,
+                 ", ".join(str(p.relative_to(run_dir)) for p in removed))
     return removed
 
 

@@ -113,10 +113,11 @@ def test_a_run_whose_checkpoints_are_all_invalid_stops_and_asks_instead_of_start
     assert summary["start_step"] == 0
 
 
-def test_temporary_checkpoint_directories_of_a_killed_run_are_removed_at_the_next_start(make_recipe, tmp_path, caplog):
+def test_temporary_directories_of_a_killed_run_are_removed_at_the_next_start(make_recipe, tmp_path, caplog):
     ckpts = tmp_path / "run" / "checkpoints"
     ckpts.mkdir(parents=True)
-    leftovers = [ckpts / ".step_00000004.abcd_123.tmp", ckpts / ".step_00000008.x1y2z3w4.tmp"]
+    leftovers = [ckpts / ".step_00000004.abcd_123.tmp", ckpts / ".step_00000008.x1y2z3w4.tmp",
+                 ckpts.parent / ".final.q9r8s7t6.tmp"]
     for path in leftovers:
         path.mkdir()
         (path / "model.safetensors").write_bytes(b"half")
@@ -125,4 +126,4 @@ def test_temporary_checkpoint_directories_of_a_killed_run_are_removed_at_the_nex
     with caplog.at_level(logging.INFO, logger="lmforge"):
         run_pretrain(make_recipe(**{"train.max_steps": 2}))
     assert not any(p.exists() for p in leftovers) and keep.exists()
-    assert any("removed 2 temporary" in r.getMessage() for r in caplog.records)
+    assert any("removed 3 temporary" in r.getMessage() for r in caplog.records)
