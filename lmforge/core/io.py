@@ -33,6 +33,23 @@ def is_temporary(path: str | Path) -> bool:
     return TEMPORARY_NAME.fullmatch(path.name) is not None and not path.is_symlink()
 
 
+def remove_temporaries(directory: str | Path, of: str | None = None) -> list[Path]:
+    """Remove the temporary files and folders that unfinished writes (a killed run's) left in
+    ``directory``, or only those of writes to ``directory/of``; return them. Call it only
+    where no write can be under way, at the start of the run that owns them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    own = re.compile(re.escape(f".{of}.") + r"[a-z0-9_]{8}\.tmp") if of is not None else TEMPORARY_NAME
+    found = sorted(p for p in directory.iterdir() if own.fullmatch(p.name) and is_temporary(p))
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
+
+
 def temporary_file(path: str | Path) -> tuple[int, Path]:
     """A new empty sibling of ``path`` (hidden, with the usual permissions), open as a descriptor,
     to fill and then ``os.replace`` onto ``path``."""

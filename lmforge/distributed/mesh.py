@@ -3,6 +3,7 @@
 Mesh dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` (tensor
 parallel innermost, so its heavy collectives stay between neighbouring devices of a
 node). Every impossible layout is found by ``check_layout`` before any work starts.
+Each rank of a launched job stops when its launcher (torchrun's agent) dies.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import contextlib
 import datetime
 import logging
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -190,6 +194,34 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_watchdog: threading.Thread | None = None
+
+
+def exit_when_parent_dies(poll_s: float = 1.0) -> threading.Thread:
+    """Stop this process once the process that launched it is gone. A killed torchrun agent
+    cannot stop its workers, which would otherwise train (and write checkpoints) to the end.
+    A daemon thread watches for the parent to change (the orphan is adopted by another
+    process), then sends this process SIGTERM, and exits outright if that was caught.
+    (``PR_SET_PDEATHSIG`` would fire when the launching *thread* ends, not the agent.)"""
+    global _watchdog
+    if _watchdog is not None:
+        return _watchdog
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.error("the launcher of this process (pid %d) is gone: stopping rank %s (pid %d)", parent,
+                  os.environ.get("RANK", "?"), os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        os._exit(1)
+
+    _watchdog = threading.Thread(target=watch, name="lmforge-launcher-watchdog", daemon=True)
+    _watchdog.start()
+    return _watchdog
+
+
 def init_parallel(cfg: ParallelConfig, device_name: str = "auto") -> ParallelContext | None:
     """Start the process group and build the mesh; ``None`` for a plain single-process run.
 
@@ -201,6 +233,8 @@ def init_parallel(cfg: ParallelConfig, device_name: str = "auto") -> ParallelCon
         resolve_layout(cfg, 1)  # a layout asking for more processes is an error here
         return None
     layout = resolve_layout(cfg, world_size)
+    if world_size > 1:  # launched by torchrun (or srun): not the tests' in-process group
+        exit_when_parent_dies()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,10 @@ A checkpoint is a directory::
     (training checkpoints add optimizer.pt, trainer_state.json, config.yaml)
 
 Directories are written under a temporary name and renamed, so a checkpoint either
-exists whole or not at all; ``checksums.json`` catches later truncation or corruption.
+exists whole or not at all; ``checksums.json`` catches later truncation or corruption
+(not tampering: whoever edits a file can rewrite it too, so nothing read is ever unpickled).
+Weights holding NaN or inf are refused on loading, and ``latest_valid_checkpoint`` passes over
+them, so a run that diverged is never resumed or served from its poisoned state.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lmforge.core.io import InputError, atomic_write_json, file_stamps, sha256_file
@@ -94,6 +99,8 @@ def verify_checksums(directory: str | Path) -> None:
         return
     for name, digest in checksums.items():
         f = directory / name
+        if Path(name).is_absolute() or not f.resolve().is_relative_to(key):
+            raise InputError(f"{path}: names {name!r}, a file outside the checkpoint; the checkpoint is corrupted")
         if not f.is_file():
             raise InputError(f"{f}: missing from checkpoint")
         if sha256_file(f) != digest:
@@ -107,13 +114,53 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     return sorted((Path(run_dir) / "checkpoints").glob("step_*"))
 
 
+# Checkpoint directory -> its files' identities when its weights were last found finite.
+_finite: dict[Path, list] = {}
+
+
+def nonfinite_weights(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an inf (one host sync)."""
+    named = [(k, v) for k, v in named if v.is_floating_point()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(v).all().to(named[0][1].device) for _, v in named]).tolist()
+    return [k for (k, _), ok in zip(named, finite) if not ok]
+
+
+def check_finite_weights(directory: str | Path) -> None:
+    """Refuse a checkpoint whose weights hold NaN or inf (a run that diverged), reading one tensor
+    (or, sharded, about a GiB) at a time; an ``InputError`` names the tensors."""
+    directory = Path(directory)
+    key, stamps = directory.resolve(), file_stamps([directory], identity=True)
+    if _finite.get(key) == stamps:
+        return
+    if not (directory / WEIGHTS).is_file() and (directory / SHARDED_METADATA).is_file():
+        from lmforge.distributed.checkpoint import iter_model_state
+
+        bad = [k for k, v in iter_model_state(directory) if nonfinite_weights([(k, v)])]
+    else:
+        with safe_open(str(directory / WEIGHTS), framework="pt") as f:
+            bad = [k for k in f.keys() if nonfinite_weights([(k, f.get_tensor(k))])]
+    if bad:
+        raise InputError(_nonfinite_message(str(directory), bad))
+    _finite[key] = stamps
+
+
+def _nonfinite_message(where: str, bad: list[str]) -> str:
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return (f"{where}: weights hold non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}: the run diverged "
+            "before this checkpoint; use an earlier one")
+
+
 def latest_valid_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest ``run_dir/checkpoints/step_*`` whose checksums verify; a corrupt one is skipped with a warning."""
+    """Newest ``run_dir/checkpoints/step_*`` whose checksums verify and whose weights are finite;
+    a corrupt or non-finite one is skipped with a warning."""
     from lmforge.core.run import log
 
     for candidate in reversed(checkpoint_dirs(run_dir)):
         try:
             verify_checksums(candidate)
+            check_finite_weights(candidate)
             return candidate
         except InputError as exc:
             log.warning("skipping checkpoint %s: %s", candidate, exc)
@@ -157,17 +204,25 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", verify: boo
 
 def read_weights(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A checkpoint's weights by parameter name: ``model.safetensors``, or else the shards of a
-    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them."""
+    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them. Weights
+    holding NaN or inf are an ``InputError`` (a diverged run's: nothing to generate or export from)."""
     directory = Path(directory)
     sharded = not (directory / WEIGHTS).is_file() and (directory / SHARDED_METADATA).is_file()
     try:
         if sharded:
             from lmforge.distributed.checkpoint import read_model_state
 
-            return {k: v.to(device) for k, v in read_model_state(directory).items()}
-        return load_file(str(directory / WEIGHTS), device=str(device))
+            state = {k: v.to(device) for k, v in read_model_state(directory).items()}
+        else:
+            state = load_file(str(directory / WEIGHTS), device=str(device))
+    except InputError:
+        raise
     except Exception as exc:  # safetensors and DCP raise their own error types for truncated files
         raise InputError(f"{directory if sharded else directory / WEIGHTS}: cannot read weights: {exc}") from exc
+    bad = nonfinite_weights(state.items())
+    if bad:
+        raise InputError(_nonfinite_message(str(directory), bad))
+    return state
 
 
 def load_weights(model: Transformer, state: dict[str, torch.Tensor], where: str) -> None:

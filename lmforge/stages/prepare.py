@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.core.config import positive, save_config, unit_interval
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths, remove_temporaries
 from lmforge.core.run import log, progress_bar
 from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents
 from lmforge.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, token_dtype, tokenize_to_shards
@@ -44,6 +44,9 @@ def run_prepare(recipe: PrepareRecipe) -> dict:
     total_bytes = sum(p.stat().st_size for p in expand_paths(recipe.data.paths, what="document"))
     skipped = SkipLog()
     t0 = time.perf_counter()
+    out_dir = Path(recipe.run_dir)
+    if removed := remove_temporaries(out_dir.parent, of=out_dir.name):  # a killed prepare's unfinished output
+        log.info("removed %d temporary folders a killed prepare left: %s", len(removed), ", ".join(map(str, removed)))
     with atomic_directory(recipe.run_dir) as out:
         bar = progress_bar(total_bytes, "tokenizing", unit="B", unit_scale=True)
         result = tokenize_to_shards(

@@ -10,6 +10,11 @@ A distributed run writes the model and optimizer as DCP shards instead (every ra
 own, maybe in the background) and rank 0 the rest; its last checkpoint also gets a
 gathered ``model.safetensors`` for ``lmforge export``. Either kind resumes in any
 layout the sharded one allows: a sharded checkpoint also resumes in a single process.
+
+Weights are checked before every save: a checkpoint is never written from NaN or inf.
+A background save is committed as soon as every rank's shards are on disk
+(``commit_if_written``), and the temporary directories of a killed run's unfinished saves
+are removed when the next run starts (``remove_unfinished_checkpoints``).
 """
 
 from __future__ import annotations
@@ -25,14 +30,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lmforge.core.config import save_config
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json, replace_directory, temporary_directory
+from lmforge.core.io import (
+    InputError,
+    atomic_directory,
+    atomic_write_json,
+    remove_temporaries,
+    replace_directory,
+    temporary_directory,
+)
 from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, read_model_state, save_sharded
 from lmforge.model.checkpoint import (
     WEIGHTS,
+    check_finite_weights,
     checkpoint_dirs,
     load_weights,
+    nonfinite_weights,
     read_weights,
     verify_checksums,
     write_checksums,
@@ -68,6 +83,7 @@ def save_training_checkpoint(
     keep: int,
 ) -> Path:
     target = checkpoint_dir(run_dir, step)
+    refuse_nonfinite_weights(model, target)
     with atomic_directory(target) as tmp:
         write_model_files(tmp, model, tokenizer_dir)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
@@ -77,6 +93,35 @@ def save_training_checkpoint(
         write_checksums(tmp)
     prune_checkpoints(run_dir, keep)
     return target
+
+
+def refuse_nonfinite_weights(model: torch.nn.Module, target: Path, distributed: bool = False) -> None:
+    """Raise ``FloatingPointError`` instead of writing ``target`` when a weight holds NaN or inf
+    (``distributed``: on any rank; every rank calls this and gets the same verdict)."""
+    local = [(k, v.to_local() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()]
+    bad = nonfinite_weights((k, v.detach()) for k, v in local)
+    count = len(bad)
+    if distributed:
+        total = torch.tensor(float(count), device=next(model.parameters()).device)
+        dist.all_reduce(total)
+        count = int(total.item())
+    if count:
+        names = ", ".join(bad[:3]) or "on another rank"
+        raise FloatingPointError(
+            f"step {int(target.name.removeprefix('step_'))}: the weights hold non-finite values ({names}); checkpoint "
+            f"{target} not written. Resume from the last checkpoint with a lower train.lr or more train.warmup_steps")
+
+
+def remove_unfinished_checkpoints(run_dir: Path) -> list[Path]:
+    """Remove what a killed run of ``run_dir`` was writing (temporary checkpoint directories, a
+    fine-tuning run's ``final/``, its summary), with a log line; call it before the run writes."""
+    from lmforge.core.run import log
+
+    removed = remove_temporaries(Path(run_dir) / "checkpoints") + remove_temporaries(run_dir)
+    if removed:
+        log.info("removed %d temporary files and directories a killed run left in %s: %s", len(removed), run_dir,
+                 ", ".join(str(p.relative_to(run_dir)) for p in removed))
+    return removed
 
 
 def _py_random_state() -> list:
@@ -116,9 +161,10 @@ class ResumeState:
 
 
 def read_resume_state(ckpt: Path) -> ResumeState:
-    """Verify a training checkpoint's checksums and read its ``trainer_state.json``, the one
-    read of it: the loop chooses its precision from it, then ``load_training_checkpoint``."""
+    """Verify a training checkpoint's checksums and finite weights and read its ``trainer_state.json``,
+    the one read of it: the loop chooses its precision from it, then ``load_training_checkpoint``."""
     verify_checksums(ckpt)
+    check_finite_weights(ckpt)
     state = json.loads((ckpt / TRAINER_STATE).read_text())
     return ResumeState(step=state.pop("step"), python_random=state.pop("python_random"), trainer_state=state)
 
@@ -201,6 +247,7 @@ def save_sharded_training_checkpoint(
     """Every rank writes its shards into one temporary directory (named by rank 0); with
     ``async_group`` in the background. Call ``commit()`` on the result (every rank)."""
     target = checkpoint_dir(run_dir, step)
+    refuse_nonfinite_weights(model, target, distributed=True)
     name = [None]
     if dist.get_rank() == 0:
         name = [str(temporary_directory(target))]
@@ -211,3 +258,15 @@ def save_sharded_training_checkpoint(
              "trainer_state": {"step": step, **trainer_state, "python_random": _py_random_state()},
              "recipe": recipe, "keep": keep}
     return PendingCheckpoint(tmp, target, future, files)
+
+
+def commit_if_written(pending: list[PendingCheckpoint], device: torch.device) -> Path | None:
+    """Commit the background checkpoint in ``pending`` once every rank's shards are on disk (not
+    only at the next checkpoint, so a crash loses no more than the steps since); one all-reduce
+    of a flag while a save is pending. Every rank calls this after each step."""
+    if not pending:
+        return None
+    future = pending[0].future
+    written = torch.tensor(float(future is None or future.done()), device=device)
+    dist.all_reduce(written, op=dist.ReduceOp.MIN)
+    return pending.pop(0).commit() if written.item() == 1.0 else None

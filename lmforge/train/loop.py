@@ -38,12 +38,14 @@ from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.distributed.parallelize import reshard
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
-from lmforge.model.checkpoint import latest_valid_checkpoint
+from lmforge.model.checkpoint import checkpoint_dirs, latest_valid_checkpoint
 from lmforge.train.checkpoint import (
     PendingCheckpoint,
     ResumeState,
+    commit_if_written,
     load_training_checkpoint,
     read_resume_state,
+    remove_unfinished_checkpoints,
     save_sharded_training_checkpoint,
     save_training_checkpoint,
     set_aside_later_checkpoints,
@@ -87,6 +89,7 @@ class TrainConfig:
     tensorboard: bool = True
     max_minutes: float | None = positive(None)  # stop (with a checkpoint) after this much wall time
     stop_at_step: int | None = positive(None)  # stop (with a checkpoint) at this step; the schedule still spans max_steps
+    max_nonfinite_steps: int = positive(3)  # stop after this many steps in a row with a NaN/inf loss or gradient norm (each skipped)
     spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection: warn, skip or roll back
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 (the final checkpoint is always kept), got {self.keep_checkpoints}")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}")
 
 
 class Objective(Protocol):
@@ -175,6 +180,7 @@ class StepResult(NamedTuple):
     grad_norm: torch.Tensor  # before clipping
     n_targets: int
     metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target
+    skipped: bool = False  # a non-finite loss or gradient norm: the optimizer step was not taken
 
 
 def train_step(
@@ -211,7 +217,10 @@ def train_step(
         grad_norm = clip_grad_norm_(params, grad_clip, parallel)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    apply = accept is None or accept(loss_total)
+    # a non-finite loss or gradient norm never reaches the weights (the one host sync of the step);
+    # fp16's scaler skips overflowed gradients itself and halves its scale: not counted here
+    skipped = not bool(torch.isfinite(loss_total) & (torch.isfinite(grad_norm) | (scaler is not None)))
+    apply = not skipped and (accept is None or accept(loss_total))  # accept: the loss-spike guard
     if scaler is not None:
         if apply:
             scaler.step(optimizer)  # skipped when the scaled gradients overflowed
@@ -219,7 +228,7 @@ def train_step(
     elif apply:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()})
+    return StepResult(loss_total, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped)
 
 
 def local_backward(model, objective, micro_batches, precision: str, device: torch.device,
@@ -400,7 +409,9 @@ def train(
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    start_step, tokens_seen = 0, 0
+    start_step, tokens_seen, nonfinite_steps, nonfinite_in_a_row = 0, 0, 0, 0
+    if parallel is None or dist.get_rank() == 0:
+        remove_unfinished_checkpoints(run_dir)
     ckpt = resume_checkpoint(cfg, run_dir)
     if parallel is not None and cfg.resume == "auto":  # every rank resumes from the one rank 0 found
         found = [str(ckpt) if ckpt is not None else None]
@@ -429,6 +440,7 @@ def train(
     if state is not None:
         restore(ckpt, state)
         start_step, tokens_seen = state.step, state.trainer_state.get("tokens_seen", 0)
+        nonfinite_steps = state.trainer_state.get("nonfinite_steps", 0)
         log.info("resuming from %s (step %d)", ckpt, start_step)
         if logging_rank:
             _log_recipe_changes(ckpt, recipe)
@@ -445,7 +457,8 @@ def train(
 
     def trainer_state() -> dict:
         return {"tokens_seen": tokens_seen, "loader": train_batches.state_dict(), "precision": precision,
-                "scaler": scaler.state_dict() if scaler is not None else None, "spikes": guard.state_dict()}
+                "scaler": scaler.state_dict() if scaler is not None else None, "spikes": guard.state_dict(),
+                "nonfinite_steps": nonfinite_steps}
 
     def checkpoint(step: int, final: bool = False) -> Path:
         if parallel is None:
@@ -514,12 +527,17 @@ def train(
         n_tokens = dp * sum(getattr(objective, "num_tokens", objective.num_targets)(b) for b in micro_batches)
         result = train_step(model, objective, micro_batches, optimizer, scaler, params, precision, cfg.grad_clip,
                             forward_loss, parallel, pipeline, accept=guard.accept(step))
-        loss_value, grad_norm, n_targets = result.loss.item(), result.grad_norm, result.n_targets  # the host sync
-        if not math.isfinite(loss_value):
+        loss_value, grad_norm, n_targets = result.loss.item(), result.grad_norm, result.n_targets
+        nonfinite_steps += result.skipped
+        nonfinite_in_a_row = nonfinite_in_a_row + 1 if result.skipped else 0
+        if result.skipped:
+            log.warning("step %d: loss %s, gradient norm %s: optimizer step skipped", step + 1, loss_value, float(grad_norm))
+        if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             metrics.close()
             raise FloatingPointError(
-                f"loss became {loss_value} at step {step + 1}; lower train.lr, raise train.warmup_steps, "
-                f"or resume from the last checkpoint"
+                f"non-finite loss or gradient norm for {nonfinite_in_a_row} steps in a row, each skipped (step "
+                f"{step + 1}: loss {loss_value}, gradient norm {float(grad_norm)}); lower train.lr, raise "
+                f"train.warmup_steps, or resume from the last checkpoint"
             )
         if (spike := guard.take_event()) is not None:
             back = roll_back(spike) if spike.action == "rolled_back" else None
@@ -534,7 +552,7 @@ def train(
         tokens_seen += n_tokens
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens": tokens_seen, "targets": n_targets, "tokens_per_s": n_tokens / dt, "step_s": dt,
-                  "memory_bytes": peak_memory_bytes(device)}
+                  "memory_bytes": peak_memory_bytes(device), "nonfinite_steps": nonfinite_steps}
         record.update({name: float(value) for name, value in result.metrics.items()})
         if flops_per_token and peak:  # model FLOPs of the global batch over the peak of every device
             if (mfu := utilization(flops_per_token * n_tokens / dt, peak * world_size)) is None:
@@ -566,6 +584,8 @@ def train(
             last_ckpt = checkpoint(done, final=is_last or out_of_time)
             if logging_rank:  # the run's config is the one its newest checkpoint was trained with
                 record_config(recipe, run_dir)
+        if pending and (committed := commit_if_written(pending, device)):
+            log.info("checkpoint %s committed", committed)
         if out_of_time and not is_last:
             log.info("stopping at step %d (max_minutes=%s, stop_at_step=%s); resume with train.resume=auto",
                      done, cfg.max_minutes, cfg.stop_at_step)
@@ -581,6 +601,7 @@ def train(
         tokens_per_s=sum(tok_rates) / len(tok_rates) if tok_rates else None,
         mfu=sum(mfus) / len(mfus) if mfus else None,
         checkpoint=str(last_ckpt) if last_ckpt else None,
+        nonfinite_steps=nonfinite_steps,
         **{k: v for k, v in record.items() if k.startswith("val_")},
     )
     return summary
@@ -590,7 +611,12 @@ def resume_checkpoint(cfg: TrainConfig, run_dir: str | Path) -> Path | None:
     """The checkpoint ``train.resume`` names: the newest valid one of ``run_dir`` (auto), none
     (never), or the directory given."""
     if cfg.resume == "auto":
-        return latest_valid_checkpoint(run_dir)
+        ckpt = latest_valid_checkpoint(run_dir)
+        if ckpt is None and checkpoint_dirs(run_dir):  # never start over quietly: that discards the history
+            raise InputError(f"{Path(run_dir) / 'checkpoints'}: no valid checkpoint (each is damaged or holds non-finite "
+                             "weights, as warned above); repair or move them, or start over with train.resume=never "
+                             "(which sets them aside)")
+        return ckpt
     if cfg.resume == "never":
         return None
     ckpt = Path(cfg.resume)

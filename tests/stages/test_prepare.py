@@ -117,3 +117,15 @@ def test_a_truncated_shard_is_detected(tmp_path, small_tokenizer_dir, corpus_jso
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(InputError, match="train-00000.tokens.npy"):
         open_shards(out, "train")
+
+
+def test_the_temporary_output_of_a_killed_prepare_is_removed_at_the_next_start(tmp_path, small_tokenizer_dir):
+    from lmforge.core.io import temporary_directory
+
+    leftover = temporary_directory(tmp_path / "out")  # what atomic_directory leaves when its process dies
+    (leftover / "part.bin").write_bytes(b"half")
+    other = temporary_directory(tmp_path / "out.v2")  # another output's: not this run's to remove
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a run"}])
+    prepare(tmp_path, small_tokenizer_dir, [a], val_fraction=0.0)
+    assert not leftover.exists() and other.exists()
+    assert read_manifest(tmp_path / "out")["n_docs"] == 1

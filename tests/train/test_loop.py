@@ -129,7 +129,7 @@ def test_activation_checkpointing_and_compile_keep_the_losses(make_recipe, tmp_p
     load_model(tmp_path / "ac")
 
 
-def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
+def test_non_finite_loss_steps_are_skipped_and_enough_in_a_row_stop_with_a_clear_error(tmp_path):
     class Broken(CausalLMObjective):
         def __call__(self, model, batch):
             out = super().__call__(model, batch)
@@ -145,7 +145,8 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
             return {}
 
     cfg = TrainConfig(max_steps=3, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu")
-    with pytest.raises(FloatingPointError, match="loss became nan at step 1"):
+    with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient norm for 3 steps in a row, each skipped "
+                                                 r"\(step 3: loss nan"):
         train(model=model, objective=Broken(), train_batches=Batches(), cfg=cfg, run_dir=tmp_path, recipe=cfg)
 
 
