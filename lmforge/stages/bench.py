@@ -6,6 +6,8 @@ figure is cached and used instead. A cached figure is only ever raised: a rerun 
 higher of the new measurement and the cached one, since a peak is the best the hardware
 reaches and other work running at the same time only lowers it. Run it on an idle
 machine; delete the cache file (LMFORGE_CACHE/peak_flops.json) to start over.
+A figure stated in the environment wins over both and nothing is timed:
+LMFORGE_PEAK_FLOPS=float32=2e11,bfloat16=9e11 (the test suite sets it).
 
   lmforge bench peak                 # fp32 and bf16 on the default device
   lmforge bench peak dtypes=[float32,bfloat16,float16] seconds=5
