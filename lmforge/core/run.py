@@ -52,7 +52,8 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 # --------------------------------------------------------------------------- run directories
 
-LOCK_FILE = ".lmforge-lock"  # flock'ed while a run writes into the directory; never removed
+LOCK_FILE = ".lmforge-lock"  # flock'ed while a run writes into the directory; removed only with the
+# empty directory its own lock made
 HOLDER_FILE = ".lmforge-lock.json"  # who holds the lock: pid, host, start time, command
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -63,6 +64,7 @@ class RunDirBusy(InputError):
 
 
 _held: dict[str, int] = {}  # real path of a run directory -> descriptor of its locked LOCK_FILE
+_created: set[str] = set()  # run directories the lock made: removed on release if the run wrote nothing
 
 
 def acquire_run_dir(run_dir: str | Path) -> bool:
@@ -71,10 +73,12 @@ def acquire_run_dir(run_dir: str | Path) -> bool:
     it when its process ends, however it ends, so a killed run leaves no stale lock. True when
     this call took the lock, False when this process held it already."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(run_dir)
     if key in _held:
         return False
+    if not run_dir.exists():
+        _created.add(key)
+    run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -97,10 +101,16 @@ def acquire_run_dir(run_dir: str | Path) -> bool:
 
 def release_run_dir(run_dir: str | Path) -> None:
     """Unlock a run directory this process locked (nothing if it holds no lock on it)."""
-    fd = _held.pop(os.path.realpath(run_dir), None)
+    key = os.path.realpath(run_dir)
+    fd = _held.pop(key, None)
     if fd is not None:
         Path(run_dir, HOLDER_FILE).unlink(missing_ok=True)
+        if key in _created and {p.name for p in Path(run_dir).iterdir()} == {LOCK_FILE}:
+            # a command that failed before writing anything leaves no run directory behind
+            Path(run_dir, LOCK_FILE).unlink()
+            Path(run_dir).rmdir()
         os.close(fd)  # closing the only descriptor of the open file releases the flock
+    _created.discard(key)
 
 
 @contextmanager

@@ -65,6 +65,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 def test_the_lock_conflicts_with_another_open_file_in_the_same_process_until_the_block_ends(tmp_path):
     run_dir = tmp_path / "run"
     with run_dir_lock(run_dir):
+        (run_dir / "metrics.jsonl").write_text("")  # the run wrote something: its directory stays
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
         try:
             with pytest.raises(BlockingIOError):
@@ -76,6 +77,16 @@ def test_the_lock_conflicts_with_another_open_file_in_the_same_process_until_the
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: free
     finally:
         os.close(fd)
+
+
+def test_a_command_that_fails_before_writing_anything_leaves_no_run_directory(tmp_path):
+    with pytest.raises(ValueError), run_dir_lock(tmp_path / "new" / "run"):
+        raise ValueError("a bad recipe value found before any work")
+    assert not (tmp_path / "new" / "run").exists()
+    (tmp_path / "kept").mkdir()
+    with run_dir_lock(tmp_path / "kept"):
+        pass
+    assert (tmp_path / "kept").is_dir()  # a directory the user made stays
 
 
 def test_a_process_that_holds_the_lock_may_start_runs_inside_it_and_keeps_it_after_them(tmp_path):
