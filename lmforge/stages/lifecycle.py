@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
-from lmforge.core.io import atomic_write_json, atomic_write_text, file_stamps, named_paths
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import log, start_run
 from lmforge.stages import VERBS_BY_NAME
 
@@ -85,7 +85,11 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
         marker = stage_dir / MARKER
         done = read_marker(marker)
         stale = done is not None and staleness(done, digest, inputs, stage_dir)
-        if done is not None and not stale and not upstream_ran and not recipe.force:
+        reuse = done is not None and not stale and not upstream_ran and not recipe.force
+        if reuse:  # the stamps agree; a stage that can check its outputs' contents does so too
+            stale = outputs_problem(module, cfg)
+            reuse = stale is None
+        if reuse:
             log.info("== %s (%s): complete, skipped (outputs in %s)", name, spec.verb, stage_dir)
             results.append({**done, "status": "skipped"})
             continue
@@ -139,6 +143,20 @@ def staleness(done: dict, config_digest: str, inputs_digest: str, stage_dir: Pat
         return "files its config names changed"
     if done.get("outputs_sha256") != inventory_digest([stage_dir], exclude=[stage_dir / MARKER]):
         return "its outputs were changed or removed"
+    return None
+
+
+def outputs_problem(module: Any, cfg: Any) -> str | None:
+    """Why a completed stage's outputs fail the stage's own ``verify_outputs(cfg)`` (prepare hashes
+    its shards: a file changed in place with its size and time put back passes the stamps), or None."""
+    verify = getattr(module, "verify_outputs", None)
+    if verify is None:
+        return None
+    try:
+        verify(cfg)
+    except InputError as exc:
+        log.warning("%s", exc)
+        return f"its outputs fail verification: {exc}"
     return None
 
 
