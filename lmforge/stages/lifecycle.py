@@ -2,7 +2,8 @@
 the previous ones wrote, then write report.md with every stage's results and the loss
 curve. A stage is skipped when its marker says it completed with the same resolved config,
 the files its config names (inputs, walked when folders) have the same sizes and times, and
-its own outputs are still as it left them; so a rerun after an interruption continues where
+its own outputs are still as it left them (and pass the stage's ``verify_outputs``, where it
+has one: prepare hashes its shards); so a rerun after an interruption continues where
 it stopped. Change a stage's recipe or inputs, or damage its outputs, and it (and every stage
 after it) runs again.
 
