@@ -43,6 +43,7 @@ class LoaderConfig:
     bos_aligned: bool = True  # start windows at document starts where the documents allow
     shuffle: bool = True
     seed: int = seed_field(0)
+    verify_shards: bool = False  # hash every shard against its manifest first (always on when a run resumes)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -76,10 +77,10 @@ def window_starts(doc_starts: np.ndarray, n_tokens: int, seq_len: int, bos_align
 class TokenDataset:
     """All windows of one split of one prepared directory."""
 
-    def __init__(self, path: str | Path, split: str, seq_len: int, bos_aligned: bool):
+    def __init__(self, path: str | Path, split: str, seq_len: int, bos_aligned: bool, verify: bool = False):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self.shards: list[Shard] = open_shards(self.path, split)
+        self.shards: list[Shard] = open_shards(self.path, split, verify=verify)
         per_shard = [window_starts(s.doc_starts, len(s.tokens), seq_len, bos_aligned) for s in self.shards]
         self.shard_of = np.concatenate([np.full(len(w), i, dtype=np.int32) for i, w in enumerate(per_shard)] or [np.zeros(0, np.int32)])
         self.start_of = np.concatenate(per_shard or [np.zeros(0, np.int64)])
@@ -131,7 +132,7 @@ class TokenLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.cfg, self.batch_size, self.rank, self.world_size, self.loop = cfg, batch_size, rank, world_size, loop
-        self.datasets = [TokenDataset(d.path, split, cfg.seq_len, cfg.bos_aligned) for d in cfg.datasets]
+        self.datasets = [TokenDataset(d.path, split, cfg.seq_len, cfg.bos_aligned, cfg.verify_shards) for d in cfg.datasets]
         if not loop and len(self.datasets) != 1:
             raise InputError("a non-looping (evaluation) loader reads exactly one dataset")
         hashes = {d.manifest["tokenizer_sha256"] for d in self.datasets}

@@ -83,6 +83,7 @@ class ShardWriter:
                 "n_tokens": int(offsets[-1]),
                 "n_docs": len(lengths),
                 "sha256": sha256_file(self.out_dir / tokens_file),
+                "docs_sha256": sha256_file(self.out_dir / docs_file),
             }
         )
         self.pending, self.pending_tokens = [], 0
@@ -179,31 +180,125 @@ class Shard:
 
 
 def read_manifest(directory: str | Path) -> dict:
+    """The manifest of a prepared directory, checked for every key the readers use, so a damaged
+    or hand-edited one is an ``InputError`` naming the file and the key, not a ``KeyError`` later."""
     path = Path(directory) / MANIFEST
     manifest = read_json(path, f"is {directory} a directory written by `lmforge prepare`?")
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise InputError(f"{path}: not an lmforge token-shard manifest of version {FORMAT_VERSION}")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise InputError(f"{path}: {problem}; the manifest is damaged: prepare the data again with `lmforge prepare`")
     return manifest
 
 
-def open_shards(directory: str | Path, split: str = "train") -> list[Shard]:
-    """Memory-map every shard of ``split``; checks sizes against the manifest."""
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_file_name(value: object) -> bool:
+    """A plain file name: shards live beside their manifest, never elsewhere."""
+    return isinstance(value, str) and value not in ("", ".", "..") and Path(value).name == value
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest's structure (the first thing found), or None."""
+    if not isinstance(manifest.get("tokenizer_sha256"), str):
+        return "tokenizer_sha256 is missing or not a string"
+    if manifest.get("dtype") not in (np.dtype(np.uint16).name, np.dtype(np.uint32).name):
+        return f"dtype {manifest.get('dtype')!r} is not uint16 or uint32"
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict):
+        return "splits is missing or not a mapping"
+    for split in SPLITS:
+        info = splits.get(split)
+        if not isinstance(info, dict):
+            return f"splits.{split} is missing or not a mapping"
+        for key in ("n_tokens", "n_docs"):
+            if not _is_count(info.get(key)):
+                return f"splits.{split}.{key} is {info.get(key)!r}, not a count"
+        if "unigram_entropy" in info and not isinstance(info["unigram_entropy"], (int, float)):
+            return f"splits.{split}.unigram_entropy is {info['unigram_entropy']!r}, not a number"
+        shards = info.get("shards")
+        if not isinstance(shards, list):
+            return f"splits.{split}.shards is missing or not a list"
+        for i, shard in enumerate(shards):
+            where = f"splits.{split}.shards[{i}]"
+            if not isinstance(shard, dict):
+                return f"{where} is not a mapping"
+            for key in ("tokens", "docs"):
+                if not _is_file_name(shard.get(key)):
+                    return f"{where}.{key} is {shard.get(key)!r}, not a file name"
+            for key in ("n_tokens", "n_docs"):
+                if not _is_count(shard.get(key)):
+                    return f"{where}.{key} is {shard.get(key)!r}, not a count"
+            for key in ("sha256", "docs_sha256"):  # docs_sha256: absent from manifests written before it
+                if (key in shard or key == "sha256") and not isinstance(shard.get(key), str):
+                    return f"{where}.{key} is {shard.get(key)!r}, not a sha256 digest"
+        for key in ("n_tokens", "n_docs"):
+            total = sum(s[key] for s in shards)
+            if info[key] != total:
+                return f"splits.{split}.{key} is {info[key]} but its shards hold {total}"
+    return None
+
+
+def verify_shards(directory: Path, manifest: dict, split: str) -> None:
+    """Hash every file of ``split`` against the sha256 the manifest recorded when it was written.
+
+    Sizes catch truncation; only the hash catches a shard changed in place (a flipped bit, a
+    file copied over from another preparation), which would silently change what a run reads."""
+    from lmforge.core.run import log
+
+    shards = manifest["splits"][split]["shards"]
+    size = sum((directory / s["tokens"]).stat().st_size + (directory / s["docs"]).stat().st_size for s in shards)
+    log.info("verifying %d %s shards (%.2f GB) of %s against %s", len(shards), split, size / 1e9, directory, MANIFEST)
+    for info in shards:
+        for key, name in (("sha256", info["tokens"]), ("docs_sha256", info["docs"])):
+            expected = info.get(key)
+            if expected is None:
+                continue
+            found = sha256_file(directory / name)
+            if found != expected:
+                raise InputError(f"{directory / name}: sha256 {found} does not match {expected} recorded in "
+                                 f"{directory / MANIFEST}; the shard was corrupted or changed after `lmforge prepare` "
+                                 "(prepare the data again)")
+
+
+def _load_array(path: Path, mmap: bool) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError, EOFError) as exc:
+        raise InputError(f"{path}: cannot read shard: {exc}") from exc
+
+
+def _is_document_index(doc_starts: np.ndarray, n_docs: int, n_tokens: int) -> bool:
+    """``n_docs + 1`` non-decreasing int64 offsets from 0 to ``n_tokens``."""
+    return (doc_starts.dtype == np.int64 and doc_starts.ndim == 1 and len(doc_starts) == n_docs + 1
+            and doc_starts[0] == 0 and doc_starts[-1] == n_tokens and bool(np.all(np.diff(doc_starts) >= 0)))
+
+
+def open_shards(directory: str | Path, split: str = "train", verify: bool = False) -> list[Shard]:
+    """Memory-map every shard of ``split``; checks sizes against the manifest and, with ``verify``,
+    the files' sha256 (which reads them whole)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if split not in manifest["splits"]:
         raise InputError(f"{directory}: no split {split!r} (has {sorted(manifest['splits'])})")
+    for info in manifest["splits"][split]["shards"]:
+        for name in (info["tokens"], info["docs"]):
+            if not (directory / name).is_file():
+                raise InputError(f"{directory / MANIFEST}: lists shard file {name} of split {split!r}, "
+                                 f"which is not in {directory}")
+    if verify:
+        verify_shards(directory, manifest, split)
     dtype = np.dtype(manifest["dtype"])
     shards = []
     for info in manifest["splits"][split]["shards"]:
         tokens_path, docs_path = directory / info["tokens"], directory / info["docs"]
-        try:
-            tokens = np.load(tokens_path, mmap_mode="r")
-            doc_starts = np.load(docs_path)
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{tokens_path}: cannot read shard: {exc}") from exc
+        tokens, doc_starts = _load_array(tokens_path, mmap=True), _load_array(docs_path, mmap=False)
         if tokens.dtype != dtype or tokens.ndim != 1 or len(tokens) != info["n_tokens"]:
-            raise InputError(f"{tokens_path}: expected {info['n_tokens']} {dtype} tokens, found {len(tokens)} {tokens.dtype}")
-        if len(doc_starts) != info["n_docs"] + 1 or doc_starts[-1] != len(tokens):
+            raise InputError(f"{tokens_path}: expected {info['n_tokens']} {dtype} tokens, found {tokens.size} {tokens.dtype}")
+        if not _is_document_index(doc_starts, info["n_docs"], len(tokens)):
             raise InputError(f"{docs_path}: document index does not match its token file")
         shards.append(Shard(tokens=tokens, doc_starts=doc_starts))
     return shards

@@ -2,7 +2,8 @@
 the previous ones wrote, then write report.md with every stage's results and the loss
 curve. A stage is skipped when its marker says it completed with the same resolved config,
 the files its config names (inputs, walked when folders) have the same sizes and times, and
-its own outputs are still as it left them; so a rerun after an interruption continues where
+its own outputs are still as it left them (and pass the stage's ``verify_outputs``, where it
+has one: prepare hashes its shards); so a rerun after an interruption continues where
 it stopped. Change a stage's recipe or inputs, or damage its outputs, and it (and every stage
 after it) runs again.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
-from lmforge.core.io import atomic_write_json, atomic_write_text, file_stamps, named_paths
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.stages import VERBS_BY_NAME
 
@@ -94,7 +95,11 @@ def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
             marker = stage_dir / MARKER
             done = read_marker(marker)
             stale = done is not None and staleness(done, digest, inputs, stage_dir)
-            if done is not None and not stale and not upstream_ran and not recipe.force:
+            reuse = done is not None and not stale and not upstream_ran and not recipe.force
+            if reuse:  # the stamps agree; a stage that can check its outputs' contents does so too
+                stale = outputs_problem(module, cfg)
+                reuse = stale is None
+            if reuse:
                 log.info("== %s (%s): complete, skipped (outputs in %s)", name, spec.verb, stage_dir)
                 results.append({**done, "status": "skipped"})
                 continue
@@ -159,6 +164,20 @@ def lock_files(paths: list[Path]) -> list[Path]:
     """The run-directory lock files that folders among ``paths`` may hold: they come and go with
     the runs that write there (a stage that replaces its directory drops them), not with the outputs."""
     return [path / name for path in paths for name in (LOCK_FILE, HOLDER_FILE)]
+
+
+def outputs_problem(module: Any, cfg: Any) -> str | None:
+    """Why a completed stage's outputs fail the stage's own ``verify_outputs(cfg)`` (prepare hashes
+    its shards: a file changed in place with its size and time put back passes the stamps), or None."""
+    verify = getattr(module, "verify_outputs", None)
+    if verify is None:
+        return None
+    try:
+        verify(cfg)
+    except InputError as exc:
+        log.warning("%s", exc)
+        return f"its outputs fail verification: {exc}"
+    return None
 
 
 def inventory_digest(paths: list[Path], exclude: list[Path]) -> str:

@@ -17,7 +17,7 @@ from lmforge.core.config import positive, save_config, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths, remove_temporaries
 from lmforge.core.run import log, progress_bar
 from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents
-from lmforge.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, token_dtype, tokenize_to_shards
+from lmforge.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, open_shards, token_dtype, tokenize_to_shards
 from lmforge.data.tokenizer import Tokenizer
 
 
@@ -105,6 +105,13 @@ def run_prepare(recipe: PrepareRecipe) -> dict:
     if skipped.total:
         log.info("prepare: skipped %d bad records: %s (listed in manifest.json)", skipped.total, dict(skipped.by_reason))
     return manifest
+
+
+def verify_outputs(recipe: PrepareRecipe) -> None:
+    """Hash every shard in ``run_dir`` against its manifest (an ``InputError`` names the first that
+    differs): what the lifecycle runner checks before reusing a completed prepare."""
+    for split in SPLITS:
+        open_shards(recipe.run_dir, split, verify=True)
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:

@@ -41,6 +41,7 @@ from lmforge.distributed.mesh import (
 )
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
+from lmforge.model.checkpoint import checkpoint_dirs
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
@@ -84,7 +85,7 @@ def validation_loader(data: LoaderConfig, manifest: dict, batch_size: int, rank:
     if manifest["splits"]["val"]["n_tokens"] <= data.seq_len:
         return None
     cfg = LoaderConfig(datasets=[data.datasets[0]], seq_len=data.seq_len, bos_aligned=data.bos_aligned, shuffle=False,
-                       seed=data.seed)
+                       seed=data.seed, verify_shards=data.verify_shards)
     return TokenLoader(cfg, batch_size, split="val", loop=False, rank=rank, world_size=world_size)
 
 
@@ -135,15 +136,24 @@ def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[d
     return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes)
 
 
+def will_resume(cfg: TrainConfig, run_dir: Path) -> bool:
+    """Whether the loop will resume from a checkpoint (``train.resume`` names one, or is auto and
+    ``run_dir`` has some), so that the shards it reads are verified first."""
+    return cfg.resume != "never" and (cfg.resume != "auto" or bool(checkpoint_dirs(run_dir)))
+
+
 def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.nn.Module, cfg: TrainConfig,
                     run_dir: Path, token_bytes: torch.Tensor, ctx: ParallelContext | None = None,
                     pipeline: PipelineRunner | None = None) -> dict:
     """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``."""
     rank, dp = data_parallel_rank(ctx)
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
-    loader = TokenLoader(recipe.data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
+    data = recipe.data
+    if will_resume(cfg, run_dir) and not data.verify_shards:  # a changed shard would silently break exact resume
+        data = dataclasses.replace(data, verify_shards=True)
+    loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)
-    val_loader = validation_loader(recipe.data, manifests[0], cfg.micro_batch_size, rank, dp)
+    val_loader = validation_loader(data, manifests[0], cfg.micro_batch_size, rank, dp)
     summary = train(
         model=model,
         objective=CausalLMObjective(token_bytes),
