@@ -224,6 +224,19 @@ def expand_paths(patterns: list[str], *, what: str = "input") -> list[Path]:
     return out
 
 
+@contextmanager
+def reading(path: str | Path, what: str = "checkpoint file") -> Iterator[None]:
+    """Any error while parsing ``path`` inside the block is an ``InputError`` naming it: a file
+    truncated or damaged under a checksum that matches it (one rewritten after the damage)."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as exc:  # the parsers' own: JSONDecodeError, SafetensorError, torch.load's RuntimeError ...
+        raise InputError(f"{path}: unreadable {what} ({type(exc).__name__}: {exc}); it is truncated or "
+                         f"corrupted") from exc
+
+
 def read_json(path: str | Path, what: str = "file") -> Any:
     """Parse a JSON file; a missing or malformed one is an ``InputError`` naming it."""
     path = Path(path)

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lmforge.core.io import InputError, atomic_write_json, file_stamps, sha256_file
+from lmforge.core.io import InputError, atomic_write_json, file_stamps, reading, sha256_file
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer, rope_tables
 
@@ -102,7 +102,8 @@ def verify_checksums(directory: str | Path) -> None:
         if Path(name).is_absolute() or not f.resolve().is_relative_to(key):
             raise InputError(f"{path}: names {name!r}, a file outside the checkpoint; the checkpoint is corrupted")
         if not f.is_file():
-            raise InputError(f"{f}: missing from checkpoint")
+            raise InputError(f"{path}: lists {name!r}, which is not in {directory}; the checkpoint is incomplete or "
+                             f"corrupted")
         if sha256_file(f) != digest:
             raise InputError(f"{f}: checksum mismatch; the checkpoint is truncated or corrupted")
     if file_stamps([directory], identity=True) == stamps:  # nothing changed while hashing
@@ -139,7 +140,7 @@ def check_finite_weights(directory: str | Path) -> None:
 
         bad = [k for k, v in iter_model_state(directory) if nonfinite_weights([(k, v)])]
     else:
-        with safe_open(str(directory / WEIGHTS), framework="pt") as f:
+        with reading(directory / WEIGHTS), safe_open(str(directory / WEIGHTS), framework="pt") as f:
             bad = [k for k in f.keys() if nonfinite_weights([(k, f.get_tensor(k))])]
     if bad:
         raise InputError(_nonfinite_message(str(directory), bad))
@@ -186,9 +187,10 @@ def load_model_config(directory: str | Path) -> ModelConfig:
     path = Path(directory) / MODEL_CONFIG
     if not path.is_file():
         raise InputError(f"{path}: not found; not an lmforge checkpoint")
-    data = json.loads(path.read_text())
-    data.pop("preset", None)  # the saved fields are already resolved
-    return ModelConfig(**data)
+    with reading(path):
+        data = json.loads(path.read_text())
+        data.pop("preset", None)  # the saved fields are already resolved
+        return ModelConfig(**data)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> tuple[Transformer, Path]:

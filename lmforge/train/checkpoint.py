@@ -37,6 +37,7 @@ from lmforge.core.io import (
     InputError,
     atomic_directory,
     atomic_write_json,
+    reading,
     remove_temporaries,
     replace_directory,
     temporary_directory,
@@ -165,8 +166,9 @@ def read_resume_state(ckpt: Path) -> ResumeState:
     the one read of it: the loop chooses its precision from it, then ``load_training_checkpoint``."""
     verify_checksums(ckpt)
     check_finite_weights(ckpt)
-    state = json.loads((ckpt / TRAINER_STATE).read_text())
-    return ResumeState(step=state.pop("step"), python_random=state.pop("python_random"), trainer_state=state)
+    with reading(ckpt / TRAINER_STATE):
+        state = json.loads((ckpt / TRAINER_STATE).read_text())
+        return ResumeState(step=state.pop("step"), python_random=state.pop("python_random"), trainer_state=state)
 
 
 def load_training_checkpoint(ckpt: Path, state: ResumeState, model: Transformer, optimizer: torch.optim.Optimizer,
@@ -187,8 +189,11 @@ def load_training_checkpoint(ckpt: Path, state: ResumeState, model: Transformer,
             load_weights(model, read_weights(ckpt, device), where=str(ckpt))
         except InputError as exc:
             raise InputError(f"{exc}; to train a different model, use a new run_dir or train.resume=never") from exc
-        optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER, map_location=device, weights_only=True))
-    rng = torch.load(ckpt / RNG, weights_only=True)
+        with reading(ckpt / OPTIMIZER):
+            optimizer_state = torch.load(ckpt / OPTIMIZER, map_location=device, weights_only=True)
+        optimizer.load_state_dict(optimizer_state)
+    with reading(ckpt / RNG):
+        rng = torch.load(ckpt / RNG, weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
