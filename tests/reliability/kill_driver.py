@@ -4,8 +4,9 @@
 torch op itself, and forks a child per attempt: the child arms one kill point (a function of
 the stage and the N-th call of it; the child SIGKILLs itself there) and runs the stage with
 resume on. The parent waits; a killed child is followed by another attempt in the same run
-directory until one finishes (a "cycle"), then the finished run is set aside and a new cycle
-starts, until ``kills`` kills have landed. An uninterrupted reference run, also in a forked
+directory, up to a drawn number of kills (1 to 4), then one with no kill point runs to the end
+(a "cycle"); the finished run is set aside and a new cycle starts, until ``kills`` kills have
+landed. An uninterrupted reference run, also in a forked
 child, counts how often each kill point is reached, so every drawn N can land.
 
 The spec (JSON): stage (pretrain, sft, prepare, curate), work (an empty folder), seed, kills,
@@ -299,11 +300,14 @@ def drive(spec: dict) -> dict:
     cycle = draws = 0
     last = None
     while sum(kills.values()) < spec["kills"] and not problems:
-        for attempt in range(100):
-            category = categories[draws % len(categories)]
-            draws += 1
-            label = rng.choice([p for p in points if p.split(":")[0] == category])
-            armed = (label, rng.randint(1, counts[label]))
+        budget = rng.randint(1, 4)  # kills of this run; then it runs to the end (prepare always starts over)
+        for attempt in range(budget + 1):
+            armed = None
+            if attempt < budget:
+                category = categories[draws % len(categories)]
+                draws += 1
+                label = rng.choice([p for p in points if p.split(":")[0] == category])
+                armed = (label, rng.randint(1, counts[label]))
             log_path = work / f"cycle-{cycle}-{attempt}.log"
             outcome = _attempt(stage, spec, run_dir, armed, log_path)
             if outcome == "killed":
@@ -318,7 +322,7 @@ def drive(spec: dict) -> dict:
                 log_path.unlink()
             break
         else:
-            problems.append(f"cycle {cycle}: 100 attempts and the run never finished")
+            problems.append(f"cycle {cycle}: a run without a kill point was killed")
         problems += [f"cycle {cycle}: left behind {t}" for t in _temporaries(area)]
         done = work / f"done-{cycle}"
         if run_dir.exists():
