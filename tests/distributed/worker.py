@@ -1,6 +1,8 @@
 """Runs inside ``torchrun``: the jobs of a JSON spec, one after another, on every rank.
 
-A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe),
+A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe; with
+``"poison": [[start, stop], ...]`` the loader corrupts those global samples, as in
+tests/train/test_spikes.py),
 ``{"kind": "sft" | "dpo" | "kto" | "reward", "recipe": <yaml>}`` (that fine-tuning stage on
 its recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lmforge.core.config import load_config
+from lmforge.data.loader import TokenLoader
 from lmforge.distributed.mesh import init_parallel
 from lmforge.distributed.parallelize import parallelize_model
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
@@ -34,6 +37,7 @@ from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.reward import RewardRecipe, run_reward
 from lmforge.stages.sft import SFTRecipe, run_sft
 from lmforge.train.loop import parallel_backward
+from tests.train.test_spikes import poisoned_next
 
 STAGES = {"sft": (SFTRecipe, run_sft), "dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto),
           "reward": (RewardRecipe, run_reward)}
@@ -128,7 +132,13 @@ def main(spec_path: str) -> None:
                 continue
             recipe = load_config(PretrainRecipe, job["recipe"])
             if job["kind"] == "pretrain":
-                run_pretrain(recipe)
+                real = TokenLoader.__next__
+                if job.get("poison"):
+                    TokenLoader.__next__ = poisoned_next([tuple(r) for r in job["poison"]])
+                try:
+                    run_pretrain(recipe)
+                finally:
+                    TokenLoader.__next__ = real
             else:
                 gradients(recipe, job["out"])
     finally:

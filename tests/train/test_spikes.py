@@ -156,24 +156,28 @@ def served_samples(loader: TokenLoader) -> list[int]:
     return ids[loader.rank * loader.batch_size : (loader.rank + 1) * loader.batch_size]
 
 
+def poisoned_next(ranges, real=TokenLoader.__next__):
+    """A ``TokenLoader.__next__`` that serves rows of padding tokens in place of the global samples
+    in ``ranges`` (``(start, stop)`` pairs): pre-training never sees padding, so the model has
+    learnt to rule it out and the loss of such a corrupted batch spikes. On every rank alike."""
+
+    def corrupted(self):
+        ids = served_samples(self)
+        batch = real(self)
+        for row, i in enumerate(ids):
+            if any(a <= i < b for a, b in ranges):
+                batch[row] = PAD
+        return batch
+
+    return corrupted
+
+
 @pytest.fixture()
 def poison(monkeypatch):
-    """``poison((start, stop), ...)``: the training loader serves rows of padding tokens in place of
-    global samples ``start .. stop - 1``: pre-training never sees padding, so the model has
-    learnt to rule it out and the loss of such a corrupted batch spikes."""
+    """``poison((start, stop), ...)``: the training loader corrupts those samples (``poisoned_next``)."""
 
     def inject(*ranges: tuple[int, int]) -> None:
-        real = TokenLoader.__next__
-
-        def corrupted(self):
-            ids = served_samples(self)
-            batch = real(self)
-            for row, i in enumerate(ids):
-                if any(a <= i < b for a, b in ranges):
-                    batch[row] = PAD
-            return batch
-
-        monkeypatch.setattr(TokenLoader, "__next__", corrupted)
+        monkeypatch.setattr(TokenLoader, "__next__", poisoned_next(ranges))
 
     return inject
 
