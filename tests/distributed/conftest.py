@@ -13,7 +13,7 @@ import torch
 
 from lmforge.core.config import load_config, save_config
 from lmforge.stages.pretrain import PretrainRecipe
-from tests.train.conftest import make_recipe, shards_dir  # noqa: F401  (fixtures of tests/train)
+from tests.train.conftest import make_recipe, shards_dir, tiny_pretrain_overrides  # noqa: F401  (fixtures of tests/train)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,16 +61,7 @@ def recipe_for(shards_dir, small_tokenizer_dir):  # noqa: F811
     2 layers, width 32, 4 heads (2 KV heads), vocabulary 512; 8 windows of 32 tokens per step."""
 
     def make(run_dir: Path, **overrides) -> PretrainRecipe:
-        base = {
-            "run_dir": str(run_dir), "tokenizer": str(small_tokenizer_dir),
-            "model.vocab_size": 512, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
-            "model.n_kv_heads": 2, "model.ffn_hidden": 64, "model.max_seq_len": 64,
-            "data.datasets": f"[{{path: {shards_dir}}}]", "data.seq_len": 32,
-            "train.max_steps": 4, "train.lr": 3e-3, "train.warmup_steps": 2, "train.micro_batch_size": 4,
-            "train.batch_tokens": 256, "train.precision": "fp32", "train.eval_every": 4, "train.eval_batches": 2,
-            "train.checkpoint_every": 4, "train.tensorboard": False, "train.device": "cpu",
-        }
-        base.update(overrides)
-        return load_config(PretrainRecipe, None, [f"{k}={v}" for k, v in base.items()])
+        return load_config(PretrainRecipe, None, tiny_pretrain_overrides(
+            run_dir, shards_dir, small_tokenizer_dir, **{"train.max_steps": 4, **overrides}))
 
     return make

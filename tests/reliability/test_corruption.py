@@ -20,6 +20,7 @@ from lmforge.model.checkpoint import load_model, write_checksums
 from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.train.metrics import read_metrics
+from tests.train.conftest import tiny_pretrain_overrides
 
 CHECKPOINT_FILES = ["model.safetensors", "model.json", "optimizer.pt", "rng.pt", "trainer_state.json", "config.yaml",
                     "checksums.json", "tokenizer.json", "tokenizer_config.json"]
@@ -29,17 +30,9 @@ STEP_2, STEP_4 = "step_00000002", "step_00000004"
 
 def tiny_overrides(run_dir: Path, shards: Path, tokenizer: Path, **overrides) -> list[str]:
     """tests/train's tiny recipe as dotted overrides: 6 steps, a checkpoint every 2."""
-    base = {
-        "run_dir": str(run_dir), "tokenizer": str(tokenizer),
-        "model.vocab_size": 512, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
-        "model.n_kv_heads": 2, "model.ffn_hidden": 64, "model.max_seq_len": 64,
-        "data.datasets": f"[{{path: {shards}}}]", "data.seq_len": 32,
-        "train.max_steps": 6, "train.lr": 3e-3, "train.warmup_steps": 2, "train.micro_batch_size": 4,
-        "train.batch_tokens": 128, "train.precision": "fp32", "train.eval_every": 0, "train.checkpoint_every": 2,
-        "train.keep_checkpoints": 2, "train.tensorboard": False, "train.device": "cpu",
-    }
-    base.update(overrides)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_pretrain_overrides(run_dir, shards, tokenizer, **{
+        "train.max_steps": 6, "train.batch_tokens": 128, "train.eval_every": 0, "train.eval_batches": 20,
+        "train.checkpoint_every": 2, "train.keep_checkpoints": 2, **overrides})
 
 
 def tiny_recipe(run_dir: Path, shards: Path, tokenizer: Path, **overrides) -> PretrainRecipe:
