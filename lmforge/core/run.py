@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from lmforge.core.config import dump_config, save_config
-from lmforge.core.io import InputError, atomic_write_json
+from lmforge.core.io import InputError, atomic_write_json, read_json
 
 log = logging.getLogger("lmforge")
 
@@ -173,8 +173,8 @@ def completed_summary(run_dir: str | Path, summary: dict) -> dict | None:
     if not summary.get("already_complete"):
         return None
     try:
-        stored = json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
+        stored = read_json(Path(run_dir) / SUMMARY_FILE)
+    except (OSError, InputError):
         return None
     return stored if isinstance(stored, dict) else None
 

@@ -250,6 +250,7 @@ def parse_json_text(text: str) -> Any:
 
 
 MAX_DEPTH = 100  # JSON nesting a record may have: every reader and writer after this one walks it recursively
+TOO_DEEP = BadRecord("too_deep", f"JSON nested more than {MAX_DEPTH} levels deep")
 
 
 def nested_deeper(value: Any, limit: int) -> bool:
@@ -281,9 +282,9 @@ def parse_jsonl_line(raw: bytes) -> Any:
     except NonFiniteNumber as exc:
         return BadRecord("non_finite_number", f"{exc} is not a finite number (JSON data may hold only finite numbers)")
     except RecursionError:  # nested deeper than Python's stack
-        return BadRecord("too_deep", f"JSON nested more than {MAX_DEPTH} levels deep")
+        return TOO_DEEP
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper(value, MAX_DEPTH):
-        return BadRecord("too_deep", f"JSON nested more than {MAX_DEPTH} levels deep")
+        return TOO_DEEP
     return value
 
 

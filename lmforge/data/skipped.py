@@ -44,7 +44,3 @@ class SkippedSamples:
 
     def to_list(self) -> list[list[int]]:
         return [[a, b] for a, b in self.ranges]
-
-    def __len__(self) -> int:
-        """Samples skipped in all."""
-        return sum(b - a for a, b in self.ranges)

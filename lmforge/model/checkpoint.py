@@ -221,9 +221,11 @@ def read_weights(directory: str | Path, device: str | torch.device = "cpu") -> d
         raise
     except Exception as exc:  # safetensors and DCP raise their own error types for truncated files
         raise InputError(f"{directory if sharded else directory / WEIGHTS}: cannot read weights: {exc}") from exc
-    bad = nonfinite_weights(state.items())
-    if bad:
-        raise InputError(_nonfinite_message(str(directory), bad))
+    key, stamps = directory.resolve(), file_stamps([directory], identity=True)
+    if _finite.get(key) != stamps:  # not scanned since its files last changed (check_finite_weights)
+        if bad := nonfinite_weights(state.items()):
+            raise InputError(_nonfinite_message(str(directory), bad))
+        _finite[key] = stamps
     return state
 
 

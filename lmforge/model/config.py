@@ -47,8 +47,6 @@ class ModelConfig:
         check_ranges(self, source="model")  # built in Python too: a zero or negative size fails here
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.n_heads < 1 or self.n_kv_heads < 1:
-            raise ValueError(f"n_heads and n_kv_heads must be at least 1, got {self.n_heads} and {self.n_kv_heads}")
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ValueError(f"d_model = {self.d_model} must be divisible by n_heads = {self.n_heads} "

@@ -250,9 +250,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: boo
     ``measure_if_missing`` is false).
     """
     name = str(dtype).removeprefix("torch.")
-    for source in (stated_peak, lambda name: cached_peak(device, name), lambda name: datasheet_peak(device, name)):
-        if (value := source(name)) is not None:
-            return value
+    if (stated := stated_peak(name)) is not None:
+        return stated
+    if (cached := cached_peak(device, name)) is not None:
+        return cached
+    if (sheet := datasheet_peak(device, name)) is not None:
+        return sheet
     if not measure_if_missing:
         return None
     # Not cached: a busy machine would make a quick measurement too low for good.

@@ -53,7 +53,7 @@ class SpikeConfig:
     skip_steps_after: int = at_least(0, 0)  # rollback: also skip the batches of this many steps after the spike
 
     def __post_init__(self) -> None:
-        check_ranges(self, "train.spikes")
+        check_ranges(self, "train.spikes.")
         if self.min_observations > self.window:
             raise ValueError(f"train.spikes.min_observations = {self.min_observations} must be at most "
                              f"train.spikes.window = {self.window}")

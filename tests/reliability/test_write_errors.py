@@ -13,6 +13,7 @@ from lmforge.cli.main import main
 from lmforge.core.io import is_temporary
 from lmforge.model.checkpoint import checkpoint_dirs, verify_checksums
 from tests.conftest import write_jsonl
+from tests.train.conftest import tiny_pretrain_overrides
 
 
 def failing_write(code: int):
@@ -67,12 +68,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_intact(tm
     assert main(["prepare", f"data.paths=[{docs}]", f"tokenizer={small_tokenizer_dir}",
                  f"run_dir={tmp_path}/data", "val_fraction=0.1"]) == 0
     run = tmp_path / "run"
-    argv = ["pretrain", f"run_dir={run}", f"tokenizer={small_tokenizer_dir}", "model.vocab_size=512",
-            "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
-            "model.max_seq_len=64", f"data.datasets=[{{path: {tmp_path}/data}}]", "data.seq_len=32",
-            "train.lr=3e-3", "train.warmup_steps=2", "train.micro_batch_size=4", "train.batch_tokens=256",
-            "train.precision=fp32", "train.eval_every=4", "train.eval_batches=2", "train.checkpoint_every=4",
-            "train.tensorboard=false", "train.device=cpu"]
+    argv = ["pretrain", *tiny_pretrain_overrides(run, tmp_path / "data", small_tokenizer_dir)]
     assert main([*argv, "train.max_steps=4"]) == 0
     [ckpt] = checkpoint_dirs(run)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
