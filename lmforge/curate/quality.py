@@ -382,7 +382,7 @@ class PerplexityScore(_ScoreCut):
             import torch
 
             from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
-            from lmforge.model.checkpoint import load_model
+            from lmforge.train.checkpoint import load_model
 
             model, directory = load_model(self.cfg.checkpoint, device=self.cfg.device)
             model.eval()
@@ -412,7 +412,7 @@ def document_nll(model, tok, texts: list[str], max_tokens: int, batch_tokens: in
     import torch
     import torch.nn.functional as F
 
-    from lmforge.objectives.clm import IGNORE_INDEX
+    from lmforge.data.packing import IGNORE_INDEX
 
     max_tokens = min(max_tokens, model.cfg.max_seq_len - 1)
     seqs = [[tok.bos_id, *ids[:max_tokens]] for ids in tok.encode_batch(texts)]

@@ -199,7 +199,7 @@ def test_perplexity_ranks_in_domain_text_below_shuffled_and_garbled(lm_checkpoin
 
 
 def test_document_nll_matches_an_unbatched_forward_pass(lm_checkpoint, small_tokenizer, corpus_texts):
-    from lmforge.model.checkpoint import load_model
+    from lmforge.train.checkpoint import load_model
 
     model, _ = load_model(lm_checkpoint)
     model.eval()
