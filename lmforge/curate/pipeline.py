@@ -48,10 +48,10 @@ from lmforge.core.io import (
     temporary_file,
 )
 from lmforge.core.run import log, progress_bar
-from lmforge.curate.base import Document
 from lmforge.curate.executor import make_executor
 from lmforge.curate.readers import InputsConfig, Piece, plan_shards, read_piece
 from lmforge.curate.steps import StepSpec, is_corpus_step, parse_steps
+from lmforge.data.documents import Document
 
 DEFAULT_STEPS: list[dict[str, Any]] = [
     {"type": "extract"},

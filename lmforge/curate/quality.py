@@ -26,8 +26,9 @@ import numpy as np
 
 from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, atomic_write_npy, expand_paths, read_json
-from lmforge.curate.base import Document, PoolMap
+from lmforge.curate.base import PoolMap
 from lmforge.curate.minhash import combine_ngrams, document_words, word_hashes
+from lmforge.data.documents import Document
 
 CLASSIFIER_WEIGHTS = "classifier.npz"
 CLASSIFIER_CONFIG = "classifier.json"

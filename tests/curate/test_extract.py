@@ -9,11 +9,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from lmforge.curate import extract, pipeline
-from lmforge.curate.base import Document
 from lmforge.curate.extract import ExtractConfig, HtmlExtract
 from lmforge.curate.langid import LanguageConfig, LanguageFilter
 from lmforge.curate.pipeline import CurateConfig, run_curate
 from lmforge.curate.readers import InputsConfig
+from lmforge.data.documents import Document
 from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lmforge.core.io import InputError
-from lmforge.curate.base import Document
 from lmforge.curate.quality import (
     ClassifierConfig,
     ClassifierScore,
@@ -21,6 +20,7 @@ from lmforge.curate.quality import (
     document_nll,
     train_classifier,
 )
+from lmforge.data.documents import Document
 from lmforge.data.tokenizer import token_byte_lengths
 from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
