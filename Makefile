@@ -27,6 +27,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lmforge tests benchmarks scripts
+	$(VENV)/bin/lint-imports --no-cache
 
 clean-demo:
 	rm -rf runs/demo

@@ -1,6 +1,8 @@
 """The contract between the curation pipeline and its steps.
 
-A curation run pushes :class:`Document` records through a list of steps. Two kinds exist:
+A curation run pushes documents (``lmforge.data.documents.Document``: id, text, metadata)
+through a list of steps. Input ids may repeat, so steps decide by position; the pipeline makes
+output ids unique after segment 0 (``ids.py``). Two kinds of step exist:
 
 * a :class:`DocumentStep` sees one document at a time (extraction, language ID, heuristic
   filters, a score with a fixed threshold). It may annotate ``doc.metadata`` or edit
@@ -19,20 +21,13 @@ equals the input.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmforge.data.documents import Document
+
 # pool_map(fn, items) -> list of fn(item), run on the executor's workers (a process pool or Ray).
 PoolMap = Callable[[Callable[[Any], Any], Iterable[Any]], list]
-
-
-@dataclass
-class Document:
-    id: str  # the WARC record id, file path, or JSONL id; steps decide by position, since input ids may repeat
-    # (the pipeline makes output ids unique after segment 0: see pipeline.py, "unique ids")
-    text: str
-    metadata: dict[str, Any] = field(default_factory=dict)  # url, source, language, scores, cluster, ...
 
 
 class DocumentStep(Protocol):

@@ -31,7 +31,8 @@ import xxhash
 
 from lmforge.core.config import at_least, positive
 from lmforge.core.io import atomic_write_npy, atomic_write_text
-from lmforge.curate.base import Document, PoolMap
+from lmforge.curate.base import PoolMap
+from lmforge.data.documents import Document
 
 ROW = np.dtype([("hash", "<u8"), ("doc", "<u4"), ("unit", "<u4")])
 DUP = np.dtype([("doc", "<u4"), ("unit", "<u4"), ("first_shard", "<u4"), ("first_doc", "<u4")])

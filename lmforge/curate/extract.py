@@ -42,8 +42,8 @@ from multiprocessing.connection import Connection
 from typing import Literal
 
 from lmforge.core.config import at_least
-from lmforge.curate.base import Document
 from lmforge.curate.readers import HTML_TYPES
+from lmforge.data.documents import Document
 
 TEXT_TYPES = ("text/plain",)  # content types passed through as they are
 STARTUP_TIMEOUT_S = 60.0  # for a fresh child's fork and warm-up (imports), which timeout_s does not count

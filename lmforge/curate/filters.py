@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from lmforge.core.config import Range, at_least, positive, unit_interval
 from lmforge.core.io import InputError
-from lmforge.curate.base import Document
+from lmforge.data.documents import Document
 
 # A word is a run of letters/digits/underscore, keeping inner apostrophes, dots and hyphens
 # ("don't", "e.g", "well-known", "3.14"); any other run of non-space characters is one

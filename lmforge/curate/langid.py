@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.core.config import at_least, unit_interval
-from lmforge.curate.base import Document
+from lmforge.data.documents import Document
 
 
 @dataclass

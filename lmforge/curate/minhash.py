@@ -64,7 +64,8 @@ import xxhash
 
 from lmforge.core.config import positive, seed_field
 from lmforge.core.io import atomic_write_npy, atomic_write_text
-from lmforge.curate.base import Document, PoolMap
+from lmforge.curate.base import PoolMap
+from lmforge.data.documents import Document
 
 _MAX_UINT32 = np.uint32(0xFFFFFFFF)
 _SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2^64

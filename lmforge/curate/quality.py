@@ -26,8 +26,9 @@ import numpy as np
 
 from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, atomic_write_npy, expand_paths, read_json
-from lmforge.curate.base import Document, PoolMap
+from lmforge.curate.base import PoolMap
 from lmforge.curate.minhash import combine_ngrams, document_words, word_hashes
+from lmforge.data.documents import Document
 
 CLASSIFIER_WEIGHTS = "classifier.npz"
 CLASSIFIER_CONFIG = "classifier.json"
@@ -382,7 +383,7 @@ class PerplexityScore(_ScoreCut):
             import torch
 
             from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
-            from lmforge.model.checkpoint import load_model
+            from lmforge.train.checkpoint import load_model
 
             model, directory = load_model(self.cfg.checkpoint, device=self.cfg.device)
             model.eval()
@@ -412,7 +413,7 @@ def document_nll(model, tok, texts: list[str], max_tokens: int, batch_tokens: in
     import torch
     import torch.nn.functional as F
 
-    from lmforge.objectives.clm import IGNORE_INDEX
+    from lmforge.data.packing import IGNORE_INDEX
 
     max_tokens = min(max_tokens, model.cfg.max_seq_len - 1)
     seqs = [[tok.bos_id, *ids[:max_tokens]] for ids in tok.encode_batch(texts)]

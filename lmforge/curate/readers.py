@@ -32,12 +32,12 @@ from typing import Any, BinaryIO, Literal
 
 from lmforge.core.config import at_least
 from lmforge.core.io import InputError, expand_paths
-from lmforge.curate.base import Document
 from lmforge.data import documents
 from lmforge.data.documents import (
     BLANK,
     BadRecord,
     DamagedFile,
+    Document,
     jsonl_lines,
     lone_surrogate,
     open_binary,

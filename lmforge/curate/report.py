@@ -3,7 +3,7 @@
 Dedup quality: documents that reached the first dedup step (kept, or rejected by it or a
 later step) are grouped into predicted clusters: the same ``metadata["dup_cluster"]``
 (MinHash), or a rejection "exact-duplicate of <id>" / "near-duplicate of <id>" by a dedup
-step. The pipeline makes ids unique (``pipeline.py``, "unique ids"), so an id names one page.
+step. The pipeline makes ids unique (``ids.py``), so an id names one page.
 Every pair of URLs in a cluster is a predicted pair; precision and recall are measured
 against the known pairs whose two pages both reached dedup.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json, atomic_write_text
+from lmforge.curate.records import iter_run_records
 from lmforge.curate.steps import StepSpec
 
 DEDUP_TYPES = ("exact_dedup", "minhash")
@@ -60,8 +61,6 @@ class _UnionFind:
 
 
 def dedup_quality(run_dir: Path, specs: list[StepSpec], known_path: str | Path) -> dict:
-    from lmforge.curate.pipeline import iter_run_records
-
     known = load_known_pairs(known_path)
     dedup_labels = {s.label for s in specs if s.type in DEDUP_TYPES
                     and getattr(s.config, "unit", "document") == "document"}

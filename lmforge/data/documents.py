@@ -1,6 +1,6 @@
 """Read documents from JSONL, Parquet and plain-text files.
 
-Every reader yields ``Document(id, text, source)``. A bad record (malformed JSON, invalid
+Every reader yields a ``Document`` (id, text, and ``metadata["source"]``, the file it came from). A bad record (malformed JSON, invalid
 UTF-8, a missing or non-string text field) is an ``InputError`` naming the file and line,
 or, with ``skip_bad_records``, is skipped and counted in a ``SkipLog`` so that nothing is
 dropped without a trace.
@@ -39,9 +39,16 @@ class DocumentsConfig:
 
 @dataclass
 class Document:
-    id: str
+    """One document, as the readers here and the curation pipeline (``lmforge.curate``) pass it on."""
+
+    id: str  # the JSONL/Parquet id, ``<file>:<line>``, a file name, or a WARC record id
     text: str
-    source: str
+    metadata: dict[str, Any] = field(default_factory=dict)  # source (the file), url, language, scores, cluster, ...
+
+    @property
+    def source(self) -> str:
+        """The file the document was read from (empty if none is known)."""
+        return self.metadata.get("source", "")
 
 
 @dataclass
@@ -301,7 +308,7 @@ def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[
             doc_id = record.get(cfg.id_field)
             line = where.rsplit(":", 1)[1]
             yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{line}",
-                           text=record[cfg.text_field], source=str(path))
+                           text=record[cfg.text_field], metadata={"source": str(path)})
 
 
 def parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
@@ -386,7 +393,7 @@ def _parquet_documents(path: Path, pf: Any, columns: list[str], cfg: DocumentsCo
                 continue
             text, doc_id = record[cfg.text_field], record.get(cfg.id_field)
             if _usable_text(text, f"{cfg.text_field!r} is null", where, cfg, skipped):
-                yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, source=str(path))
+                yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, metadata={"source": str(path)})
 
 
 def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
@@ -406,7 +413,7 @@ def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[D
     if not text:
         skipped.add("empty_text", str(path), "empty file")
         return
-    yield Document(id=path.name, text=text, source=str(path))
+    yield Document(id=path.name, text=text, metadata={"source": str(path)})
 
 
 def split_of(doc_id: str, val_fraction: float) -> str:

@@ -5,7 +5,7 @@ A checkpoint is a directory::
     model.safetensors       weights (a tied output matrix is stored once, as embed.weight)
     model.json              ModelConfig
     (or, written by a distributed run, .metadata + __<rank>_0.distcp shards in place of
-    model.safetensors: see ``lmforge.distributed.checkpoint``; ``read_weights`` reads either)
+    model.safetensors: read by ``lmforge.distributed.checkpoint``)
     tokenizer.json, tokenizer_config.json
     checksums.json          sha256 of every other file, written last
     (training checkpoints add optimizer.pt, trainer_state.json, config.yaml)
@@ -13,8 +13,11 @@ A checkpoint is a directory::
 Directories are written under a temporary name and renamed, so a checkpoint either
 exists whole or not at all; ``checksums.json`` catches later truncation or corruption
 (not tampering: whoever edits a file can rewrite it too, so nothing read is ever unpickled).
-Weights holding NaN or inf are refused on loading, and ``latest_valid_checkpoint`` passes over
-them, so a run that diverged is never resumed or served from its poisoned state.
+Weights holding NaN or inf are refused on loading, so a run that diverged is never resumed
+or served from its poisoned state.
+
+This module reads and writes one checkpoint directory of the single-file kind; finding a
+run's checkpoints and reading either kind is ``lmforge.train.checkpoint``'s (``load_model``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from lmforge.model.transformer import Transformer, rope_tables
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model.json"
 CHECKSUMS = "checksums.json"
-SHARDED_METADATA = ".metadata"  # a distributed (DCP) checkpoint: weights and optimizer in *.distcp shards
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -110,11 +112,6 @@ def verify_checksums(directory: str | Path) -> None:
         _verified[key] = (checksums, stamps)
 
 
-def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
-    """A training run's ``checkpoints/step_N`` directories, oldest step first (N is zero-padded)."""
-    return sorted((Path(run_dir) / "checkpoints").glob("step_*"))
-
-
 # Checkpoint directory -> its files' identities when its weights were last found finite.
 _finite: dict[Path, list] = {}
 
@@ -128,59 +125,39 @@ def nonfinite_weights(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     return [k for (k, _), ok in zip(named, finite) if not ok]
 
 
-def check_finite_weights(directory: str | Path) -> None:
-    """Refuse a checkpoint whose weights hold NaN or inf (a run that diverged), reading one tensor
-    (or, sharded, about a GiB) at a time; an ``InputError`` names the tensors."""
+def check_finite_weights(directory: str | Path, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    """Refuse a checkpoint whose weights hold NaN or inf (a run that diverged); an ``InputError``
+    names the tensors. They are read one at a time from ``model.safetensors``, or taken from
+    ``tensors`` (a lazy stream of a distributed checkpoint's, not read if the check is cached)."""
     directory = Path(directory)
     key, stamps = directory.resolve(), file_stamps([directory], identity=True)
     if _finite.get(key) == stamps:
         return
-    if not (directory / WEIGHTS).is_file() and (directory / SHARDED_METADATA).is_file():
-        from lmforge.distributed.checkpoint import iter_model_state
-
-        bad = [k for k, v in iter_model_state(directory) if nonfinite_weights([(k, v)])]
-    else:
+    if tensors is None:
         with reading(directory / WEIGHTS), safe_open(str(directory / WEIGHTS), framework="pt") as f:
             bad = [k for k in f.keys() if nonfinite_weights([(k, f.get_tensor(k))])]
+    else:
+        bad = [k for k, v in tensors if nonfinite_weights([(k, v)])]
     if bad:
         raise InputError(_nonfinite_message(str(directory), bad))
     _finite[key] = stamps
+
+
+def check_finite_state(directory: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """``check_finite_weights`` of the weights already read from ``directory`` (one host sync),
+    unless its files are unchanged since they last passed."""
+    directory = Path(directory)
+    key, stamps = directory.resolve(), file_stamps([directory], identity=True)
+    if _finite.get(key) != stamps:
+        if bad := nonfinite_weights(state.items()):
+            raise InputError(_nonfinite_message(str(directory), bad))
+        _finite[key] = stamps
 
 
 def _nonfinite_message(where: str, bad: list[str]) -> str:
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     return (f"{where}: weights hold non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}: the run diverged "
             "before this checkpoint; use an earlier one")
-
-
-def latest_valid_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest ``run_dir/checkpoints/step_*`` whose checksums verify and whose weights are finite;
-    a corrupt or non-finite one is skipped with a warning."""
-    from lmforge.core.run import log
-
-    for candidate in reversed(checkpoint_dirs(run_dir)):
-        try:
-            verify_checksums(candidate)
-            check_finite_weights(candidate)
-            return candidate
-        except InputError as exc:
-            log.warning("skipping checkpoint %s: %s", candidate, exc)
-    return None
-
-
-def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
-    """A checkpoint directory, a fine-tuning run's ``final/``, or the newest valid checkpoint of a
-    run directory; with ``verify``, the one returned has had its checksums checked."""
-    path = Path(path)
-    for direct in (path, path / "final"):  # final/: a fine-tuning run's finished (merged) model
-        if (direct / WEIGHTS).is_file() or (direct / SHARDED_METADATA).is_file():
-            if verify:
-                verify_checksums(direct)
-            return direct
-    latest = latest_valid_checkpoint(path)
-    if latest is None:
-        raise InputError(f"{path}: not a checkpoint (no {WEIGHTS}) and no valid checkpoint under {path / 'checkpoints'}")
-    return latest
 
 
 def load_model_config(directory: str | Path) -> ModelConfig:
@@ -193,39 +170,25 @@ def load_model_config(directory: str | Path) -> ModelConfig:
         return ModelConfig(**data)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> tuple[Transformer, Path]:
-    """Build the model saved at ``path`` (a checkpoint or a run directory) and load its weights."""
-    directory = resolve_checkpoint(path, verify)
-    cfg = load_model_config(directory)
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str,
+                device: str | torch.device = "cpu") -> Transformer:
+    """The model of ``cfg`` holding the weights ``state`` (read from the checkpoint ``where``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)
-    load_weights(model, read_weights(directory, device), where=str(directory))
-    return model, directory
+    load_weights(model, state, where=where)
+    return model
 
 
 def read_weights(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """A checkpoint's weights by parameter name: ``model.safetensors``, or else the shards of a
-    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them. Weights
-    holding NaN or inf are an ``InputError`` (a diverged run's: nothing to generate or export from)."""
-    directory = Path(directory)
-    sharded = not (directory / WEIGHTS).is_file() and (directory / SHARDED_METADATA).is_file()
+    """A checkpoint's ``model.safetensors`` by parameter name. Weights holding NaN or inf are an
+    ``InputError`` (a diverged run's: nothing to generate or export from)."""
+    path = Path(directory) / WEIGHTS
     try:
-        if sharded:
-            from lmforge.distributed.checkpoint import read_model_state
-
-            state = {k: v.to(device) for k, v in read_model_state(directory).items()}
-        else:
-            state = load_file(str(directory / WEIGHTS), device=str(device))
-    except InputError:
-        raise
-    except Exception as exc:  # safetensors and DCP raise their own error types for truncated files
-        raise InputError(f"{directory if sharded else directory / WEIGHTS}: cannot read weights: {exc}") from exc
-    key, stamps = directory.resolve(), file_stamps([directory], identity=True)
-    if _finite.get(key) != stamps:  # not scanned since its files last changed (check_finite_weights)
-        if bad := nonfinite_weights(state.items()):
-            raise InputError(_nonfinite_message(str(directory), bad))
-        _finite[key] = stamps
+        state = load_file(str(path), device=str(device))
+    except Exception as exc:  # safetensors raises its own error types for truncated files
+        raise InputError(f"{path}: cannot read weights: {exc}") from exc
+    check_finite_state(directory, state)
     return state
 
 

@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import load_model
 from lmforge.model.transformer import Transformer, positions_and_mask
 
 HEAD_FILE = "reward_head.safetensors"
@@ -89,10 +88,10 @@ class RewardModel(nn.Module):
                   str(Path(directory) / HEAD_FILE), metadata={"format": "pt"})
 
 
-def load_reward_model(path: str | Path, device: str | torch.device = "cpu") -> RewardModel:
-    """A reward model saved by ``lmforge reward`` (its ``final/`` directory or run directory)."""
-    backbone, directory = load_model(path, device=device)
-    head = directory / HEAD_FILE
+def with_reward_head(backbone: Transformer, directory: str | Path, device: str | torch.device = "cpu") -> RewardModel:
+    """``backbone`` (loaded from the checkpoint ``directory``) with the reward head saved beside it
+    by ``lmforge reward``; ``lmforge.train.checkpoint.load_reward_model`` loads both from a path."""
+    head = Path(directory) / HEAD_FILE
     if not head.is_file():
         raise InputError(f"{directory}: no {HEAD_FILE}; this checkpoint is a language model, not a reward model")
     model = RewardModel(backbone)

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
-from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config, read_weights, resolve_checkpoint
+from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config
 from lmforge.model.hf import (
     HF_WEIGHTS,
     cast_weights,
@@ -32,6 +32,7 @@ from lmforge.model.hf import (
     special_token_ids,
     state_dict_to_hf,
 )
+from lmforge.train.checkpoint import read_checkpoint_weights, resolve_checkpoint
 
 
 @dataclass
@@ -66,7 +67,7 @@ def run_export(recipe: ExportRecipe) -> Path:
     if recipe.merge_lora:
         state = merged_state(ckpt, recipe.merge_lora)
     else:
-        state = read_weights(ckpt)  # model.safetensors, or a distributed checkpoint's shards
+        state = read_checkpoint_weights(ckpt)  # model.safetensors, or a distributed checkpoint's shards
     check_weights(state, cfg, where=str(ckpt / WEIGHTS))
     state = cast_weights(state, recipe.dtype)
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
@@ -94,9 +95,10 @@ def run_export(recipe: ExportRecipe) -> Path:
 
 def merged_state(ckpt: Path, adapter_dir: str) -> dict:
     """The checkpoint's weights with a PEFT-format adapter merged in: W + s·BA (DoRA: (m/n)(W + s·BA))."""
-    from lmforge.model.checkpoint import load_model, model_state_for_saving
+    from lmforge.model.checkpoint import model_state_for_saving
     from lmforge.peft.adapters import load_adapter
     from lmforge.peft.lora import merge_lora
+    from lmforge.train.checkpoint import load_model
 
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise InputError(f"{adapter_dir}: no adapter_config.json; give a PEFT-format adapter folder (an sft run's adapter/)")

@@ -41,10 +41,10 @@ from lmforge.distributed.mesh import (
 )
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
-from lmforge.model.checkpoint import checkpoint_dirs
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
+from lmforge.train.checkpoint import checkpoint_dirs
 from lmforge.train.loop import (
     TrainConfig,
     accumulation_steps,

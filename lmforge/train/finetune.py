@@ -30,10 +30,8 @@ from lmforge.distributed.memory import check_memory_fits
 from lmforge.distributed.mesh import Layout, ParallelContext, launched_world_size, parallel_session, resolve_layout
 from lmforge.model.checkpoint import (
     TOKENIZER_FILES,
-    load_model,
     load_model_config,
     load_weights,
-    resolve_checkpoint,
     write_checksums,
     write_model_files,
 )
@@ -41,6 +39,7 @@ from lmforge.model.generate import GenerationConfig, generate, release_decoding_
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
+from lmforge.train.checkpoint import load_model, resolve_checkpoint
 from lmforge.train.loop import TrainConfig, accumulation_steps, resolve_device, run_precision
 
 

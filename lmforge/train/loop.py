@@ -38,11 +38,12 @@ from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.distributed.parallelize import reshard
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
-from lmforge.model.checkpoint import checkpoint_dirs, latest_valid_checkpoint
 from lmforge.train.checkpoint import (
     PendingCheckpoint,
     ResumeState,
+    checkpoint_dirs,
     commit_if_written,
+    latest_valid_checkpoint,
     load_training_checkpoint,
     read_resume_state,
     remove_unfinished_checkpoints,

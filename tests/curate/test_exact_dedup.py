@@ -1,5 +1,5 @@
-from lmforge.curate.base import Document
 from lmforge.curate.exact_dedup import ExactDedup, ExactDedupConfig
+from lmforge.data.documents import Document
 
 
 def run_corpus_step(step, shards, work_dir):

@@ -8,12 +8,12 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from lmforge.curate import extract, pipeline
-from lmforge.curate.base import Document
+from lmforge.curate import extract, tasks
 from lmforge.curate.extract import ExtractConfig, HtmlExtract
 from lmforge.curate.langid import LanguageConfig, LanguageFilter
 from lmforge.curate.pipeline import CurateConfig, run_curate
 from lmforge.curate.readers import InputsConfig
+from lmforge.data.documents import Document
 from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
 
 
@@ -133,7 +133,7 @@ def test_one_process_serves_every_page_and_close_or_dropping_the_step_reaps_it()
 
 def test_an_extractor_error_reaches_the_pipeline_and_the_process_keeps_serving():
     step = HtmlExtract(ExtractConfig(), extractor=fake_extractor)
-    assert pipeline.apply_steps(html_doc("boom"), [("extract", step)]) == ("extract", "step-error: ValueError: boom")
+    assert tasks.apply_steps(html_doc("boom"), [("extract", step)]) == ("extract", "step-error: ValueError: boom")
     assert step(html_doc("after")) is None and step.sandbox.starts == 1
     step.close()
 
@@ -151,7 +151,7 @@ def test_the_time_limit_holds_off_the_main_thread_and_timeout_0_extracts_in_proc
     assert inline(doc) is None and doc.text == f"x pid {os.getpid()}" and inline.sandbox is None
 
 
-INHERITED: list[HtmlExtract] = []  # a step a forked pool worker finds already built, as pipeline._BUILT
+INHERITED: list[HtmlExtract] = []  # a step a forked pool worker finds already built, as tasks._BUILT
 
 
 def extract_in_forked_worker(text: str) -> str:
@@ -192,7 +192,7 @@ def test_a_run_rejects_the_hanging_page_and_leaves_no_extraction_process(tmp_pat
         rejects = [r for p in (run_dir / "rejects").iterdir() for r in map(json.loads, p.open())]
         assert [r["reason"] for r in rejects] == ["extraction-timeout: over 0.5 s"], rejects
         assert all(gone(pid) for pid in pids)  # workers=1 too: run_curate closes the steps it built here
-        assert pipeline._BUILT == {}  # and forgets them
+        assert tasks._BUILT == {}  # and forgets them
 
 
 def test_language_is_annotated_and_filtered_by_set_and_threshold():
@@ -217,6 +217,6 @@ def test_an_extractor_error_that_does_not_unpickle_keeps_its_name_and_message(mo
     monkeypatch.setitem(extract.EXTRACTORS, "resiliparse", fails)
     step = HtmlExtract(ExtractConfig(timeout_s=5))
     try:
-        assert pipeline.apply_steps(html_doc("a"), [("extract", step)]) == ("extract", "step-error: NeedsTwo: x and y")
+        assert tasks.apply_steps(html_doc("a"), [("extract", step)]) == ("extract", "step-error: NeedsTwo: x and y")
     finally:
         step.close()

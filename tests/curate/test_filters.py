@@ -4,7 +4,6 @@ import dataclasses
 
 import pytest
 
-from lmforge.curate.base import Document
 from lmforge.curate.filters import (
     C4QualityConfig,
     C4QualityFilter,
@@ -18,6 +17,7 @@ from lmforge.curate.filters import (
     UrlFilterConfig,
     split_words,
 )
+from lmforge.data.documents import Document
 
 WORDS = "the quick brown fox jumps over the lazy dog and runs with that small cat".split()
 

@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from lmforge.curate.base import Document
 from lmforge.curate.minhash import (
     MinHashConfig,
     MinHashDedup,
@@ -25,6 +24,7 @@ from lmforge.curate.minhash import (
     signatures,
     simplified_codes,
 )
+from lmforge.data.documents import Document
 
 
 def sequential(fn, items):

@@ -9,8 +9,9 @@ import pytest
 from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError, file_stamps, named_paths, temporary_directory
 from lmforge.curate import filters
-from lmforge.curate.pipeline import CurateConfig, JsonlWriter, run_curate
+from lmforge.curate.pipeline import CurateConfig, run_curate
 from lmforge.curate.readers import InputsConfig
+from lmforge.curate.records import JsonlWriter
 from lmforge.data.documents import DocumentsConfig, read_documents
 from tests.curate.warc_fixtures import PROSE, html_record, page, write_warc
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from lmforge.core.io import InputError
-from lmforge.curate.base import Document
 from lmforge.curate.quality import (
     ClassifierConfig,
     ClassifierScore,
@@ -21,6 +20,7 @@ from lmforge.curate.quality import (
     document_nll,
     train_classifier,
 )
+from lmforge.data.documents import Document
 from lmforge.data.tokenizer import token_byte_lengths
 from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
@@ -199,7 +199,7 @@ def test_perplexity_ranks_in_domain_text_below_shuffled_and_garbled(lm_checkpoin
 
 
 def test_document_nll_matches_an_unbatched_forward_pass(lm_checkpoint, small_tokenizer, corpus_texts):
-    from lmforge.model.checkpoint import load_model
+    from lmforge.train.checkpoint import load_model
 
     model, _ = load_model(lm_checkpoint)
     model.eval()

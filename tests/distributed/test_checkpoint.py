@@ -15,9 +15,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from lmforge.cli.main import main
 from lmforge.core.io import InputError
 from lmforge.distributed.checkpoint import read_model_state, save_sharded, sharded_state
-from lmforge.model.checkpoint import load_model, write_checksums
+from lmforge.model.checkpoint import write_checksums
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.pretrain import run_pretrain
+from lmforge.train.checkpoint import load_model
 from lmforge.train.optim import build_adamw
 
 

@@ -10,9 +10,10 @@ import torch
 
 import lmforge.model.checkpoint as checkpoint
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import load_model, read_weights, verify_checksums, write_checksums, write_model_files
+from lmforge.model.checkpoint import read_weights, verify_checksums, write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
+from lmforge.train.checkpoint import load_model
 
 
 @pytest.fixture()

@@ -127,16 +127,17 @@ def _prepare_points() -> None:
 
 def _curate_points() -> None:
     """Kill points of curate: mid-segment (a filter, a record), each file and marker of a task."""
-    import lmforge.curate.pipeline as pipeline
-    from lmforge.curate import filters
+    from lmforge.curate import filters, ids, pipeline, records, tasks
 
     _wrap(filters.GopherQualityFilter, "__call__", "curate:filter")
-    _wrap(pipeline.JsonlWriter, "write", "curate:record")
-    _wrap(pipeline.JsonlWriter, "commit", "curate:commit")
-    _wrap(pipeline, "atomic_write_bytes", "curate:file")
-    _wrap(pipeline, "atomic_write_bytes", "curate:after-file", "after")
-    _wrap(pipeline, "atomic_write_json", "curate:marker")
-    _wrap(pipeline, "atomic_write_npy", "curate:index")
+    _wrap(records.JsonlWriter, "write", "curate:record")
+    _wrap(records.JsonlWriter, "commit", "curate:commit")
+    for module in (pipeline, tasks, ids, records):  # each module that writes a file or marker of a task
+        _wrap(module, "atomic_write_bytes", "curate:file")
+        _wrap(module, "atomic_write_bytes", "curate:after-file", "after")
+    for module in (tasks, ids):
+        _wrap(module, "atomic_write_json", "curate:marker")
+    _wrap(ids, "atomic_write_npy", "curate:index")
     _wrap(pipeline, "run_segment_shard", "curate:segment-task", "after")
     _wrap(pipeline, "finalize_shard", "curate:finalize-task", "after")
 

@@ -16,9 +16,10 @@ import yaml
 from lmforge.cli.main import main
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import load_model, write_checksums
+from lmforge.model.checkpoint import write_checksums
 from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
+from lmforge.train.checkpoint import load_model
 from lmforge.train.metrics import read_metrics
 from tests.train.conftest import tiny_pretrain_overrides
 

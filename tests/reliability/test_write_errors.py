@@ -11,7 +11,8 @@ import pytest
 
 from lmforge.cli.main import main
 from lmforge.core.io import is_temporary
-from lmforge.model.checkpoint import checkpoint_dirs, verify_checksums
+from lmforge.model.checkpoint import verify_checksums
+from lmforge.train.checkpoint import checkpoint_dirs
 from tests.conftest import write_jsonl
 from tests.train.conftest import tiny_pretrain_overrides
 

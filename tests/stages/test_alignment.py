@@ -12,11 +12,10 @@ from lmforge.core.config import load_config
 from lmforge.core.io import InputError
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
 from lmforge.data.sft_demo import make_examples
-from lmforge.model.checkpoint import load_model
-from lmforge.model.reward import load_reward_model
 from lmforge.stages.dpo import DPORecipe, run_dpo
 from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.reward import RewardRecipe, run_reward
+from lmforge.train.checkpoint import load_model, load_reward_model
 from lmforge.train.metrics import read_metrics
 
 COMMON = ["data.max_length=96", "train.max_steps=4", "train.warmup_steps=0", "train.lr=1e-3",

@@ -11,8 +11,9 @@ import torch
 
 from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import latest_valid_checkpoint, load_model, verify_checksums
+from lmforge.model.checkpoint import verify_checksums
 from lmforge.stages.pretrain import run_pretrain
+from lmforge.train.checkpoint import latest_valid_checkpoint, load_model
 from lmforge.train.loop import resolve_device
 
 

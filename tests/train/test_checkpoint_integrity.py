@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import latest_valid_checkpoint, load_model, write_checksums
+from lmforge.model.checkpoint import write_checksums
 from lmforge.stages.pretrain import run_pretrain
+from lmforge.train.checkpoint import latest_valid_checkpoint, load_model
 from lmforge.train.metrics import read_metrics
 
 
