@@ -5,24 +5,37 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LMFORGE := $(VENV)/bin/lmforge
 STAMP := $(VENV)/.installed
+# Caches and temporary files (torch inductor's, pytest's, Ray's session files, torchrun's logs)
+# stay under .cache/ (git-ignored), not in the system's temporary directory; tests/conftest.py
+# sets the same for a bare `pytest`.
+CACHE := $(CURDIR)/.cache
+export TMPDIR := $(CACHE)/tmp
+export TORCHINDUCTOR_CACHE_DIR := $(CACHE)/torchinductor
 
 .PHONY: demo test lint install clean-demo
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(TMPDIR):
+	mkdir -p $@
+
+$(STAMP): pyproject.toml constraints.txt | $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# torchao: the test-only reference of NF4 (tests/peft), kept out of site-packages, where
+	# transformers and peft import it and its CUDA extensions fail to load on the CPU torch, noisily
+	$(PY) -m pip uninstall --quiet --yes torchao 2>/dev/null || true
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/reference -c constraints.txt torchao
 	# torchtune: a test-only reference for the DPO losses; its loss module needs only torch
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt torchtune
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) | $(TMPDIR)
 	$(LMFORGE) run recipes/demo/lifecycle.yaml
 
-test: $(STAMP)
+test: $(STAMP) | $(TMPDIR)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

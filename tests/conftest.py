@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
+import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -16,6 +20,38 @@ SHAKESPEARE = REPO / "data" / "pretrain" / "shakespeare.jsonl"
 # Tests never time a dtype's matmul peak (emulated fp16 takes minutes on some CPUs): MFU divides
 # by these fixed figures in this process and in every subprocess it starts (torchrun included).
 os.environ["LMFORGE_PEAK_FLOPS"] = "float32=2e11,bfloat16=8e11,float16=8e11"
+
+
+# Caches and temporary files stay under the repository's .cache/ (git-ignored), as the Makefile
+# sets them, here for a bare `pytest` too: pytest's tmp_path folders, torch inductor's cache, Ray's
+# session files, torchrun's logs, in this process and every subprocess it starts.
+CACHE_DIR = REPO / ".cache"
+os.environ["TMPDIR"] = str(CACHE_DIR / "tmp")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE_DIR / "torchinductor")
+Path(os.environ["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+# Reference libraries kept out of site-packages (the Makefile installs them with pip --target):
+# torchao, whose PyPI build's CUDA extensions fail to load on the CPU torch, with a warning each
+# time, and which transformers and peft import whenever it is installed.
+REFERENCE_DIR = Path(sys.prefix) / "reference"
+
+
+def import_reference(name: str) -> ModuleType:
+    """Import ``name`` from the test-only references in ``.venv/reference`` (or from site-packages,
+    where an older environment has it). Only this import sees that folder, so transformers and
+    peft elsewhere in the session still find no torchao to import."""
+    added = REFERENCE_DIR.is_dir() and str(REFERENCE_DIR) not in sys.path
+    if added:
+        sys.path.insert(0, str(REFERENCE_DIR))
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        pytest.skip(f"{name} (a test-only reference, installed by `make test` into {REFERENCE_DIR}) is missing: {exc}",
+                    allow_module_level=True)
+    finally:
+        if added:
+            sys.path.remove(str(REFERENCE_DIR))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

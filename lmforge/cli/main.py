@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             recipe, overrides = args.recipe, list(args.overrides)
             if recipe is not None and "=" in recipe and not recipe.endswith((".yaml", ".yml")):
                 recipe, overrides = None, [recipe, *overrides]
-            cfg = load_config(module.RECIPE, recipe, overrides)
+            cfg = load_config(module.RECIPE, recipe, overrides, overrides_label="command-line override")
         if args.print_config:
             sys.stdout.write(dump_config(cfg))
             return 0

@@ -157,19 +157,42 @@ def _num(x: Any) -> str:
 # --------------------------------------------------------------------------- reading
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Build ``cls`` from a YAML recipe (optional) plus ``key.sub=value`` overrides."""
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """Where a recipe's values came from, for errors: its file, except the keys a command-line
+    override set (an override's typo is not the recipe file's)."""
+
+    recipe: str  # the recipe file
+    overrides: dict[str, str]  # dotted key -> the override as typed
+    label: str = "override"  # what the overrides are called: "command-line override" from the CLI
+
+    def of(self, key: str, unknown: bool = False) -> str:
+        """The source of ``key``'s value; an ``unknown`` key also comes from an override below it
+        (``trian.lr=3`` makes the unknown section ``trian``)."""
+        for overridden, item in self.overrides.items():
+            if key == overridden or key.startswith((overridden + ".", overridden + "[")) or (
+                    unknown and overridden.startswith(key + ".")):
+                return f"{self.label} {item!r}"
+        return self.recipe
+
+
+def _source(source: str | Sources, key: str, unknown: bool = False) -> str:
+    return source.of(key, unknown) if isinstance(source, Sources) else source
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
+                overrides_label: str = "override") -> T:
+    """Build ``cls`` from a YAML recipe (optional) plus ``key.sub=value`` overrides. An error names
+    the recipe file, or the override (as ``overrides_label 'key=value'``) that set the key."""
     data: dict[str, Any] = {}
-    source = "overrides"  # with no recipe file, every value given comes from an override
     if path is not None:
         path = Path(path)
-        source = str(path)
         if not path.is_file():
             raise ConfigError(f"recipe not found: {path}")
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+            raise ConfigError(f"{path}: invalid YAML: {_yaml_error(exc)}") from exc
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
         if loaded is None:
@@ -179,7 +202,21 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         data = loaded
     for item in overrides or []:
         apply_override(data, item)
-    return from_dict(cls, data, source=source)
+    if path is None:
+        return from_dict(cls, data, source="overrides")  # every value given comes from an override
+    keys = {item.partition("=")[0].strip(): item.strip() for item in overrides or []}
+    return from_dict(cls, data, source=Sources(str(path), keys, overrides_label))
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, at the file's line and column (PyYAML names the text it read
+    ``"<unicode string>"``, not the file, and spreads the message over several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
 def parse_scalar(text: str) -> Any:
@@ -223,46 +260,74 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def from_dict(cls: type[T], data: Any, *, source: str = "config", prefix: str = "") -> T:
+def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", prefix: str = "") -> T:
     """Build dataclass ``cls`` from nested plain data, type-checking each field."""
-    where = f"'{prefix.rstrip('.')}'" if prefix else "the recipe"
+    section = prefix.rstrip(".")
+    where = f"'{section}'" if prefix else "the recipe"
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {where} must be a mapping, got {_show(data)}")
+        raise ConfigError(f"{_source(source, section)}: {where} must be a mapping, got {_show(data)}")
     expand = getattr(cls, "expand_preset", None)
     if expand is not None:  # e.g. a model preset fills fields under the user's own keys
         try:
             data = expand(data)
         except ValueError as exc:
-            raise ConfigError(f"{source}: {where}: {exc}") from exc
+            raise ConfigError(f"{_source(source, section)}: {where}: {exc}") from exc
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = str(unknown[0])
-        close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
-        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(fields))}"
-        raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        raise ConfigError(f"{_source(source, prefix + key, unknown=True)}: unknown key '{prefix}{key}'{_suggestion(cls, key, prefix)}")
     kwargs = {}
     for name, f in fields.items():
+        key = f"{prefix}{name}"
         if name in data:
-            kwargs[name] = _coerce(data[name], hints[name], f"{prefix}{name}", source)
-            check_value_range(kwargs[name], f, f"{prefix}{name}", source)
+            kwargs[name] = _coerce(data[name], hints[name], key, source)
+            check_value_range(kwargs[name], f, key, _source(source, key))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{source}: missing required key '{prefix}{name}'")
+            raise ConfigError(f"{_source(source, key)}: missing required key '{key}'")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"{source}: {where}: {exc}") from exc
+        raise ConfigError(f"{_source(source, section)}: {where}: {exc}") from exc
 
 
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+def _suggestion(cls: type, key: str, prefix: str) -> str:
+    """``; did you mean 'x'?`` for an unknown key: a key of a section below that it names
+    (``skip_bad_records`` for ``data.skip_bad_records``), else the closest key here, else the valid keys."""
+    below = [k for k in _dotted_keys(cls) if k.endswith("." + key)]
+    if below:
+        return "; did you mean " + " or ".join(f"'{prefix}{k}'" for k in below[:3]) + "?"
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(names))}"
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key of a config dataclass tree, dotted (sections that are off until set included)."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if get_origin(tp) in (Union, types.UnionType):
+            inner = [a for a in get_args(tp) if a is not type(None)]
+            tp = inner[0] if len(inner) == 1 else tp
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(tp):
+            keys += _dotted_keys(tp, f"{prefix}{f.name}.")
+    return keys
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str | Sources) -> Any:
     origin = get_origin(tp)
     args = get_args(tp)
 
     def bad() -> ConfigError:
-        return ConfigError(f"{source}: '{key}' must be {type_name(tp)}, got {_show(value)}")
+        return ConfigError(f"{_source(source, key)}: '{key}' must be {type_name(tp)}, got {_show(value)}")
 
     if tp is Any:
         return value
@@ -280,7 +345,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if origin is Literal:
         if value in args:
             return value
-        raise ConfigError(f"{source}: '{key}' must be one of {', '.join(repr(a) for a in args)}, got {_show(value)}")
+        raise ConfigError(f"{_source(source, key)}: '{key}' must be one of {', '.join(repr(a) for a in args)}, got {_show(value)}")
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value if value is not None else {}, source=source, prefix=f"{key}.")
     if origin in (list, tuple):
@@ -327,7 +392,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if isinstance(value, (str, Path)):
             return Path(value)
         raise bad()
-    raise ConfigError(f"{source}: '{key}' has an unsupported annotation {tp!r}")
+    raise ConfigError(f"{_source(source, key)}: '{key}' has an unsupported annotation {tp!r}")
 
 
 def type_name(tp: Any) -> str:
@@ -387,6 +452,7 @@ def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml") -> Pat
 __all__ = [
     "ConfigError",
     "Range",
+    "Sources",
     "apply_override",
     "at_least",
     "check_ranges",

@@ -100,7 +100,7 @@ def read_file(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Do
 
 def _bad(cfg: DocumentsConfig, skipped: SkipLog, reason: str, where: str, detail: str) -> None:
     if not cfg.skip_bad_records:
-        raise InputError(f"{where}: {detail} (set skip_bad_records: true to skip and count such records)")
+        raise InputError(f"{where}: {detail} (set data.skip_bad_records=true to skip and count such records)")
     skipped.add(reason, where, detail)
 
 
@@ -285,7 +285,8 @@ def parse_jsonl_line(raw: bytes) -> Any:
     try:
         value = parse_json_text(line)
     except json.JSONDecodeError as exc:
-        return BadRecord("malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}")
+        # json's message for a control character ends in "at" ("Invalid control character at")
+        return BadRecord("malformed_json", f"malformed JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}")
     except NonFiniteNumber as exc:
         return BadRecord("non_finite_number", f"{exc} is not a finite number (JSON data may hold only finite numbers)")
     except RecursionError:  # nested deeper than Python's stack

@@ -346,29 +346,63 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
-    """``bos_token_id``/``eos_token_id``/``pad_token_id`` named by ``tokenizer_config.json``, where known.
+END_OF_TURN = "<|im_end|>"  # ChatML's end of a turn (lmforge.data.chat.IM_END; hf.py imports no data module)
 
-    ``generation_config.json`` and ``config.json`` carry these ids so that
-    ``model.generate`` stops at end of text without being told.
-    """
+
+def read_tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, int], dict] | None:
+    """(every token -> its id, ``tokenizer_config.json``) of a folder; None where either file is missing or unreadable."""
     tok_file, cfg_file = tokenizer_dir / "tokenizer.json", tokenizer_dir / "tokenizer_config.json"
     if not (tok_file.is_file() and cfg_file.is_file()):
-        return {}
+        return None
     try:
         tok = json.loads(tok_file.read_text(encoding="utf-8"))
         tok_cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}
+        return None
     vocab = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
     model_vocab = tok.get("model", {}).get("vocab")
     if isinstance(model_vocab, dict):
         vocab = {**model_vocab, **vocab}
+    return vocab, tok_cfg
+
+
+def _token(tok_cfg: dict, role: str) -> str | None:
+    token = tok_cfg.get(f"{role}_token")
+    if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def special_token_ids(vocab: dict[str, int], tok_cfg: dict) -> dict[str, int]:
+    """``bos_token_id``/``eos_token_id``/``pad_token_id`` named by a ``tokenizer_config.json``, where known.
+
+    ``config.json`` carries these ids, as transformers' own exports do.
+    """
     ids = {}
     for role in ("bos", "eos", "pad"):
-        token = tok_cfg.get(f"{role}_token")
-        if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
-            token = token.get("content")
-        if isinstance(token, str) and token in vocab:
+        token = _token(tok_cfg, role)
+        if token in vocab:
             ids[f"{role}_token_id"] = vocab[token]
+    return ids
+
+
+def chat_tokenizer_config(vocab: dict[str, int], tok_cfg: dict) -> dict:
+    """The ``tokenizer_config.json`` an export writes: a chat model's (one with a ``chat_template``)
+    ``eos_token`` is ``<|im_end|>``, the end of an assistant turn, as in Qwen2's chat models, so
+    that tools which stop at ``tokenizer.eos_token`` stop at the end of the turn; others as they are."""
+    if tok_cfg.get("chat_template") and END_OF_TURN in vocab:
+        return {**tok_cfg, "eos_token": END_OF_TURN}
+    return tok_cfg
+
+
+def generation_config_dict(vocab: dict[str, int], tok_cfg: dict, exported_cfg: dict) -> dict:
+    """``generation_config.json``: the exported tokenizer's special-token ids, with ``eos_token_id``
+    the list of every stop token (the exported eos first, then ``<|im_end|>`` and the original end of
+    text) when the vocabulary has ``<|im_end|>``, so ``model.generate`` on an ``apply_chat_template``
+    prompt stops at the end of the turn, and a plain prompt at the end of the text."""
+    ids = special_token_ids(vocab, exported_cfg)
+    stops = [vocab[t] for t in (_token(exported_cfg, "eos"), END_OF_TURN, _token(tok_cfg, "eos")) if t in vocab]
+    stops = list(dict.fromkeys(stops))
+    if len(stops) > 1:
+        ids["eos_token_id"] = stops
     return ids

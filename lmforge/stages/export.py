@@ -6,6 +6,12 @@ biases, Qwen3 for QK-norm) and AutoTokenizer.from_pretrained(dir). <checkpoint> 
 checkpoint directory or a run directory (its newest valid checkpoint). Models with
 LayerNorm or a GELU MLP (the gpt2-124m preset) have no HF equivalent and are refused.
 
+A tokenizer with ChatML's <|im_end|> has it and end-of-text as stop tokens (eos_token_id
+a list in generation_config.json), so transformers' generate on an apply_chat_template
+prompt stops at the end of the turn; a chat model's (one with a chat_template)
+tokenizer_config.json names <|im_end|> as eos_token. With --merge-lora the export keeps
+the ChatML chat template the adapter was trained with.
+
   lmforge export runs/pretrain runs/hf dtype=bfloat16
 """
 
@@ -16,19 +22,23 @@ import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from safetensors.torch import save_file
 
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
+from lmforge.data.chat import CHATML_TEMPLATE
 from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config
 from lmforge.model.hf import (
     HF_WEIGHTS,
     cast_weights,
+    chat_tokenizer_config,
     check_weights,
+    generation_config_dict,
     hf_config_dict,
+    read_tokenizer_files,
     special_token_ids,
     state_dict_to_hf,
 )
@@ -71,7 +81,8 @@ def run_export(recipe: ExportRecipe) -> Path:
     check_weights(state, cfg, where=str(ckpt / WEIGHTS))
     state = cast_weights(state, recipe.dtype)
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
-    token_ids = special_token_ids(ckpt)
+    tokenizer = export_tokenizer(ckpt, merging=bool(recipe.merge_lora))
+    token_ids = special_token_ids(tokenizer.vocab, tokenizer.exported) if tokenizer else {}
     try:
         hf_config = hf_config_dict(cfg, dtype=dtype, **token_ids)
     except ValueError as exc:
@@ -81,16 +92,42 @@ def run_export(recipe: ExportRecipe) -> Path:
         hf_state = {k: v.contiguous() for k, v in state_dict_to_hf(state, cfg).items()}
         save_file(hf_state, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", hf_config)
-        if token_ids:
-            atomic_write_json(tmp / "generation_config.json", token_ids)
         copied = [name for name in TOKENIZER_FILES if (ckpt / name).is_file()]
         for name in copied:
             shutil.copyfile(ckpt / name, tmp / name)
+        if tokenizer and token_ids:
+            atomic_write_json(tmp / "generation_config.json", generation_config_dict(*tokenizer))
+        if tokenizer and tokenizer.exported != tokenizer.stored:
+            atomic_write_json(tmp / "tokenizer_config.json", tokenizer.exported)
     if len(copied) < len(TOKENIZER_FILES):
         log.warning("export: %s has no %s; AutoTokenizer.from_pretrained(%s) will not work", ckpt, " or ".join(sorted(set(TOKENIZER_FILES) - set(copied))), out)
     n_params = sum(v.numel() for v in hf_state.values())
     log.info("export: %s -> %s (%s, %.1fM parameters, %s)", ckpt, out, hf_config["architectures"][0], n_params / 1e6, dtype)
     return ckpt
+
+
+class ExportTokenizer(NamedTuple):
+    vocab: dict[str, int]  # every token -> its id
+    stored: dict  # the checkpoint's tokenizer_config.json
+    exported: dict  # the one the export writes
+
+
+def export_tokenizer(ckpt: Path, merging: bool) -> ExportTokenizer | None:
+    """The checkpoint's tokenizer and the tokenizer_config.json to export; None without a tokenizer.
+
+    A chat model's eos_token becomes <|im_end|> (``chat_tokenizer_config``). A merged adapter was
+    trained on ChatML (every lmforge fine-tuning stage adds the template to its run's tokenizer),
+    so a base without a ``chat_template`` gets it, as the fine-tuning run's own tokenizer has it.
+    """
+    tokenizer = read_tokenizer_files(ckpt)
+    if tokenizer is None:
+        return None
+    vocab, stored = tokenizer
+    exported = stored
+    if merging and not stored.get("chat_template"):
+        log.info("export: %s has no chat_template; the merged adapter was trained on ChatML, so the export gets its template", ckpt)
+        exported = {**stored, "chat_template": CHATML_TEMPLATE}
+    return ExportTokenizer(vocab, stored, chat_tokenizer_config(vocab, exported))
 
 
 def merged_state(ckpt: Path, adapter_dir: str) -> dict:

@@ -102,9 +102,22 @@ def run_prepare(recipe: PrepareRecipe) -> dict:
         "prepare: %d documents -> %d tokens (train %d, val %d) in %.1fs (%.0f tokens/s) -> %s",
         n_docs, n_tokens, splits["train"]["n_tokens"], splits["val"]["n_tokens"], seconds, n_tokens / seconds, recipe.run_dir,
     )
+    warn_empty_splits(splits, recipe.val_fraction)
     if skipped.total:
         log.info("prepare: skipped %d bad records: %s (listed in manifest.json)", skipped.total, dict(skipped.by_reason))
     return manifest
+
+
+def warn_empty_splits(splits: dict, val_fraction: float) -> None:
+    """A split that received no document (few documents, a small ``val_fraction``) is worth a
+    warning: pre-training on it would report no validation loss, or have nothing to train on."""
+    n_docs = sum(s["n_docs"] for s in splits.values())
+    if val_fraction > 0 and splits["val"]["n_docs"] == 0:
+        log.warning("prepare: the validation split is empty: none of the %d documents hashed into val_fraction=%g; "
+                    "pretrain will report no validation loss (raise val_fraction or add documents)", n_docs, val_fraction)
+    if splits["train"]["n_docs"] == 0:
+        log.warning("prepare: the train split is empty: all %d documents hashed into the validation split "
+                    "(val_fraction=%g); lower val_fraction or add documents", n_docs, val_fraction)
 
 
 def verify_outputs(recipe: PrepareRecipe) -> None:

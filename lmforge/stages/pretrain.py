@@ -10,7 +10,7 @@ The same recipe runs distributed under torchrun (gloo on CPUs, NCCL on GPUs), wi
 layout set in its `parallel:` section (FSDP2/HSDP, tensor and pipeline parallel; see
 docs/distributed.md):
 
-  torchrun --nproc_per_node=8 -m lmforge pretrain recipes/distributed/fsdp_tp.yaml
+  torchrun --nproc_per_node=8 -m lmforge pretrain recipes/distributed/gpu_fsdp_tp.yaml
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from lmforge.distributed.checkpoint import (
     save_sharded,
 )
 from lmforge.model.checkpoint import (
+    MODEL_CONFIG,
     WEIGHTS,
     build_model,
     check_finite_state,
@@ -346,6 +347,11 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     """A checkpoint directory, a fine-tuning run's ``final/``, or the newest valid checkpoint of a
     run directory; with ``verify``, the one returned has had its checksums checked."""
     path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: not a checkpoint: the path does not exist (give a checkpoint directory or a run directory)")
+    if (path / "config.json").is_file() and not (path / MODEL_CONFIG).is_file():
+        raise InputError(f"{path}: a Hugging Face model folder, not an lmforge checkpoint; convert it first with "
+                         f"`lmforge import {path} <checkpoint_dir>`")
     for direct in (path, path / "final"):  # final/: a fine-tuning run's finished (merged) model
         if (direct / WEIGHTS).is_file() or is_sharded_checkpoint(direct):
             if verify:

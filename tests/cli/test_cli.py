@@ -203,3 +203,60 @@ def test_an_impossible_micro_batch_is_refused_by_its_memory_estimate_before_any_
     assert re.match(r"lmforge pretrain: error: train\.micro_batch_size = 100000000 x data\.seq_len = 256 needs at "
                     r"least [\d.]+ [KMGT]?B per device", err)
     assert not run_dir.exists()
+
+
+def one_error_line(capsys, verb: str) -> str:
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(f"lmforge {verb}: error: ")
+    return err.removeprefix(f"lmforge {verb}: error: ").rstrip("\n")
+
+
+def test_a_typo_in_a_command_line_override_is_blamed_on_the_command_line_not_the_recipe(capsys):
+    assert main(["pretrain", "recipes/demo/pretrain.yaml", "train.max_step=10"]) == 2
+    assert one_error_line(capsys, "pretrain") == (
+        "command-line override 'train.max_step=10': unknown key 'train.max_step'; did you mean 'train.max_steps'?")
+    assert main(["pretrain", "recipes/demo/pretrain.yaml", "trian.lr=3"]) == 2  # the unknown section came from it
+    assert one_error_line(capsys, "pretrain").startswith("command-line override 'trian.lr=3': unknown key 'trian'")
+    assert main(["pretrain", "recipes/demo/pretrain.yaml", "train.lr=fast"]) == 2
+    assert one_error_line(capsys, "pretrain") == "command-line override 'train.lr=fast': 'train.lr' must be float, got 'fast' (str)"
+
+
+def test_an_error_in_the_recipe_file_is_blamed_on_the_file_even_beside_overrides(tmp_path, capsys):
+    recipe = tmp_path / "pretrain.yaml"
+    recipe.write_text("train:\n  max_step: 10\n")
+    assert main(["pretrain", str(recipe), "train.lr=0.001"]) == 2
+    assert one_error_line(capsys, "pretrain") == f"{recipe}: unknown key 'train.max_step'; did you mean 'train.max_steps'?"
+
+
+def test_a_bare_key_of_a_section_gets_the_dotted_key_suggested(capsys):
+    assert main(["prepare", "recipes/demo/prepare.yaml", "skip_bad_records=true"]) == 2
+    assert one_error_line(capsys, "prepare") == (
+        "command-line override 'skip_bad_records=true': unknown key 'skip_bad_records'; did you mean 'data.skip_bad_records'?")
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line_in_one_line(tmp_path, capsys):
+    recipe = tmp_path / "prepare.yaml"
+    recipe.write_text("data:\n  paths: [a.jsonl]\n  text_field: : x\n")
+    assert main(["prepare", str(recipe)]) == 2
+    line = one_error_line(capsys, "prepare")
+    assert line == f"{recipe}: invalid YAML: line 3, column 15: mapping values are not allowed here"
+    assert "<unicode string>" not in line
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_said_to_not_exist(tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    assert main(["generate", f"checkpoint={missing}", "prompts=[hi]"]) == 2
+    assert one_error_line(capsys, "generate") == (
+        f"{missing}: not a checkpoint: the path does not exist (give a checkpoint directory or a run directory)")
+
+
+def test_a_hugging_face_folder_given_as_a_checkpoint_points_to_lmforge_import(tmp_path, capsys):
+    hf = tmp_path / "hf-model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert main(["generate", f"checkpoint={hf}", "prompts=[hi]"]) == 2
+    line = one_error_line(capsys, "generate")
+    assert line.startswith(f"{hf}: a Hugging Face model folder, not an lmforge checkpoint")
+    assert f"lmforge import {hf} <checkpoint_dir>" in line

@@ -284,3 +284,17 @@ def test_every_config_default_lies_in_its_declared_range():
         except (TypeError, ValueError):  # a recipe with required keys (export, import)
             continue
         check_ranges(instance, source=root.__qualname__)
+
+
+def test_an_override_error_names_the_override_and_a_file_error_the_file(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("steps: 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(RangedCfg, recipe, ["steps=-1"])
+    assert str(exc.value) == "override 'steps=-1': 'steps' = -1: must be >= 0"
+    recipe.write_text("ratio: 2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(RangedCfg, recipe, ["steps=1"])
+    assert str(exc.value) == f"{recipe}: 'ratio' = 2: must be in [0, 1]"
+    with pytest.raises(ConfigError, match=r"^command-line override 'limits=\{2: 3\}': 'limits.2' = 3"):
+        load_config(RangedCfg, recipe, ["ratio=0", "limits={2: 3}"], overrides_label="command-line override")

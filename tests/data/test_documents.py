@@ -193,3 +193,12 @@ def test_a_parquet_file_damaged_partway_is_an_error_naming_the_first_row_lost(tm
     skipped = SkipLog()
     assert [d.text for d in read([p], skip=True, skipped=skipped)] == ["document 0", "document 1"]
     assert skipped.by_reason == {"damaged_file": 1}
+
+
+def test_a_control_character_in_a_json_string_is_named_once_with_its_column_and_the_skip_key(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "good"}\n{"text": "tab\there"}\n')
+    with pytest.raises(InputError) as exc:
+        read([p])
+    assert str(exc.value) == (f"{p}:2: malformed JSON: Invalid control character at column 14 "
+                              "(set data.skip_bad_records=true to skip and count such records)")

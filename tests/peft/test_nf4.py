@@ -15,8 +15,9 @@ from lmforge.peft.nf4 import (
     quantize_base_linears,
     quantize_nf4,
 )
+from tests.conftest import import_reference
 
-torchao_quant = pytest.importorskip("torchao.quantization")
+torchao_quant = import_reference("torchao.quantization")
 to_nf4 = torchao_quant.to_nf4
 
 # (shape, block_size, scaler_block_size): the QLoRA defaults and torchao's own tiny-test blocks.

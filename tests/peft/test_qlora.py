@@ -19,6 +19,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import load_adapter, save_adapter
 from lmforge.peft.lora import LoraConfig, LoraLinear, apply_lora, lora_modules, lora_state_dict, merge_lora
 from lmforge.peft.nf4 import NF4Linear, quantize_base_linears
+from tests.conftest import import_reference
 
 ATTN_AND_MLP = ["layers.0.attn.wq", "layers.0.attn.wk", "layers.0.attn.wv", "layers.0.attn.wo",
                 "layers.0.mlp.w1", "layers.0.mlp.w3", "layers.0.mlp.w2"]  # fmt: skip
@@ -193,7 +194,7 @@ def test_qlora_layer_equals_torchtunes_formula(bias):
     expected = F.linear(x, w) + (base.bias if bias else 0) + 3.0 * F.linear(F.linear(x, layer.lora_A.weight), layer.lora_B.weight)
     torch.testing.assert_close(layer(x), expected)
 
-    to_nf4 = pytest.importorskip("torchao.quantization").to_nf4
+    to_nf4 = import_reference("torchao.quantization").to_nf4
     torch.testing.assert_close(w, to_nf4(base.weight.detach(), 32, 2).get_original_weight(), rtol=0, atol=0)
 
 

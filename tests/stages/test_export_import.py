@@ -102,9 +102,11 @@ def test_export_writes_tokenizer_and_generation_config(tmp_path, tokenizer_dir, 
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
     assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
-    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+    stops = [ours.eos_id, ours.token_to_id("<|im_end|>")]  # a base model's eos first, then the end of a chat turn
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (ours.bos_id, stops, ours.pad_id)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["eos_token_id"] == ours.eos_id
+    assert (tmp_path / "hf" / "tokenizer_config.json").read_bytes() == (tokenizer_dir / "tokenizer_config.json").read_bytes()
 
 
 def test_export_resolves_newest_valid_checkpoint_of_a_run_dir(tmp_path, tokenizer_dir, vocab_size):
@@ -291,3 +293,87 @@ def test_cli_export_casts_with_a_dtype_override(tmp_path, tokenizer_dir, vocab_s
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "dtype=bfloat16"]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert theirs.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- chat models
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """The shared tokenizer with the ChatML template, as a fine-tuning run's tokenizer/ holds it."""
+    from lmforge.data.chat import add_chat_template
+
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, path / name)
+    add_chat_template(path)
+    return path
+
+
+class ForceTokens(transformers.LogitsProcessor):
+    """Makes greedy decoding emit ``tokens`` in order, whatever the model's logits."""
+
+    def __init__(self, tokens: list[int], prompt_length: int):
+        self.tokens, self.prompt_length = tokens, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.tokens[input_ids.shape[1] - self.prompt_length]] = 0.0
+        return forced
+
+
+def test_chat_export_stops_generation_at_the_end_of_the_turn(tmp_path, chat_tokenizer_dir, vocab_size):
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size), chat_tokenizer_dir)
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    im_end, end_of_text = hf_tok.convert_tokens_to_ids("<|im_end|>"), hf_tok.convert_tokens_to_ids("<|end_of_text|>")
+    assert hf_tok.eos_token == "<|im_end|>"
+    assert model.generation_config.eos_token_id == [im_end, end_of_text]
+    prompt = hf_tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    assert hf_tok.decode(prompt[0]).endswith("<|im_start|>assistant\n")
+    answer = hf_tok.encode("5", add_special_tokens=False)
+    # the answer, the end of the turn, then what a model that does not stop writes: a new turn
+    forced = answer + [im_end] + hf_tok.encode("\n<|im_start|>user\n7", add_special_tokens=False) * 4
+    out = model.generate(prompt, do_sample=False, max_new_tokens=12,
+                         logits_processor=transformers.LogitsProcessorList([ForceTokens(forced, prompt.shape[1])]))
+    assert out[0, prompt.shape[1]:].tolist() == answer + [im_end]
+
+
+def test_chat_export_keeps_end_of_text_as_a_stop_token(tmp_path, chat_tokenizer_dir, vocab_size):
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size), chat_tokenizer_dir)
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = Tokenizer.load(chat_tokenizer_dir)
+    forced = [7, ours.eos_id] + [9] * 10
+    prompt = torch.tensor([[ours.bos_id, 5]])
+    out = model.generate(prompt, do_sample=False, max_new_tokens=8,
+                         logits_processor=transformers.LogitsProcessorList([ForceTokens(forced, 2)]))
+    assert out[0, 2:].tolist() == [7, ours.eos_id]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == ours.token_to_id("<|im_end|>")  # the tokenizer's eos, as transformers' own exports
+
+
+def test_export_merge_lora_keeps_the_chat_template(tmp_path, tokenizer_dir, vocab_size):
+    from lmforge.data.chat import CHATML_TEMPLATE
+    from lmforge.peft.adapters import save_adapter
+    from lmforge.peft.lora import LoraConfig, apply_lora
+
+    cfg = tiny(vocab_size)
+    save_checkpoint(tmp_path / "base", cfg, tokenizer_dir)  # a pre-trained base: no chat_template
+    tuned, _ = load_model(tmp_path / "base")
+    lora = LoraConfig(r=4, alpha=8)
+    apply_lora(tuned, lora)
+    save_adapter(tuned, lora, tmp_path / "adapter")
+    assert main(["export", str(tmp_path / "base"), str(tmp_path / "hf"), "--merge-lora", str(tmp_path / "adapter")]) == 0
+
+    exported = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert exported["chat_template"] == CHATML_TEMPLATE and exported["eos_token"] == "<|im_end|>"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|begin_of_text|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [hf_tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|end_of_text|>")]
+    assert "chat_template" not in json.loads((tokenizer_dir / "tokenizer_config.json").read_text())  # the base is untouched

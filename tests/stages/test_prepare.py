@@ -129,3 +129,21 @@ def test_the_temporary_output_of_a_killed_prepare_is_removed_at_the_next_start(t
     prepare(tmp_path, small_tokenizer_dir, [a], val_fraction=0.0)
     assert not leftover.exists() and other.exists()
     assert read_manifest(tmp_path / "out")["n_docs"] == 1
+
+
+def test_an_empty_validation_split_is_warned_about(tmp_path, small_tokenizer_dir, corpus_texts, caplog):
+    import logging
+
+    from lmforge.core.run import log
+
+    train_only = [f"doc{i}" for i in range(200) if split_of(f"doc{i}", 0.05) == "train"][:9]
+    p = write_jsonl(tmp_path / "nine.jsonl", [{"id": i, "text": t} for i, t in zip(train_only, corpus_texts)])
+    log.addHandler(caplog.handler)  # the lmforge logger does not propagate to the root logger
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmforge"):
+            manifest, _ = prepare(tmp_path, small_tokenizer_dir, [p], val_fraction=0.05)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert manifest["splits"]["val"]["n_docs"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("validation split is empty: none of the 9 documents hashed into val_fraction=0.05" in w for w in warnings)
