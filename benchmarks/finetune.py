@@ -34,9 +34,9 @@ def child(args: argparse.Namespace) -> dict:
     from lmforge.model.transformer import Transformer
     from lmforge.objectives.clm import CausalLMObjective
     from lmforge.peft.lora import LoraConfig, apply_lora
-    from lmforge.train.loop import train_step
     from lmforge.train.metrics import peak_memory_bytes
     from lmforge.train.optim import build_adamw
+    from lmforge.train.step import StepRunner
 
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -48,10 +48,10 @@ def child(args: argparse.Namespace) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
-    objective = CausalLMObjective()
+    runner = StepRunner(model, CausalLMObjective(), opt, args.precision, 1.0)
 
     def step() -> None:
-        train_step(model, objective, [batch], opt, None, params, args.precision, 1.0)
+        runner.run_step([batch])
 
     times = []
     for _ in range(2):

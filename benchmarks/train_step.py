@@ -34,9 +34,10 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
-from lmforge.train.loop import DTYPES, autocast_context, compile_objective, train_step
+from lmforge.train.forward import DTYPES, autocast_context
 from lmforge.train.metrics import peak_flops, peak_memory_bytes, utilization
 from lmforge.train.optim import build_adamw
+from lmforge.train.step import StepRunner
 
 
 def hf_model(cfg: ModelConfig, ours: Transformer, device: torch.device):
@@ -55,17 +56,14 @@ def hf_model(cfg: ModelConfig, ours: Transformer, device: torch.device):
 
 def make_steps(cfg: ModelConfig, batch: torch.Tensor, precision: str, device: torch.device, compile_: bool,
                peer_name: str) -> dict:
-    """A zero-argument training step for lmforge (the loop's own ``train_step``) and for the peer."""
+    """A zero-argument training step for lmforge (the loop's own ``StepRunner.run_step``) and for the peer."""
     torch.manual_seed(0)
     with torch.device(device):
         ours = Transformer(cfg)
     peer = hf_model(cfg, ours, device) if peer_name == "transformers" else None
-    objective = CausalLMObjective()
-    forward_loss = compile_objective(objective) if compile_ else objective
-    ours_params = list(ours.parameters())
     ours_opt = build_adamw(ours, 1e-4, (0.9, 0.95), 1e-8, 0.1)
-    steps = {"lmforge": lambda: train_step(ours, objective, [batch], ours_opt, None, ours_params, precision, 1.0,
-                                           forward_loss)}
+    runner = StepRunner(ours, CausalLMObjective(), ours_opt, precision, 1.0, compile=compile_)
+    steps = {"lmforge": lambda: runner.run_step([batch])}
     if peer is not None:
         peer_params = list(peer.parameters())
         peer_opt = build_adamw(peer, 1e-4, (0.9, 0.95), 1e-8, 0.1)

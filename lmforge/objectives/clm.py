@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmforge.data.packing import IGNORE_INDEX
+from lmforge.objectives.base import LossOutput, Objective
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -23,17 +22,7 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum")
 
 
-@dataclass
-class LossOutput:
-    loss_sum: torch.Tensor  # summed loss over the micro-batch's targets (tokens, or sequences/pairs)
-    n_targets: int  # how many targets the sum covers
-    n_bytes: int | None = None  # UTF-8 bytes of those targets, for bits per byte
-    # Extra quantities summed over the same targets (e.g. DPO's chosen rewards); the loop logs
-    # each as its mean per target, like the loss. Detached: they never reach the gradient.
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class CausalLMObjective:
+class CausalLMObjective(Objective):
     """Pre-training objective: windows of ``seq_len + 1`` tokens -> inputs and shifted targets.
 
     With ``token_bytes`` (bytes of each vocabulary entry, 0 for special tokens) the output

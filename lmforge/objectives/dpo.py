@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lmforge.core.config import at_least, in_range, positive
-from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.base import LossOutput, Objective
 from lmforge.objectives.preference import (
     cpo_loss,
     dpo_loss,
@@ -78,7 +78,7 @@ def _cat(batch: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
     return torch.cat([batch[f"chosen_{key}"], batch[f"rejected_{key}"]])
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     """The paired preference losses over ``[chosen; rejected]`` batches."""
 
     def __init__(self, cfg: PreferenceLossConfig, reference: Reference | None = None):

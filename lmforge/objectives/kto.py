@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lmforge.core.config import positive
-from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.base import LossOutput, Objective
 from lmforge.objectives.preference import has_targets, kto_loss, masked_sum
 from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
 
@@ -66,7 +66,7 @@ def weight_balance_warning(n_desirable: int, n_undesirable: int, desirable_weigh
             f"undesirable_weight in [{u_lo:.2f}, {u_hi:.2f}] (not both)")
 
 
-class KTOObjective:
+class KTOObjective(Objective):
     """``all_reduce`` sums a tensor over the data-parallel ranks in place and returns it
     (``ParallelContext.all_reduce_dp``); every rank must then run the same forwards, as the loop's do."""
 

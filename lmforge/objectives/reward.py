@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lmforge.core.config import at_least
-from lmforge.objectives.clm import LossOutput
+from lmforge.objectives.base import LossOutput, Objective
 from lmforge.objectives.preference import bradley_terry_loss, masked_sum, pair_has_targets
 from lmforge.objectives.reference import trim_padding
 
@@ -26,7 +26,7 @@ class RewardLossConfig:
     use_margin: bool = True  # subtract the data's per-pair `margin` field when present
 
 
-class RewardObjective:
+class RewardObjective(Objective):
     def __init__(self, cfg: RewardLossConfig):
         self.cfg = cfg
 

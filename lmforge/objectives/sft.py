@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from lmforge.data.packing import block_causal_mask, is_packed
-from lmforge.objectives.clm import IGNORE_INDEX, LossOutput, causal_lm_loss
+from lmforge.objectives.base import LossOutput, Objective
+from lmforge.objectives.clm import IGNORE_INDEX, causal_lm_loss
 
 
-class SFTObjective:
+class SFTObjective(Objective):
     """Causal LM loss over the tokens whose label is not -100 (prompt masking, packing).
 
         L = -sum_{t : y_{t+1} != -100} log p(y_{t+1} | x_{<=t})     (Ouyang et al. 2022; TRL SFTTrainer)

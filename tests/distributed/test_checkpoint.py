@@ -134,11 +134,11 @@ def test_a_background_checkpoint_is_committed_once_its_shards_are_written_not_at
     from concurrent.futures import Future
 
     import lmforge.train.checkpoint as train_checkpoint
-    import lmforge.train.loop as loop
     from lmforge.data.shards import read_manifest
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.model.checkpoint import verify_checksums
     from lmforge.stages.pretrain import run_pretrain_distributed
+    from lmforge.train.step import StepRunner
 
     def written_save(directory, model, optimizer, async_group=None):  # a background save that has finished
         save_sharded(directory, model, optimizer)
@@ -146,7 +146,7 @@ def test_a_background_checkpoint_is_committed_once_its_shards_are_written_not_at
         done.set_result(None)
         return done if async_group is not None else None
 
-    real_step, steps = loop.train_step, []
+    real_step, steps = StepRunner.run_step, []
 
     def crash_at_step_3(*args, **kwargs):
         steps.append(None)
@@ -155,7 +155,7 @@ def test_a_background_checkpoint_is_committed_once_its_shards_are_written_not_at
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(train_checkpoint, "save_sharded", written_save)
-    monkeypatch.setattr(loop, "train_step", crash_at_step_3)
+    monkeypatch.setattr(StepRunner, "run_step", crash_at_step_3)
     recipe = recipe_for(tmp_path / "run", **{"train.max_steps": 6, "train.checkpoint_every": 2,
                                              "parallel.async_checkpoint": True})
     with pytest.raises(KeyboardInterrupt):

@@ -19,8 +19,8 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.stages.plan import PlanRecipe, memory_plans
-from lmforge.train.loop import train_step
 from lmforge.train.optim import build_adamw
+from lmforge.train.step import StepRunner
 
 LLAMA3_405B = "recipes/distributed/llama3_405b.yaml"
 
@@ -32,14 +32,13 @@ def measured_peak(cfg: ModelConfig, batch: int, seq: int, precision: str, checkp
     if checkpointing:
         apply_activation_checkpointing(model)
     optimizer = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)
-    params = list(model.parameters())
+    runner = StepRunner(model, CausalLMObjective(), optimizer, precision, 1.0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
-    objective = CausalLMObjective()
-    train_step(model, objective, [tokens], optimizer, None, params, precision, 1.0)  # creates AdamW's state
+    runner.run_step([tokens])  # creates AdamW's state
     tracker = MemTracker()
     tracker.track_external(model, optimizer, tokens)
     with tracker:
-        train_step(model, objective, [tokens], optimizer, None, params, precision, 1.0)
+        runner.run_step([tokens])
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return {str(kind).split(".")[-1]: value for kind, value in peak.items()}
 

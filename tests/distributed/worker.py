@@ -36,7 +36,8 @@ from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.reward import RewardRecipe, run_reward
 from lmforge.stages.sft import SFTRecipe, run_sft
-from lmforge.train.loop import parallel_backward
+from lmforge.train.optim import build_adamw
+from lmforge.train.step import build_step_runner
 from tests.train.test_spikes import poisoned_next
 
 STAGES = {"sft": (SFTRecipe, run_sft), "dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto),
@@ -66,7 +67,9 @@ def gradients(recipe: PretrainRecipe, out: str) -> None:
         pipeline = PipelineRunner(model, ctx, recipe.parallel.pp_microbatches or layout.pp,
                                   split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss)
     objective = CausalLMObjective()
-    loss, _, _ = parallel_backward(model, objective, mine, precision, ctx, pipeline)
+    optimizer = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)  # not stepped: the gradients are compared
+    loss, _, _ = build_step_runner(model, objective, optimizer, precision, 1.0, parallel=ctx,
+                                   pipeline=pipeline).backward(mine)
 
     n = sum(objective.num_targets(w) for w in windows)
     ref_loss = sum(objective(reference, w).loss_sum for w in windows) / n

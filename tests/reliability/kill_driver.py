@@ -87,12 +87,13 @@ def _training_points() -> None:
     import lmforge.core.io as io
     import lmforge.model.checkpoint as model_ckpt
     import lmforge.train.checkpoint as train_ckpt
-    import lmforge.train.loop as loop
+    import lmforge.train.checkpointer as checkpointer
     from lmforge.train.metrics import MetricsLogger
+    from lmforge.train.step import StepRunner
 
     _wrap(torch.Tensor, "backward", "step:backward")
     _wrap(torch.optim.AdamW, "step", "step:optimizer")
-    _wrap(loop, "train_step", "step:after", "after")
+    _wrap(StepRunner, "run_step", "step:after", "after")
     _wrap(model_ckpt, "save_file", "checkpoint:weights")
     _wrap(model_ckpt, "save_file", "checkpoint:after-weights", "after")
     _wrap(torch, "save", "checkpoint:torch-save")
@@ -102,7 +103,7 @@ def _training_points() -> None:
     _wrap(train_ckpt, "write_checksums", "checkpoint:before-rename", "after")
     _wrap(io, "replace_directory", "checkpoint:renamed", "after")
     _wrap(train_ckpt, "prune_checkpoints", "checkpoint:pruned", "after")
-    _wrap(loop, "record_config", "run:config")
+    _wrap(checkpointer, "record_config", "run:config")
     _torn_metrics_line("metrics:torn-line")
     _wrap(MetricsLogger, "log", "metrics:after", "after")
 

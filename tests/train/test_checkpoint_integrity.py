@@ -58,19 +58,19 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_finite_checkpoints_only(m
 
 
 def test_a_checkpoint_is_never_written_from_nonfinite_weights(make_recipe, tmp_path, monkeypatch):
-    import lmforge.train.loop as loop
+    from lmforge.train.step import StepRunner
 
-    real, calls = loop.train_step, []
+    real, calls = StepRunner.run_step, []
 
-    def poisoning_step(model, *args, **kwargs):
-        result = real(model, *args, **kwargs)
+    def poisoning_step(runner, *args, **kwargs):
+        result = real(runner, *args, **kwargs)
         calls.append(None)
         if len(calls) == 2:  # an update that overflows the weights although its gradient was finite
             with torch.no_grad():
-                next(model.parameters()).fill_(float("inf"))
+                next(runner.model.parameters()).fill_(float("inf"))
         return result
 
-    monkeypatch.setattr(loop, "train_step", poisoning_step)
+    monkeypatch.setattr(StepRunner, "run_step", poisoning_step)
     with pytest.raises(FloatingPointError, match=r"step 2: .*non-finite.*not written"):
         run_pretrain(make_recipe(**{"train.max_steps": 4, "train.checkpoint_every": 1, "train.keep_checkpoints": 4}))
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_00000001"]

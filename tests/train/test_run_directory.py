@@ -54,7 +54,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_config(make_rec
     def diverged(*args, **kwargs):
         raise FloatingPointError("loss became nan")
 
-    monkeypatch.setattr("lmforge.train.loop.train_step", diverged)
+    monkeypatch.setattr("lmforge.train.step.StepRunner.run_step", diverged)
     with pytest.raises(FloatingPointError):
         run_pretrain(make_recipe(**{"train.max_steps": 12, "train.lr": 10.0}))
     assert (tmp_path / "run" / "config.yaml").read_text() == config

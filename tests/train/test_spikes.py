@@ -11,10 +11,11 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.stages.pretrain import run_pretrain
-from lmforge.train.loop import TrainConfig, train_step
+from lmforge.train.loop import TrainConfig
 from lmforge.train.metrics import loss_curve_lines, read_metrics
 from lmforge.train.optim import build_adamw
 from lmforge.train.spikes import SpikeConfig, SpikeDetector, SpikeGuard, z_score
+from lmforge.train.step import StepRunner
 
 SAMPLES_PER_STEP = 8  # make_recipe: micro-batches of 4 sequences, 2 per step (batch_tokens 256 / 4 x 32)
 
@@ -273,13 +274,12 @@ def test_a_dropped_update_under_fp16_loss_scaling_changes_nothing_and_the_next_s
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
     optimizer = build_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    params = [p for p in model.parameters() if p.requires_grad]
+    runner = StepRunner(model, CausalLMObjective(), optimizer, "fp16", 1.0)  # with a loss scaler
     batch = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     before = copy.deepcopy(model.state_dict())
-    train_step(model, CausalLMObjective(), [batch], optimizer, scaler, params, "fp16", 1.0, accept=lambda loss: False)
+    runner.run_step([batch], accept=lambda loss: False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optimizer.state
-    train_step(model, CausalLMObjective(), [batch], optimizer, scaler, params, "fp16", 1.0, accept=lambda loss: True)
+    runner.run_step([batch], accept=lambda loss: True)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -1,0 +1,199 @@
+"""The step runner: one optimizer step over a step's micro-batches, and evaluation, chosen
+once per run for the way the model is laid out.
+
+- ``StepRunner``: one process.
+- ``DataParallelStepRunner``: a rank of an FSDP / tensor-parallel run under ``torchrun``. The
+  micro-batch loop is the same; counts and sums cross the data-parallel ranks, and the loss is
+  scaled so that FSDP's gradient mean becomes the per-target mean of the global batch.
+- ``PipelineStepRunner``: a rank of a pipeline, where ``torch.distributed.pipelining``'s
+  schedule runs forward and backward of each micro-batch over the stages.
+
+Each micro-batch's summed loss is divided by the target count of the whole step, so
+accumulating k micro-batches gives the same update as one batch k times larger. A step whose
+loss or gradient norm is not finite never reaches the weights (``StepResult.skipped``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from lmforge.distributed.clip import clip_grad_norm_
+from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.pipeline import PipelineRunner
+from lmforge.distributed.scaler import DistributedGradScaler
+from lmforge.objectives.base import Objective
+from lmforge.train.evaluate import evaluate
+from lmforge.train.forward import autocast_context, local_value, loss_context, to_device
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # mean loss per target over the step
+    grad_norm: torch.Tensor  # before clipping
+    n_targets: int
+    metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target
+    skipped: bool = False  # a non-finite loss or gradient norm: the optimizer step was not taken
+
+
+def compile_objective(objective: Objective) -> Callable:
+    """Forward and loss compiled as one graph: on CPU this fuses the norms, RoPE, SwiGLU and
+    the fp32 cross-entropy around the matmuls. Evaluation keeps the eager objective, so a
+    short last validation batch costs no recompilation."""
+    return torch.compile(objective.__call__, dynamic=False)
+
+
+class StepRunner:
+    """Training steps and evaluation in one process. ``precision`` fp16 brings a loss scaler;
+    ``compile`` runs the objective's forward and loss as one compiled graph."""
+
+    parallel: ParallelContext | None = None
+    pipeline: PipelineRunner | None = None
+
+    def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
+                 grad_clip: float, compile: bool = False):
+        self.model, self.objective, self.optimizer = model, objective, optimizer
+        self.precision, self.grad_clip = precision, grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.run_device()
+        self.scaler = self.loss_scaler() if precision == "fp16" else None
+        self.forward_loss = compile_objective(objective) if compile else objective
+
+    # what differs between a process and a rank of a distributed run
+    dp = 1  # data-parallel ranks the step's batch is spread over
+    world_size = 1
+
+    def run_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def loss_scaler(self) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(self.device.type)
+
+    def total(self, n_targets: int) -> int:
+        """The step's target count over every data-parallel rank, from this rank's."""
+        return n_targets
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def loss_layout(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip to ``grad_clip`` (0: no clipping); the global norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+
+    # the same for every runner
+    def tokens(self, micro_batches: list) -> int:
+        """Tokens the step processes over every data-parallel rank (for tokens/s and MFU)."""
+        return self.dp * sum(self.objective.num_tokens(b) for b in micro_batches)
+
+    def run_step(self, micro_batches: list, accept: Callable[[torch.Tensor], bool] | None = None) -> StepResult:
+        """One optimizer step over ``micro_batches``. ``accept(loss)`` false (a loss spike, see
+        ``train.spikes``) drops the update."""
+        loss, n_targets, metric_sums = self.backward(micro_batches)
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        grad_norm = self.clip_gradients()
+        # a non-finite loss or gradient norm never reaches the weights (the one host sync of the step);
+        # fp16's scaler skips overflowed gradients itself and halves its scale: not counted here
+        skipped = not bool(torch.isfinite(loss) & (torch.isfinite(grad_norm) | (scaler is not None)))
+        apply = not skipped and (accept is None or accept(loss))
+        if scaler is not None:
+            if apply:
+                scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+            scaler.update()
+        elif apply:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped)
+
+    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        """Forward and backward of the step's micro-batches: the mean loss per target of the
+        global batch, its target count and the objective's metric sums (on every rank)."""
+        n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
+        loss_total = torch.zeros((), device=self.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        for batch in micro_batches:
+            with self.loss_layout():
+                with autocast_context(self.device, self.precision):
+                    out = self.forward_loss(self.model, to_device(batch, self.device))
+                loss = out.loss_sum / n_targets
+                scaled = loss * self.dp  # FSDP averages gradients over the data-parallel ranks: a sum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            loss_total += local_value(loss.detach()).float()
+            for name, value in out.metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0.0) + local_value(value.detach()).float()
+        return self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()}
+
+    def evaluate(self, batches: Iterator, max_batches: int | None) -> dict:
+        """``train.evaluate.evaluate`` of the eager objective, on this runner's layout."""
+        return evaluate(self.model, self.objective, batches, self.device, self.precision, max_batches, self.parallel,
+                        self.pipeline)
+
+
+class DataParallelStepRunner(StepRunner):
+    """A rank of an FSDP / tensor-parallel run: the model is already parallelized (its blocks
+    compiled there when ``train.compile``), each rank draws its own micro-batches."""
+
+    def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
+                 grad_clip: float, parallel: ParallelContext):
+        self.parallel = parallel
+        self.dp, self.world_size = parallel.layout.dp, parallel.layout.world_size
+        super().__init__(model, objective, optimizer, precision, grad_clip)
+
+    def run_device(self) -> torch.device:
+        return self.parallel.device
+
+    def loss_scaler(self) -> torch.amp.GradScaler:
+        return DistributedGradScaler(self.device)  # one overflow verdict for every rank
+
+    def total(self, n_targets: int) -> int:
+        count = torch.tensor(float(n_targets), dtype=torch.float64, device=self.device)
+        return int(self.parallel.all_reduce_dp(count).item())
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce_dp(value)
+
+    def loss_layout(self) -> contextlib.AbstractContextManager:
+        return loss_context(self.parallel)
+
+    def clip_gradients(self) -> torch.Tensor:
+        return clip_grad_norm_(self.params, self.grad_clip, self.parallel)
+
+
+class PipelineStepRunner(DataParallelStepRunner):
+    """A pipeline rank: ``pipeline`` (this rank's stage and schedule) owns the micro-batches of
+    each loop micro-batch and runs their forward and backward over the stages."""
+
+    def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
+                 grad_clip: float, parallel: ParallelContext, pipeline: PipelineRunner):
+        self.pipeline = pipeline
+        super().__init__(model, objective, optimizer, precision, grad_clip, parallel)
+
+    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
+        loss_total = torch.zeros((), device=self.device)
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # a host sync: once a step
+        for batch in micro_batches:
+            with autocast_context(self.device, self.precision):
+                loss_total += self.pipeline.train_batch(batch, divisor=n_targets / self.dp, scale=scale) / self.dp
+        self.parallel.all_reduce_pp(loss_total)  # a pipeline's loss is known on its last stage
+        return self.sum_over_ranks(loss_total), n_targets, {}
+
+
+def build_step_runner(model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
+                      grad_clip: float, compile: bool = False, parallel: ParallelContext | None = None,
+                      pipeline: PipelineRunner | None = None) -> StepRunner:
+    """The runner for this process: a pipeline rank, a data-parallel rank, or one process
+    (where ``compile`` compiles the objective; a distributed run compiles its blocks in
+    ``parallelize_model``)."""
+    if pipeline is not None:
+        return PipelineStepRunner(model, objective, optimizer, precision, grad_clip, parallel, pipeline)
+    if parallel is not None:
+        return DataParallelStepRunner(model, objective, optimizer, precision, grad_clip, parallel)
+    return StepRunner(model, objective, optimizer, precision, grad_clip, compile)
