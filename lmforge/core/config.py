@@ -250,7 +250,7 @@ def move_renamed_keys(data: dict[str, Any], renamed: dict[str, Renamed], source:
         if rename.values is not None:
             if value not in rename.values:
                 raise ConfigError(f"{source}: '{old}' = {_show(value)}: must be one of {list(rename.values)} "
-                                  f"(better, set '{rename.new}')")
+                                  f"(or set '{rename.new}')")
             value = rename.values[value]
         _drop_empty(data, parents)
         *new_parents, new_leaf = rename.new.split(".")

@@ -16,6 +16,7 @@ from lmforge.core.io import atomic_directory
 from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.distributed.parallelize import remove_activation_checkpointing
 from lmforge.model.checkpoint import load_weights, write_checksums, write_model_files
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
@@ -74,13 +75,15 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: P
 
 def gathered_for_saving(model: nn.Module, summary: dict, lora: LoraConfig | None, parallel: ParallelContext | None,
                         wrap: Callable[[Transformer], nn.Module] | None = None) -> nn.Module | None:
-    """The trained model to save and score: ``model`` itself in one process. After a distributed
+    """The trained model to save and score: ``model`` itself in one process (its blocks without
+    activation checkpointing's wrappers, so its names are the checkpoint's). After a distributed
     run, every rank must call it: the shards are gathered once, to rank 0, into a plain model in
     CPU memory (None on the other ranks; ``wrap`` rebuilds a model around the transformer, as
     ``RewardModel`` the backbone and its head), and the layout is recorded in ``summary``. A
     caller holds no other reference to the sharded model, so its shards are freed once gathered, and
     moves the result to the device to score it."""
     if parallel is None:
+        remove_activation_checkpointing(model)
         return model
     summary.update(world_size=parallel.layout.world_size, layout=str(parallel.layout))
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
