@@ -1,9 +1,9 @@
 """Preference optimisation of a fine-tuned checkpoint on paired data, through the one training
-loop: DPO and its variants (`objective.loss: dpo | ipo | cdpo | rdpo | hinge`, against a
-frozen reference) or the reference-free SimPO, ORPO and CPO (`objective.loss: simpo | orpo | cpo`). Reads TRL's
-preference format, `prompt`/`chosen`/`rejected` (plain strings or conversational, from JSONL
-or Parquet). Full fine-tuning, or LoRA/DoRA/QLoRA with `lora:`, where the reference is the
-model with its adapters disabled. Reference log-probs are computed once before training
+loop: DPO and its variants (`objective.loss: dpo | ipo | cdpo | rdpo | hinge`, against a frozen
+reference) or the reference-free SimPO, ORPO and CPO (`objective.loss: simpo | orpo | cpo`).
+Reads TRL's preference format, `prompt`/`chosen`/`rejected` (plain strings or conversational,
+from JSONL or Parquet). Full fine-tuning, or LoRA/DoRA/QLoRA with `lora:`, where the reference
+is the model with its adapters disabled. Reference log-probs are computed once before training
 (`precompute_reference: true`) or on the fly. Logs rewards of chosen and rejected, margins,
 preference accuracy and KL, and reports validation margins, the model's own pairwise
 preference (log-likelihood of chosen above rejected) and, with `score.name=exact_match`,

@@ -52,6 +52,9 @@ def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, ba
     assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert after["val_margin"] > before["val_margin"] and after["logp_margin"] > before["logp_margin"]
     assert before["exact_match"]["examples"] == 4
+    from lmforge.stages.dpo import report  # the lifecycle report's line, from the named scorer's figures
+
+    assert "- exact match on 4 tasks: **" in "\n".join(report(summary, tmp_path / "dpo", tmp_path / "plot.png"))
     model, where = load_model(tmp_path / "dpo")
     assert where.name == "final"
 

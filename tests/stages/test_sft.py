@@ -34,6 +34,10 @@ def test_full_fine_tuning_trains_assistant_tokens_and_writes_a_loadable_model(tm
     assert losses[-1] < losses[0]
     n_val = len((sft_data / "val.jsonl").read_text().splitlines())
     assert summary["before"]["exact_match"]["examples"] == min(8, n_val) and "exact_match" in summary["after"]["exact_match"]
+    from lmforge.stages.sft import report  # the lifecycle report's line, from the named scorer's figures
+
+    assert f"- exact match on {min(8, n_val)} validation tasks: **" in "\n".join(report(summary, tmp_path / "run",
+                                                                                       tmp_path / "plot.png"))
     model, where = load_model(tmp_path / "run")  # resolves to run/final
     assert where.name == "final" and model.cfg.d_model == 32
     config = json.loads((where / "tokenizer_config.json").read_text())
