@@ -236,15 +236,14 @@ class Renamed:
 
 
 def move_renamed_keys(data: dict[str, Any], renamed: dict[str, Renamed], source: str) -> dict[str, Any]:
-    """``data`` with every old key of ``renamed`` moved to its new key (a copy; sections the move
-    empties are dropped). Setting both the old and the new key is an error naming both."""
-    data = _copy_sections(data)
+    """``data`` with every old key of ``renamed`` moved to its new key (the sections on the way are
+    copied, so the caller's data stays as it was; sections the move empties are dropped). Setting
+    both the old and the new key is an error naming both."""
+    data = dict(data)
     for old, rename in renamed.items():
         *parents, leaf = old.split(".")
-        node = data
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or leaf not in node:
+        node = _section(data, parents)
+        if node is None or leaf not in node:
             continue
         value = node.pop(leaf)
         if rename.values is not None:
@@ -256,9 +255,11 @@ def move_renamed_keys(data: dict[str, Any], renamed: dict[str, Renamed], source:
         *new_parents, new_leaf = rename.new.split(".")
         target = data
         for part in new_parents:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
+            target.setdefault(part, {})
+            if not isinstance(target[part], dict):
                 raise ConfigError(f"{source}: '{part}' must be a mapping to hold '{rename.new}'")
+            target[part] = dict(target[part])
+            target = target[part]
         if new_leaf in target:
             raise ConfigError(f"{source}: both '{old}' (deprecated) and '{rename.new}' are set: keep '{rename.new}'")
         target[new_leaf] = value
@@ -266,8 +267,15 @@ def move_renamed_keys(data: dict[str, Any], renamed: dict[str, Renamed], source:
     return data
 
 
-def _copy_sections(data: Any) -> Any:
-    return {k: _copy_sections(v) for k, v in data.items()} if isinstance(data, dict) else data
+def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    """The section of ``data`` at ``path``, each mapping on the way replaced by a copy; None if absent."""
+    node = data
+    for part in path:
+        if not isinstance(node.get(part), dict):
+            return None
+        node[part] = dict(node[part])
+        node = node[part]
+    return node
 
 
 def _drop_empty(data: dict[str, Any], path: list[str]) -> None:
