@@ -26,16 +26,16 @@ from lmforge.stages.kto import KTORecipe, run_kto
 
 # loss -> overrides; β as each method's reference implementation defaults it (SimPO: its paper's range)
 METHODS = {
-    "dpo": ["loss=dpo", "beta=0.1"],
-    "dpo+sft": ["loss=dpo", "beta=0.1", "sft_weight=1.0"],
-    "ipo": ["loss=ipo", "beta=0.1"],
-    "cdpo": ["loss=cdpo", "beta=0.1", "label_smoothing=0.1"],
-    "rdpo": ["loss=rdpo", "beta=0.1", "label_smoothing=0.1"],
-    "hinge": ["loss=hinge", "beta=0.1"],
-    "simpo": ["loss=simpo", "beta=2.0", "simpo_gamma=1.0"],
-    "orpo": ["loss=orpo", "beta=0.1"],
-    "cpo": ["loss=cpo", "beta=0.1"],
-    "kto": ["beta=0.1"],
+    "dpo": ["objective.loss=dpo", "objective.beta=0.1"],
+    "dpo+sft": ["objective.loss=dpo", "objective.beta=0.1", "objective.sft_weight=1.0"],
+    "ipo": ["objective.loss=ipo", "objective.beta=0.1"],
+    "cdpo": ["objective.loss=cdpo", "objective.beta=0.1", "objective.label_smoothing=0.1"],
+    "rdpo": ["objective.loss=rdpo", "objective.beta=0.1", "objective.label_smoothing=0.1"],
+    "hinge": ["objective.loss=hinge", "objective.beta=0.1"],
+    "simpo": ["objective.loss=simpo", "objective.beta=2.0", "objective.simpo_gamma=1.0"],
+    "orpo": ["objective.loss=orpo", "objective.beta=0.1"],
+    "cpo": ["objective.loss=cpo", "objective.beta=0.1"],
+    "kto": ["objective.beta=0.1"],
 }
 
 
@@ -44,8 +44,8 @@ def run_method(name: str, args: argparse.Namespace) -> dict:
     common = [f"checkpoint={args.checkpoint}", f"run_dir={Path(args.out) / name}", f"train.max_steps={args.steps}",
               f"train.lr={args.lr}", f"train.micro_batch_size={args.batch}", f"train.warmup_steps={min(10, args.steps)}",
               "train.eval_every=0", "train.checkpoint_every=100000", "train.tensorboard=false", "train.resume=never",
-              "data.max_length=128", f"eval.tasks=[{args.tasks}]", f"eval.max_examples={args.eval_examples}",
-              "eval.max_new_tokens=24"]
+              "data.max_length=128", "score.name=exact_match", f"score.tasks=[{args.tasks}]",
+              f"score.max_examples={args.eval_examples}", "score.max_new_tokens=24"]
     t0 = time.perf_counter()
     if name == "kto":
         recipe = load_config(KTORecipe, None, [*common, *METHODS[name], f"data.train=[{data / 'kto_train.jsonl'}]",

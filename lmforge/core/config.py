@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import re
 import types
@@ -257,6 +258,76 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     node[parts[-1]] = parse_scalar(raw)
 
 
+# --------------------------------------------------------------------------- renamed keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Renamed:
+    """A recipe key that moved: the old dotted key still works for one release, with a warning
+    naming the new one. ``values`` maps old values to new ones where the meaning moved too
+    (``eval.exact_match: false`` is ``score.name: none``). A recipe class declares its table as
+    ``RENAMED_KEYS: ClassVar[dict[str, Renamed]]`` (old key -> ``Renamed``), read by ``from_dict``."""
+
+    new: str
+    values: dict | None = None
+
+
+def move_renamed_keys(data: dict[str, Any], renamed: dict[str, Renamed], source: str | Sources) -> dict[str, Any]:
+    """``data`` with every old key of ``renamed`` moved to its new key (the sections on the way are
+    copied, so the caller's data stays as it was; sections the move empties are dropped). Setting
+    both the old and the new key is an error naming both."""
+    data = dict(data)
+    for old, rename in renamed.items():
+        *parents, leaf = old.split(".")
+        node = _section(data, parents)
+        if node is None or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        where = _source(source, old)
+        if rename.values is not None:
+            if value not in rename.values:
+                raise ConfigError(f"{where}: '{old}' = {_show(value)}: must be one of {list(rename.values)} "
+                                  f"(or set '{rename.new}')")
+            value = rename.values[value]
+        _drop_empty(data, parents)
+        *new_parents, new_leaf = rename.new.split(".")
+        target = data
+        for part in new_parents:
+            target.setdefault(part, {})
+            if not isinstance(target[part], dict):
+                raise ConfigError(f"{where}: '{part}' must be a mapping to hold '{rename.new}'")
+            target[part] = dict(target[part])
+            target = target[part]
+        if new_leaf in target:
+            raise ConfigError(f"{where}: both '{old}' (deprecated) and '{rename.new}' are set: keep '{rename.new}'")
+        target[new_leaf] = value
+        logging.getLogger("lmforge").warning("%s: '%s' is deprecated: use '%s'", where, old, rename.new)
+    return data
+
+
+def _section(data: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    """The section of ``data`` at ``path``, each mapping on the way replaced by a copy; None if absent."""
+    node = data
+    for part in path:
+        if not isinstance(node.get(part), dict):
+            return None
+        node[part] = dict(node[part])
+        node = node[part]
+    return node
+
+
+def _drop_empty(data: dict[str, Any], path: list[str]) -> None:
+    """Remove the innermost sections of ``path`` that are now empty."""
+    for depth in range(len(path), 0, -1):
+        *above, name = path[:depth]
+        node = data
+        for part in above:
+            node = node[part]
+        if node[name]:
+            return
+        del node[name]
+
+
 # --------------------------------------------------------------------------- building
 
 
@@ -266,6 +337,9 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
     where = f"'{section}'" if prefix else "the recipe"
     if not isinstance(data, dict):
         raise ConfigError(f"{_source(source, section)}: {where} must be a mapping, got {_show(data)}")
+    renamed = getattr(cls, "RENAMED_KEYS", None)
+    if renamed and not prefix:  # a recipe's deprecated keys, dotted from its top
+        data = move_renamed_keys(data, renamed, source)
     expand = getattr(cls, "expand_preset", None)
     if expand is not None:  # e.g. a model preset fills fields under the user's own keys
         try:

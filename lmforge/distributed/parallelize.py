@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -100,6 +104,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(
             name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False))
+
+
+def remove_activation_checkpointing(model: nn.Module) -> None:
+    """Undo ``apply_activation_checkpointing``: each block again in place of its wrapper, so that
+    module and parameter names are the model's own (what a saved adapter or export names)."""
+    for name, block in list(model.layers.named_children()):
+        if isinstance(block, CheckpointWrapper):
+            model.layers.register_module(name, block._checkpoint_wrapped_module)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -39,7 +39,6 @@ from lmforge.distributed.mesh import (
     parallel_session,
     resolve_layout,
 )
-from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
@@ -53,6 +52,7 @@ from lmforge.train.loop import (
     train,
 )
 from lmforge.train.metrics import loss_curve_lines
+from lmforge.train.prepare import prepare_model
 
 
 @dataclass
@@ -129,8 +129,7 @@ def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[d
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     log.info("model: %.2fM parameters (%.2fM in matmuls), %.1f MFLOP per token at seq_len %d, on %s",
              n_params / 1e6, recipe.model.matmul_params() / 1e6, flops_per_token / 1e6, recipe.data.seq_len, device)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    model = prepare_model(model, cfg, stage="pretrain")
 
     token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
     return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes)
@@ -202,8 +201,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
         token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
         if layout.pp > 1:
             model = split_into_stage(model, ctx.pp_rank, layout.pp)
-        parallelize_model(model, ctx, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
-                          compile=cfg.compile)
+        model = prepare_model(model, cfg, ctx, stage="pretrain")
         pipeline = None
         if layout.pp > 1:
             pipeline = PipelineRunner(model, ctx, recipe.parallel.pp_microbatches or layout.pp,

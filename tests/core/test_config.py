@@ -298,3 +298,31 @@ def test_an_override_error_names_the_override_and_a_file_error_the_file(tmp_path
     assert str(exc.value) == f"{recipe}: 'ratio' = 2: must be in [0, 1]"
     with pytest.raises(ConfigError, match=r"^command-line override 'limits=\{2: 3\}': 'limits.2' = 3"):
         load_config(RangedCfg, recipe, ["ratio=0", "limits={2: 3}"], overrides_label="command-line override")
+
+
+def test_a_renamed_key_moves_to_its_new_place_maps_its_values_and_refuses_both_set(tmp_path):
+    from typing import ClassVar
+
+    from lmforge.core.config import Renamed
+
+    @dataclass
+    class Loss:
+        beta: float = 0.1
+        name: str = "none"
+
+    @dataclass
+    class Old:
+        objective: Loss = field(default_factory=Loss)
+        RENAMED_KEYS: ClassVar[dict] = {"beta": Renamed("objective.beta"),
+                                        "eval.enabled": Renamed("objective.name", {True: "on", False: "none"})}
+
+    cfg = load_config(Old, None, ["beta=0.5", "eval.enabled=true"])  # the emptied `eval` section goes with its key
+    assert cfg.objective == Loss(beta=0.5, name="on")
+    with pytest.raises(ConfigError, match=r"both 'beta' \(deprecated\) and 'objective.beta' are set: keep 'objective.beta'"):
+        load_config(Old, None, ["beta=0.5", "objective.beta=0.2"])
+    with pytest.raises(ConfigError, match=r"'eval.enabled' = 'maybe' \(str\): must be one of \[True, False\]"):
+        load_config(Old, None, ["eval.enabled=maybe"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("beta: 0.3\neval: {enabled: false}\n")
+    assert load_config(Old, recipe).objective == Loss(beta=0.3, name="none")
+    assert dataclasses.fields(Old)[0].name == "objective" and len(dataclasses.fields(Old)) == 1

@@ -41,12 +41,12 @@ def sft_runs(tmp_path_factory, base_checkpoint):  # noqa: F811
             f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.lr=3e-3", "train.micro_batch_size=4",
             "train.batch_tokens=1024", "train.precision=fp32", "train.eval_every=2", "train.eval_batches=2",
             "train.checkpoint_every=2", "train.keep_checkpoints=4", "train.tensorboard=false", "train.device=cpu",
-            "eval.max_examples=4", "eval.max_new_tokens=4", *overrides])
+            "score.name=exact_match", "score.max_examples=4", "score.max_new_tokens=4", *overrides])
 
     dirs = {name: root / name for name in ("full", "lora", "full_fsdp", "lora_fsdp", "val3", "val3_fsdp")}
     # 3 validation rows: no whole global batch of 2 ranks x 4 rows; padded with target-free rows under torchrun
     (data / "val3.jsonl").write_text("".join((data / "val.jsonl").read_text().splitlines(keepends=True)[:3]))
-    val3 = (f"data.val=[{data / 'val3.jsonl'}]", "data.packing=false", "train.max_steps=2", "eval.exact_match=false")
+    val3 = (f"data.val=[{data / 'val3.jsonl'}]", "data.packing=false", "train.max_steps=2", "score.name=none")
     run_sft(make("val3", *val3))
     run_sft(make("full"))
     run_sft(make("lora", LORA))
@@ -94,7 +94,7 @@ def test_two_rank_fsdp_sft_writes_one_plain_final_model_equal_to_one_process(sft
     assert summary["world_size"] == 2 and summary["lora"] is (name == "lora")
     if name == "lora":  # the second launch went on from the first one's step-2 checkpoint
         assert summary["start_step"] == 2 and not list(fsdp.glob("checkpoints.superseded-*"))
-    assert summary["exact_match_after"]["examples"] == 4
+    assert summary["after"]["exact_match"]["examples"] == 4
     assert summary["tokens_per_step"] == 1024
     # the training checkpoints are DCP shards of every rank, as pre-training's
     last = fsdp / "checkpoints" / f"step_{STEPS:08d}"

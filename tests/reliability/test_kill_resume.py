@@ -104,7 +104,7 @@ def test_sft_killed_anywhere_resumes_to_the_uninterrupted_losses_and_weights(tmp
     result = killed_and_resumed(tmp_path, "sft", overrides=[
         f"checkpoint={base}", f"data.train=[{data / 'train.jsonl'}]", f"data.val=[{data / 'val.jsonl'}]",
         "data.max_length=128", "train.max_steps=6", "train.eval_every=3", "train.eval_batches=1",
-        "eval.max_examples=2", "eval.max_new_tokens=4", *TINY_TRAINING])
+        "score.name=exact_match", "score.max_examples=2", "score.max_new_tokens=4", *TINY_TRAINING])
     assert kinds(result) == {"step", "checkpoint", "metrics", "run"}
 
 

@@ -37,11 +37,11 @@ def data(tmp_path_factory):
 def dpo_recipe(tmp_path, base, data, *overrides) -> DPORecipe:
     return load_config(DPORecipe, None, [
         f"run_dir={tmp_path / 'dpo'}", f"checkpoint={base}", f"data.train=[{data / 'train.jsonl'}]",
-        f"data.val=[{data / 'val.jsonl'}]", "eval.max_examples=4", "eval.max_new_tokens=4", *COMMON, *overrides])
+        f"data.val=[{data / 'val.jsonl'}]", "score.name=exact_match", "score.max_examples=4", "score.max_new_tokens=4", *COMMON, *overrides])
 
 
 def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, base_checkpoint, data):
-    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "beta=0.5"))
+    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "objective.beta=0.5"))
     records = read_metrics(tmp_path / "dpo")
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 1
     assert records[0]["margin"] == pytest.approx(0.0, abs=1e-5)
@@ -51,6 +51,9 @@ def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, ba
     assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert after["val_margin"] > before["val_margin"] and after["logp_margin"] > before["logp_margin"]
     assert before["exact_match"]["examples"] == 4
+    from lmforge.stages.dpo import report  # the lifecycle report's line, from the named scorer's figures
+
+    assert "- exact match on 4 tasks: **" in "\n".join(report(summary, tmp_path / "dpo", tmp_path / "plot.png"))
     model, where = load_model(tmp_path / "dpo")
     assert where.name == "final"
 
@@ -76,7 +79,7 @@ def test_bf16_dpo_starts_at_ln2(tmp_path, base_checkpoint, data, precompute):
     """In bf16 too the no-grad reference computes what the policy's training forward does
     (attention included: ``attend`` routes both alike), so the first loss is ln 2."""
     run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "train.precision=bf16", "train.max_steps=1",
-                       f"precompute_reference={precompute}", "eval.exact_match=false"))
+                       f"precompute_reference={precompute}", "score.name=none"))
     first = read_metrics(tmp_path / "dpo")[0]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["margin"] == pytest.approx(0.0, abs=1e-6)
@@ -106,7 +109,7 @@ def test_full_fine_tuning_precomputes_the_reference_with_the_policy_itself_not_a
 
     monkeypatch.setattr(reference, "frozen_copy_reference", no_copy)
     run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "precompute_reference=true", "train.max_steps=1",
-                       "eval.exact_match=false"))
+                       "score.name=none"))
     assert read_metrics(tmp_path / "dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
@@ -120,14 +123,14 @@ def test_precomputed_and_live_reference_give_the_same_losses(tmp_path, base_chec
 
 @pytest.mark.parametrize("loss", ["simpo", "orpo", "cpo", "ipo"])
 def test_every_paired_loss_trains_through_the_loop(tmp_path, base_checkpoint, data, loss):
-    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, f"loss={loss}", "train.max_steps=2"))
+    summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, f"objective.loss={loss}", "train.max_steps=2"))
     assert math.isfinite(summary["final_loss"]) and summary["loss"] == loss
 
 
 def test_kto_trains_on_unpaired_examples_with_a_kl_baseline(tmp_path, base_checkpoint, data):
     recipe = load_config(KTORecipe, None, [
         f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}", f"data.train=[{data / 'kto_train.jsonl'}]",
-        f"pairs=[{data / 'val.jsonl'}]", "eval.tasks=[]", "eval.exact_match=false", *COMMON])
+        f"pairs=[{data / 'val.jsonl'}]", "score.tasks=[]", "score.name=none", *COMMON])
     summary = run_kto(recipe)
     records = read_metrics(tmp_path / "kto")
     assert records[0]["loss"] == pytest.approx(0.5, abs=1e-5)  # r = z0 = 0: each example costs λ/2
@@ -145,7 +148,7 @@ def test_kto_warns_at_the_start_when_the_weights_are_out_of_balance(tmp_path, ba
         with caplog.at_level(logging.WARNING, logger="lmforge"):
             run_kto(load_config(KTORecipe, None, [
                 f"run_dir={tmp_path / 'kto'}", f"checkpoint={base_checkpoint}",
-                f"data.train=[{data / 'kto_train.jsonl'}]", "desirable_weight=3", "eval.exact_match=false",
+                f"data.train=[{data / 'kto_train.jsonl'}]", "objective.desirable_weight=3", "score.name=none",
                 *COMMON, "train.max_steps=1"]))
     finally:
         log.removeHandler(caplog.handler)
@@ -182,7 +185,7 @@ def test_reward_model_skips_and_counts_over_long_pairs_by_default_while_dpo_trun
         *COMMON, "data.max_length=128", "train.max_steps=1"])
     assert recipe.data.on_too_long == "skip" and load_config(DPORecipe).data.on_too_long == "truncate"
     summary = run_reward(recipe)
-    assert summary["train_pairs"] == 8 and summary["skipped"]["by_reason"] == {"too_long": 1}
+    assert summary["train_examples"] == 8 and summary["skipped"]["by_reason"] == {"too_long": 1}
     assert any("skipped or truncated: 1 {'too_long': 1}" in line
                for line in reward_report(summary, tmp_path / "rm", tmp_path / "plot.png"))
 
@@ -190,9 +193,9 @@ def test_reward_model_skips_and_counts_over_long_pairs_by_default_while_dpo_trun
 def test_dpo_gradient_accumulation_equals_one_big_batch(tmp_path, base_checkpoint, data):
     # batch_tokens counts a pair as two rows of data.max_length: 2 x 96 x 4 x 2 = two micro-batches of 4
     run_dpo(dpo_recipe(tmp_path / "a", base_checkpoint, data, "train.micro_batch_size=4", "train.batch_tokens=1536",
-                       "train.max_steps=3", "eval.exact_match=false"))
+                       "train.max_steps=3", "score.name=none"))
     run_dpo(dpo_recipe(tmp_path / "b", base_checkpoint, data, "train.micro_batch_size=8", "train.max_steps=3",
-                       "eval.exact_match=false"))
+                       "score.name=none"))
     a = [r["loss"] for r in read_metrics(tmp_path / "a" / "dpo")]
     b = [r["loss"] for r in read_metrics(tmp_path / "b" / "dpo")]
     assert a == pytest.approx(b, rel=1e-5) and len(a) == 3
@@ -211,7 +214,7 @@ def test_auto_precision_is_chosen_once_so_evaluation_and_training_agree(tmp_path
 
     monkeypatch.setattr(loop, "resolve_precision", resolve)
     summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "train.precision=auto", "train.max_steps=1",
-                                 "eval.exact_match=false"))
+                                 "score.name=none"))
     assert chosen.count("auto") == 1 and summary["precision"] == "fp32"
 
 
@@ -232,7 +235,7 @@ def test_preference_stages_under_torchrun_refuse_tensor_pipeline_and_qlora_layou
 
 
 def test_pairwise_preference_restores_train_mode_when_scoring_fails():
-    from lmforge.stages.dpo import pairwise_preference
+    from lmforge.stages.scoring import pairwise_preference
 
     class Failing(torch.nn.Module):
         def forward(self, *args, **kwargs):
@@ -246,10 +249,10 @@ def test_pairwise_preference_restores_train_mode_when_scoring_fails():
     assert model.training
 
 
-@pytest.mark.parametrize("key", ["data.val", "eval.tasks", "pairs"])
+@pytest.mark.parametrize("key", ["data.val", "score.tasks", "pairs"])
 def test_a_missing_data_path_names_its_recipe_key_before_the_model_loads(tmp_path, base_checkpoint, data,
                                                                          monkeypatch, key):
-    import lmforge.train.finetune as finetune
+    import lmforge.stages.finetune as finetune
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load before the data paths are checked")
@@ -272,7 +275,7 @@ def test_kto_held_out_pairs_follow_the_recipes_on_bad(tmp_path, base_checkpoint,
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text((data / "val.jsonl").read_text() + '{"prompt": "Q", "chosen": " same", "rejected": " same"}\n')
     common = [f"checkpoint={base_checkpoint}", f"data.train=[{data / 'kto_train.jsonl'}]", f"pairs=[{pairs}]",
-              "eval.exact_match=false", *COMMON, "train.max_steps=1"]
+              "score.name=none", *COMMON, "train.max_steps=1"]
     with pytest.raises(InputError, match=r"pairs.jsonl:9: 'chosen' and 'rejected' are identical"):
         run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'a'}", *common]))
     summary = run_kto(load_config(KTORecipe, None, [f"run_dir={tmp_path / 'b'}", *common, "data.on_bad=skip"]))
@@ -281,8 +284,8 @@ def test_kto_held_out_pairs_follow_the_recipes_on_bad(tmp_path, base_checkpoint,
 
 @pytest.mark.parametrize("n", [0, 1, 3, 8])
 def test_equal_shares_cover_every_row_once_and_give_every_rank_as_many_rows(n):
-    """How the ranks split the rows whose reference log-probs they precompute (dpo.attach_reference)."""
-    from lmforge.stages.dpo import equal_share
+    """How the ranks split the rows whose reference log-probs they precompute (finetune.attach_reference)."""
+    from lmforge.stages.finetune import equal_share
 
     shares = [equal_share(n, rank, 2) for rank in range(2)]
     rows = [i for share, _ in shares for i in range(n)[share]]

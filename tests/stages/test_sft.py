@@ -25,7 +25,7 @@ def recipe(tmp_path, base, data, *overrides):
         f"data.train=[{data / 'train.jsonl'}]", f"data.val=[{data / 'val.jsonl'}]", "data.max_length=128",
         "train.max_steps=6", "train.warmup_steps=1", "train.lr=3e-3", "train.micro_batch_size=4", "train.precision=fp32",
         "train.eval_every=3", "train.eval_batches=2", "train.tensorboard=false", "train.device=cpu",
-        "eval.max_examples=8", "eval.max_new_tokens=8", *overrides])
+        "score.name=exact_match", "score.max_examples=8", "score.max_new_tokens=8", *overrides])
 
 
 def test_full_fine_tuning_trains_assistant_tokens_and_writes_a_loadable_model(tmp_path, base_checkpoint, sft_data):
@@ -33,7 +33,11 @@ def test_full_fine_tuning_trains_assistant_tokens_and_writes_a_loadable_model(tm
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert losses[-1] < losses[0]
     n_val = len((sft_data / "val.jsonl").read_text().splitlines())
-    assert summary["exact_match_before"]["examples"] == min(8, n_val) and "exact_match" in summary["exact_match_after"]
+    assert summary["before"]["exact_match"]["examples"] == min(8, n_val) and "exact_match" in summary["after"]["exact_match"]
+    from lmforge.stages.sft import report  # the lifecycle report's line, from the named scorer's figures
+
+    assert f"- exact match on {min(8, n_val)} validation tasks: **" in "\n".join(report(summary, tmp_path / "run",
+                                                                                       tmp_path / "plot.png"))
     model, where = load_model(tmp_path / "run")  # resolves to run/final
     assert where.name == "final" and model.cfg.d_model == 32
     config = json.loads((where / "tokenizer_config.json").read_text())
@@ -102,9 +106,9 @@ def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path,
     assert all(type(m).__name__ != "NF4Linear" for m in tuned.modules())
 
 
-@pytest.mark.parametrize("key", ["data.train", "data.val", "eval.tasks"])
+@pytest.mark.parametrize("key", ["data.train", "data.val", "score.tasks"])
 def test_a_missing_data_path_names_its_key_before_the_model_loads(tmp_path, base_checkpoint, sft_data, monkeypatch, key):
-    import lmforge.train.finetune as finetune
+    import lmforge.stages.finetune as finetune
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model must not load before the data paths are checked")
@@ -129,7 +133,7 @@ def test_sft_under_torchrun_refuses_tensor_pipeline_and_qlora_layouts_before_any
 
 def test_a_micro_batch_the_machine_cannot_hold_is_refused_before_the_model_loads(tmp_path, base_checkpoint, sft_data,
                                                                                  monkeypatch):
-    import lmforge.train.finetune as finetune
+    import lmforge.stages.finetune as finetune
     from lmforge.core.config import ConfigError
 
     monkeypatch.setattr(finetune, "load_base", lambda *a, **k: pytest.fail("the base must not load"))
@@ -144,5 +148,5 @@ def test_rerunning_a_completed_run_keeps_its_summary(tmp_path, base_checkpoint, 
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     again = run_sft(recipe(tmp_path, base_checkpoint, sft_data))
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == saved
-    for key in ("val_loss", "final_loss", "checkpoint", "tokens_per_s", "exact_match_after", "final_checkpoint"):
+    for key in ("val_loss", "final_loss", "checkpoint", "tokens_per_s", "after", "final_checkpoint"):
         assert key in saved and again[key] == saved[key]

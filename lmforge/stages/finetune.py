@@ -1,0 +1,333 @@
+"""The one fine-tuning skeleton: what sft, reward, dpo and kto do around the training loop, in
+order, once. A stage hands ``train_finetune`` a ``FinetuneStage`` (how its rows are read and
+built, its objective, its scorer, its reference) and writes only its recipe and report lines.
+
+The order, in one process and on every rank of a data-parallel ``torchrun`` job:
+data paths checked -> run started -> seeded -> base loaded -> examples read -> precision chosen
+-> rows built -> scored before (rank 0, the whole base) -> ``prepare_model`` (adapters, a head,
+activation checkpointing, compile, FSDP2) -> reference (precomputed by the untrained policy, or
+live) -> validation figures before -> ``train()`` -> gathered on rank 0 -> ``final/`` (+
+``adapter/``) -> scored after -> ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lmforge.objectives.reference as references
+from lmforge.core.config import ConfigError, positive, seed_field
+from lmforge.core.io import InputError, atomic_write_json, expand_paths
+from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
+from lmforge.data.chat import add_chat_template
+from lmforge.data.documents import SkipLog
+from lmforge.data.rows import RowLoader
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.distributed.memory import check_memory_fits
+from lmforge.distributed.mesh import (
+    Layout,
+    ParallelContext,
+    data_parallel_rank,
+    launched_world_size,
+    parallel_session,
+    resolve_layout,
+)
+from lmforge.distributed.parallelize import reshard
+from lmforge.model.checkpoint import TOKENIZER_FILES, load_model_config
+from lmforge.model.transformer import Transformer
+from lmforge.objectives.reference import Reference, precompute_logprobs
+from lmforge.stages.scoring import Scorer
+from lmforge.train.checkpoint import load_model, resolve_checkpoint
+from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
+from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, run_precision, train
+from lmforge.train.prepare import prepare_model
+
+
+@dataclass
+class PreferenceDataConfig:
+    """The ``data:`` section of the preference stages (dpo, kto, reward)."""
+
+    train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
+    val: list[str] = field(default_factory=list)  # held-out pairs: validation margins and accuracy
+    max_length: int = positive(512)  # tokens of prompt + completion
+    on_bad: Literal["error", "skip"] = "error"  # a bad record (identical pair, empty completion, prompt too long...)
+    # a completion past max_length: truncated (TRL's DPO/KTO keep_start), skipped and counted, or an error;
+    # the reward stage skips by default (RewardDataConfig), as a reward read at a cut-off token is meaningless
+    on_too_long: Literal["error", "truncate", "skip"] = "truncate"
+    seed: int = seed_field(0)
+
+
+@dataclass
+class FinetuneStage:
+    """What one fine-tuning stage brings to the skeleton; everything else is the same for all.
+
+    ``read_examples(paths, tok, max_length, on_bad=, on_too_long=, skipped=)`` returns a list;
+    ``rows(examples, tok)`` the tensors the ``RowLoader`` serves; ``objective(reference)`` the
+    loss (``reference`` is None unless ``reference_columns`` asks for a live one);
+    ``scorer(run, val_rows)`` reads what the model is scored on before and after training (on
+    every rank, so input errors stop all alike) and returns the ``Scorer`` or None.
+    """
+
+    name: str
+    read_examples: Callable[..., list]
+    rows: Callable[[list, Tokenizer], dict[str, torch.Tensor]]
+    objective: Callable[[Reference | None], Any]
+    scorer: Callable[[FinetuneRun, dict[str, torch.Tensor] | None], Scorer | None] | None = None
+    rows_per_example: int = 1  # rows ``train.batch_tokens`` counts per example (a pair: chosen and rejected)
+    # a reference model: row prefix -> the column of its log-probs (None: the objective needs none)
+    reference_columns: dict[str, str] | None = None
+    precompute_reference: bool = True  # its log-probs in one pass before training, else a live reference
+    head: Callable[[Transformer], nn.Module] | None = None  # a module trained around the base (RewardModel)
+    check_examples: Callable[[list], None] | None = None  # on rank 0, once the training examples are read
+    data_paths: dict[str, list[str]] = field(default_factory=dict)  # more recipe keys naming files (kto's `pairs`)
+    summary: dict = field(default_factory=dict)  # fixed entries of the summary (dpo's `loss`)
+
+
+@dataclass
+class FinetuneRun:
+    """What the skeleton has set up before the model is prepared."""
+
+    run_dir: Path
+    device: torch.device
+    precision: str  # chosen once, before the stage evaluates or scores anything
+    model: Transformer | None  # the base; handed to ``prepare_model`` (then None here)
+    tok: Tokenizer
+    tok_dir: Path
+    base_dir: Path
+    train_examples: list
+    val_examples: list
+    skipped: SkipLog
+
+    def train_config(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with the precision chosen here, so the loop trains in the one the stage evaluated in."""
+        return dataclasses.replace(cfg, precision=self.precision)
+
+
+def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None], dict]) -> dict:
+    """``body(None)`` in one process, or ``body(ctx)`` on every rank of a ``torchrun`` launch laid
+    out by ``recipe.parallel``: data-parallel only (FSDP2 / HSDP). Any other layout, and QLoRA,
+    are refused before any work."""
+    layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
+    if layout.world_size == 1:
+        with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
+            return body(None)
+    problems = []
+    if layout.tp > 1 or layout.pp > 1:
+        problems.append(f"parallel.tp={layout.tp} and parallel.pp={layout.pp}: {stage} shards data-parallel only "
+                        f"(parallel.dp_shard, parallel.dp_replicate); set parallel.tp=1 and parallel.pp=1")
+    if recipe.lora is not None and recipe.lora.quantize_base:
+        problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
+                        "or set lora.quantize_base=false")
+    if problems:
+        raise ConfigError(f"{stage} under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
+    with (parallel_session(recipe.parallel, recipe.train.device) as ctx,
+          run_dir_lock(recipe.run_dir, enabled=ctx.is_logging_rank)):  # rank 0 holds it for the job
+        return body(ctx)
+
+
+def run_finetune(recipe, name: str, stage: Callable[[Any, ParallelContext | None], FinetuneStage]) -> dict:
+    """A fine-tuning stage's ``run(recipe)``: ``train_finetune`` with ``stage(recipe, ctx)`` in one
+    process (``ctx`` None) or on every rank of a data-parallel torchrun job."""
+    return run_data_parallel(recipe, name, lambda ctx: train_finetune(recipe, stage(recipe, ctx), ctx))
+
+
+def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | None = None) -> dict:
+    """The fine-tuning run of ``recipe`` (``run_dir``, ``checkpoint``, ``data``, ``lora``, ``train``,
+    ``parallel``) in one process, or on one rank of a data-parallel ``torchrun`` job (``parallel``).
+
+    There every rank loads the whole base and reads every example; rank 0 alone scores the whole
+    base before anything is sharded, and the gathered model after training, and writes the run.
+    The model is sharded with FSDP2; a precomputed reference is scored by the sharded policy, each
+    rank its share, so it comes from the forward the policy trains with (FSDP's mixed precision
+    included); a live frozen reference is sharded as the policy is; each rank trains on its rows
+    of every global batch."""
+    run = start_finetune_run(recipe, stage, parallel)
+    logging_rank = parallel is None or parallel.is_logging_rank
+    if stage.check_examples is not None and logging_rank:
+        stage.check_examples(run.train_examples)
+    cfg, d, device, precision = run.train_config(recipe.train), recipe.data, run.device, run.precision
+    rank, dp = data_parallel_rank(parallel)
+    train_rows = stage.rows(run.train_examples, run.tok)
+    val_rows = stage.rows(run.val_examples, run.tok) if run.val_examples else None
+    scorer = stage.scorer(run, val_rows) if stage.scorer is not None else None
+    before = scorer(run.model) if scorer is not None and logging_rank else {}
+
+    model, run.model = run.model, None
+    live = stage.reference_columns is not None and not stage.precompute_reference
+    reference = None
+    if live and recipe.lora is None:  # a frozen copy of the base, prepared as the policy is but never trained
+        reference = references.frozen_copy_reference(
+            model, prepare=lambda copy: prepare_model(copy, cfg, parallel, frozen=True))
+    model = prepare_model(model, cfg, parallel, lora=recipe.lora, head=stage.head, stage=stage.name)
+    if live and recipe.lora is not None:  # the policy with its adapters disabled: no second copy
+        reference = references.policy_reference(model)
+    if stage.reference_columns is not None and stage.precompute_reference:
+        precompute_reference(model, [train_rows, val_rows], stage.reference_columns, cfg, device, parallel, stage.name)
+    objective = stage.objective(reference)
+    val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
+    if val_batches:
+        before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
+    if logging_rank:
+        log.info("%s: before training %s", stage.name, before)
+    grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
+    summary = train(
+        model=model,
+        objective=objective,
+        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp),
+        cfg=cfg,
+        run_dir=run.run_dir,
+        recipe=recipe,
+        grad_accum=grad_accum,
+        val_batches=val_batches,
+        # a live reference adds a forward (2N) to the policy's forward and backward (6N) per token
+        flops_per_token=model.cfg.flops_per_token(d.max_length) * (4 / 3 if reference is not None else 1),
+        tokenizer_dir=run.tok_dir,
+        parallel=parallel,
+    )
+    if (stored := completed_summary(run.run_dir, summary)) is not None:  # a rerun: the run's own summary stands
+        return {**stored, **summary}
+    summary["tokens_per_step"] = grad_accum * cfg.micro_batch_size * stage.rows_per_example * d.max_length * dp
+    objective = reference = None  # a live reference's sharded copy goes with them
+    model = gathered_for_saving(model, summary, recipe.lora, parallel, wrap=stage.head)
+    if model is None:
+        return summary
+    model.to(device)  # a no-op in one process; rank 0's gathered copy, once the shards are gone
+    backbone = model.backbone if stage.head is not None else model
+    final = save_finetuned(backbone, run.run_dir, run.tok_dir, run.base_dir, recipe.lora,
+                           write_extra=model.save_head if stage.head is not None else None)
+    after = scorer(model) if scorer is not None else {}
+    after.update({k: v for k, v in summary.items() if k.startswith("val_")})
+    summary.update(train_examples=len(run.train_examples), val_examples=len(run.val_examples),
+                   skipped=run.skipped.to_dict(), before=before, after=after, final_checkpoint=str(final),
+                   lora=recipe.lora is not None, **stage.summary)
+    atomic_write_json(run.run_dir / "summary.json", summary)
+    log.info("%s: after training %s; model in %s", stage.name, after, final)
+    return summary
+
+
+def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext | None = None) -> FinetuneRun:
+    """The run directory, device and precision, the base model with its chat tokenizer, and the
+    recipe's training and validation examples (bad ones counted in ``skipped``).
+
+    Under ``parallel`` every rank reads all examples and loads the whole base, rank 0 alone
+    writes the run directory and chooses the precision for all."""
+    check_data_paths(recipe, stage)
+    device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
+    check_finetune_memory(recipe, device, parallel)
+    logging_rank = parallel is None or parallel.is_logging_rank
+    run_dir = start_run(recipe, recipe.run_dir) if logging_rank else Path(recipe.run_dir)
+    precision = run_precision(recipe.train, run_dir, device, parallel)  # rank 0 chooses for every rank
+    torch.manual_seed(recipe.train.seed)
+    model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length, parallel)
+    d = recipe.data
+    skipped = SkipLog()
+    read = dict(on_bad=d.on_bad, on_too_long=d.on_too_long, skipped=skipped)
+    train_examples = stage.read_examples(d.train, tok, d.max_length, **read)
+    if not train_examples:
+        raise InputError(f"no usable training examples in {d.train} ({skipped.total} skipped: {dict(skipped.by_reason)})")
+    val_examples = stage.read_examples(d.val, tok, d.max_length, **read) if d.val else []
+    log.info("%s: %d training and %d validation examples; %d skipped or truncated %s", stage.name, len(train_examples),
+             len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
+    return FinetuneRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
+                       skipped)
+
+
+def check_data_paths(recipe, stage: FinetuneStage) -> None:
+    """Every data path a fine-tuning recipe names matches a file, checked before any model is
+    loaded; an error names the stage and the recipe key (``data.train``, ``data.val``,
+    ``score.tasks``, a stage's own such as ``pairs``)."""
+    if not recipe.data.train:
+        raise InputError(f"{stage.name} data.train is empty: list the JSONL/Parquet files to train on")
+    keys = {"data.train": recipe.data.train, "data.val": recipe.data.val, **stage.data_paths}
+    score = getattr(recipe, "score", None)
+    if score is not None and score.name != "none":
+        keys["score.tasks"] = score.tasks
+    for key, paths in keys.items():
+        if paths:
+            expand_paths(paths, what=f"{stage.name} {key}")
+
+
+def check_finetune_memory(recipe, device: torch.device, parallel: ParallelContext | None) -> None:
+    """Refuse a micro-batch of ``data.max_length`` rows the device cannot hold, from the base's
+    config alone, before the base is loaded (``check_memory_fits``)."""
+    model = load_model_config(resolve_checkpoint(recipe.checkpoint, verify=False))
+    layout = parallel.layout if parallel is not None else Layout()
+    check_memory_fits(model, recipe.parallel, layout, device, micro_batch_size=recipe.train.micro_batch_size,
+                      seq_len=recipe.data.max_length, precision=recipe.train.precision,
+                      activation_checkpointing=recipe.train.activation_checkpointing, seq_key="data.max_length",
+                      adapters_only=recipe.lora is not None)
+
+
+def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int,
+              parallel: ParallelContext | None = None) -> tuple[Transformer, Tokenizer, Path, Path]:
+    """The base model, and the run's tokenizer (the base's, with the ChatML template that HF's
+    ``apply_chat_template`` uses): (model, tokenizer, tokenizer_dir, base_dir).
+
+    Under ``parallel`` every rank loads the whole model (to be sharded after) and rank 0
+    alone writes the run's tokenizer, which the others read once it is there."""
+    model, base_dir = load_model(checkpoint, device=device)
+    if max_length > model.cfg.max_seq_len:
+        raise InputError(f"data.max_length {max_length} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    tok_dir = run_dir / "tokenizer"
+    if parallel is None or parallel.is_logging_rank:
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(base_dir / name, tok_dir / name)
+        add_chat_template(tok_dir)
+    if parallel is not None:
+        dist.barrier()
+    return model, Tokenizer.load(tok_dir), tok_dir, base_dir
+
+
+def precompute_reference(model: nn.Module, row_sets: list[dict[str, torch.Tensor] | None], columns: dict[str, str],
+                         cfg: TrainConfig, device: torch.device, parallel: ParallelContext | None, stage: str) -> None:
+    """The reference's log-probs added to each set of rows, scored by the policy itself before any
+    update (it is still the reference, so no copy is made)."""
+    t0 = time.perf_counter()
+    scorer = references.untrained_policy_reference(model)
+    for rows in row_sets:
+        if rows is not None:
+            attach_reference(scorer, rows, columns, 2 * cfg.micro_batch_size, device, cfg.precision, parallel)
+    if parallel is not None:
+        reshard(model)
+    log.info("%s: reference log-probs precomputed in %.1f s", stage, time.perf_counter() - t0)
+
+
+def equal_share(n: int, rank: int, world: int) -> tuple[slice, int]:
+    """Rank ``rank``'s contiguous share of ``n`` rows split ``world`` ways, and how many rows of
+    padding bring it to the size of every other share (ceil(n / world)), so all run the same batches."""
+    per = -(-n // world)
+    start, stop = min(rank * per, n), min((rank + 1) * per, n)
+    return slice(start, stop), per - (stop - start)
+
+
+def attach_reference(reference: Reference, rows: dict[str, torch.Tensor], names: dict[str, str],
+                     batch_size: int, device: torch.device, precision: str,
+                     parallel: ParallelContext | None = None) -> None:
+    """Add the reference's log-probs to ``rows``: ``names`` maps row prefix -> new column.
+
+    Under ``parallel`` the reference is the sharded policy, whose every forward all ranks take
+    part in: each data-parallel rank scores an equal share of the rows (the last share padded
+    with copies of the first row, whose scores are dropped), and the shares are gathered, so
+    every rank ends with every column."""
+    rank, world = data_parallel_rank(parallel)
+    share, pad = equal_share(len(next(iter(rows.values()))), rank, world)
+    mine = {key: torch.cat([value[share], value[:1].expand(pad, *value.shape[1:])]) if pad else value[share]
+            for key, value in rows.items()}
+    for prefix, column in names.items():
+        logps = precompute_logprobs(reference, mine, prefix, batch_size, device,
+                                    lambda: autocast_context(device, precision))[: share.stop - share.start]
+        if parallel is not None:
+            shares: list[torch.Tensor | None] = [None] * world
+            dist.all_gather_object(shares, logps, group=parallel.dp_flat.get_group())
+            logps = torch.cat(shares)
+        rows[column] = logps
