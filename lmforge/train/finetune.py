@@ -37,7 +37,7 @@ from lmforge.model.checkpoint import (
     write_checksums,
     write_model_files,
 )
-from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
+from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
