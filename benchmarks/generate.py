@@ -33,8 +33,8 @@ import torch
 import transformers
 
 from lmforge.core.config import load_config
-from lmforge.model.config import ModelConfig
 from lmforge.inference.engine import GenerationConfig, generate
+from lmforge.model.config import ModelConfig
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 

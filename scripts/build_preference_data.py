@@ -18,8 +18,8 @@ import torch
 
 from lmforge.data.chat import render_chatml
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
-from lmforge.model.checkpoint import load_model
 from lmforge.inference.engine import GenerationConfig, generate
+from lmforge.model.checkpoint import load_model
 
 
 def model_answers(checkpoint: str, examples: list[dict]) -> list[str]:

@@ -28,6 +28,7 @@ from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.memory import check_memory_fits
 from lmforge.distributed.mesh import Layout, ParallelContext, launched_world_size, parallel_session, resolve_layout
+from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
 from lmforge.model.checkpoint import (
     TOKENIZER_FILES,
     load_model,
@@ -37,7 +38,6 @@ from lmforge.model.checkpoint import (
     write_checksums,
     write_model_files,
 )
-from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
