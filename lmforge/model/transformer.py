@@ -121,8 +121,8 @@ CPU_HAS_AMX = cpu_has_amx()  # read once: a constant to torch.compile
 
 
 def slow_16bit_kernels(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether ``dtype`` is bf16/fp16 on a CPU without AMX, where PyTorch's 16-bit attention and
-    small matmuls run slower than float32's on the same values (``attend``, ``decoding_matmul_dtype``)."""
+    """Whether ``dtype`` is bf16/fp16 on a CPU without AMX, where PyTorch's 16-bit attention over
+    whole sequences runs slower than float32's on the same values (``attend``)."""
     return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_HAS_AMX
 
 
