@@ -1,6 +1,7 @@
-"""Greedy decoding throughput: lmforge's KV-cache engine against transformers' `generate`.
+"""Decoding throughput: lmforge's inference engine against transformers' `generate`.
 
-    python benchmarks/generate.py [--batch-sizes 1 8] [--dtypes float32 bfloat16] [--repeats 5] [--model n_layers=1 ...]
+    python benchmarks/generate.py [--batch-sizes 1 8 32] [--samples 8] [--dtypes float32 bfloat16] [--repeats 5]
+                                  [--model n_layers=1 ...]
 
 Both sides hold the same weights (lmforge's random init of the `tiny` preset, mapped with
 `lmforge.model.hf`), decode the same prompts (random token ids, --prompt-len long) greedily
@@ -10,12 +11,13 @@ The peer is `LlamaForCausalLM.generate(do_sample=False)` with its defaults (SDPA
 dynamic cache). Figures are generated tokens per second over the whole call (prefill
 included); runs alternate and the best of N is kept. Target ratio: >= 2.
 
-lmforge's first call on a model also builds its fused decoding view (``decoding_view``),
-which later calls reuse while the weights are unchanged; that first call is the warm-up
-and is reported on its own as ``lmforge_first_call_s``. For a bfloat16 model on a CPU
-without AMX that view holds float32 copies of the matrices and rounds each product back to
-bfloat16 (``decoding_matmul_dtype``): bf16 arithmetic, computed by fp32 kernels, for twice
-the view's memory; the peer's matmuls run in bf16 kernels.
+The ``sampled`` rows draw ``--samples`` continuations of one prompt (lmforge's ``n``, one
+prefill shared by the samples) against ``generate(do_sample=True, num_return_sequences=n)``
+with the same temperature, top-k (off) and top-p, again for exactly --new-tokens tokens.
+
+lmforge's first call on a model also builds its decoding layout (``decoding_view``: joined
+q/k/v and w1/w3, float32 matrices stored (in, out)), which later calls reuse while the
+weights are unchanged; that first call is the warm-up, reported as ``lmforge_first_call_s``.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import torch
 import transformers
 
 from lmforge.core.config import load_config
+from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.model.config import ModelConfig
-from lmforge.model.generate import GenerationConfig, generate
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 
@@ -78,24 +80,33 @@ def git_commit() -> str | None:
     return f"{head}-dirty" if status.strip() else head
 
 
-def measure(batch: int, dtype: str, args: argparse.Namespace) -> dict:
+TEMPERATURE, TOP_P = 0.8, 0.95  # the sampled rows' settings, on both sides (top-k off)
+
+
+def measure(batch: int, dtype: str, args: argparse.Namespace, samples: int = 1) -> dict:
+    """Greedy decoding of ``batch`` prompts, or with ``samples`` > 1 sampling that many continuations of one prompt."""
     ours, theirs = build_pair(model_config(args))
     ours.to(DTYPES[dtype])
     theirs.to(DTYPES[dtype])
     prompts = torch.randint(3, ours.cfg.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
-    config = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0, stop_token_ids=[])
+    sampled = samples > 1
+    config = GenerationConfig(max_new_tokens=args.new_tokens, temperature=TEMPERATURE if sampled else 0.0, top_p=TOP_P if sampled else 1.0,
+                              n=samples, seed=0 if sampled else None, stop_token_ids=[])
     n = args.new_tokens
+    rows = batch * samples
 
     def run_lmforge() -> list[list[int]]:
         results = generate(ours, prompts.tolist(), config)
-        assert all(len(r.tokens) == n for r in results)
+        assert len(results) == rows and all(len(r.tokens) == n for r in results)
         return [r.tokens for r in results]
 
     @torch.inference_mode()
     def run_transformers() -> list[list[int]]:
-        out = theirs.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=n,
-                              min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-        assert out.shape == (batch, args.prompt_len + n)
+        sampling = dict(do_sample=True, num_return_sequences=samples, temperature=TEMPERATURE, top_p=TOP_P, top_k=0) \
+            if sampled else dict(do_sample=False)
+        out = theirs.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                              min_new_tokens=n, eos_token_id=None, pad_token_id=0, **sampling)
+        assert out.shape == (rows, args.prompt_len + n)
         return out[:, args.prompt_len :].tolist()
 
     t0 = time.perf_counter()
@@ -108,15 +119,16 @@ def measure(batch: int, dtype: str, args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    ours_tps = batch * n / min(times["lmforge"])
-    peer_tps = batch * n / min(times["transformers"])
+    ours_tps = rows * n / min(times["lmforge"])
+    peer_tps = rows * n / min(times["transformers"])
     return {
         "batch": batch,
+        **({"samples": samples} if sampled else {}),
         "dtype": dtype,
         "lmforge_tokens_per_s": round(ours_tps, 1),
         "transformers_tokens_per_s": round(peer_tps, 1),
         "ratio": round(ours_tps / peer_tps, 3),
-        "identical_greedy_rows": f"{same_rows}/{batch}",
+        **({} if sampled else {"identical_greedy_rows": f"{same_rows}/{batch}"}),
         "lmforge_first_call_s": round(first_call_s, 4),
         "times_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
     }
@@ -127,7 +139,9 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--model", nargs="+", default=[], metavar="KEY=VALUE",
                         help="model fields set over the preset's (e.g. n_layers=1 for a smoke run)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--samples", type=int, nargs="*", default=[8],
+                        help="sampled rows: this many continuations of one prompt (none: no sampled rows)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -139,6 +153,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     rows = [measure(b, d, args) for d in args.dtypes for b in args.batch_sizes]
+    sampled = [measure(1, d, args, samples=k) for d in args.dtypes for k in args.samples]
     result = {
         "benchmark": "generate",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -151,6 +166,8 @@ def main() -> None:
         "figure": "generated tokens per second, whole generate call (prefill + decode), best of repeats",
         "target_ratio": 2.0,
         "results": rows,
+        "sampled": sampled,
+        "sampling": {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0},
         "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__},
@@ -159,6 +176,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['dtype']:>9} {r['lmforge_tokens_per_s']:>14.1f} {r['transformers_tokens_per_s']:>19.1f} "
               f"{r['ratio']:>6.2f}  {r['identical_greedy_rows']}")
+    for r in sampled:
+        print(f"{'n=' + str(r['samples']):>5} {r['dtype']:>9} {r['lmforge_tokens_per_s']:>14.1f} "
+              f"{r['transformers_tokens_per_s']:>19.1f} {r['ratio']:>6.2f}  (sampled, one prompt)")
     print(f"target ratio >= {result['target_ratio']}; {result['machine']['cpu']}, {result['machine']['torch_threads']} threads")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -18,7 +18,7 @@ import torch
 
 from lmforge.data.chat import render_chatml
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
-from lmforge.model.generate import GenerationConfig, generate
+from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.train.checkpoint import load_model
 
 

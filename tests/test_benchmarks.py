@@ -99,13 +99,16 @@ def test_gpu_script_dry_run_on_cpu_writes_both_presets_and_copies_them_to_out(tm
 
 def test_generate_decodes_the_same_greedy_rows_as_transformers_in_fp32(tmp_path):
     out = tmp_path / "generate.json"
-    run("generate.py", "--model", *TINY_LLAMA, "--batch-sizes", 2, "--dtypes", "float32", "--prompt-len", 4,
+    run("generate.py", "--model", *TINY_LLAMA, "--batch-sizes", 2, "--samples", 3, "--dtypes", "float32", "--prompt-len", 4,
         "--new-tokens", 8, "--repeats", 1, "--out", out)
     result = read_json(out)
     assert [(r["batch"], r["dtype"]) for r in result["results"]] == [(2, "float32")]
     for r in result["results"]:
         assert r["identical_greedy_rows"] == f"{r['batch']}/{r['batch']}"
         assert positive(r["lmforge_tokens_per_s"], r["transformers_tokens_per_s"], r["ratio"], r["lmforge_first_call_s"])
+    # n samples of one prompt against num_return_sequences, the same sampling settings both sides
+    assert [(r["batch"], r["samples"], r["dtype"]) for r in result["sampled"]] == [(1, 3, "float32")]
+    assert positive(result["sampled"][0]["ratio"]) and result["sampling"]["top_k"] == 0
 
 
 def test_attention_times_both_routes_for_each_shape_and_dtype(tmp_path):

@@ -1,9 +1,11 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: a model split into stages by layers.
 
-Each pipeline rank keeps one ``TransformerStage`` (a slice of the built model's layers;
-the first stage also embeds, the last also normalises and projects to logits) and runs
-a GPipe or 1F1B schedule that splits each micro-batch into ``pp_microbatches`` pieces.
-Parameter names are those of the whole model, so sharded checkpoints load into any layout.
+Each pipeline rank keeps one stage: the built model itself with the blocks it does not own
+removed (as torchtitan does; the first stage also embeds, the last also normalises and projects
+to logits), whose own forward runs a GPipe or 1F1B schedule that splits each micro-batch into
+``pp_microbatches`` pieces. Parameter names are those of the whole model, so sharded
+checkpoints load into any layout. The split is the model's ``keep_layers``, called through the
+module: this layer sits below ``model/`` and imports nothing from it.
 """
 
 from __future__ import annotations
@@ -15,38 +17,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lmforge.distributed.mesh import stage_layer_ranges
-from lmforge.model.transformer import rotation_tables
 
 
-class TransformerStage(nn.Module):
-    """Layers ``layers`` of a ``Transformer``, keeping their names (``layers.<i>``)."""
-
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.cfg = model.cfg
-        self.embed = model.embed if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states in; hidden states or logits (last stage) out."""
-        if self.embed is not None:
-            x = self.embed(x)
-        T = x.shape[1]
-        cos, sin = rotation_tables(self.rope_cos[:T][None], self.rope_sin[:T][None])
-        for block in self.layers.values():
-            x = block(x, cos, sin)
-        if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
-        return x
-
-
-def split_into_stage(model: nn.Module, pp_rank: int, pp: int) -> TransformerStage:
+def split_into_stage(model: nn.Module, pp_rank: int, pp: int) -> nn.Module:
+    """``model`` (a ``Transformer``) cut down, in place, to pipeline stage ``pp_rank`` of ``pp``."""
     ranges = stage_layer_ranges(model.cfg.n_layers, pp)
-    return TransformerStage(model, ranges[pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+    return model.keep_layers(ranges[pp_rank], embed=pp_rank == 0, head=pp_rank == pp - 1)
 
 
 class StageLoss:
@@ -70,7 +46,7 @@ class PipelineRunner:
     ``count_bytes(targets)`` gives bytes for bits per byte in evaluation.
     """
 
-    def __init__(self, stage_module: TransformerStage, ctx, n_microbatches: int, split: Callable,
+    def __init__(self, stage_module: nn.Module, ctx, n_microbatches: int, split: Callable,
                  loss_sum: Callable, count_bytes: Callable | None = None):
         self.ctx, self.split, self.count_bytes = ctx, split, count_bytes
         self.pp, self.rank = ctx.layout.pp, ctx.pp_rank

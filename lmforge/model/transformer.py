@@ -3,6 +3,10 @@
 Read top to bottom like the paper: ``Attention`` and ``MLP`` make a ``Block``; blocks
 make the ``Transformer``. Variants (GELU MLP, LayerNorm, QK-norm, biases) are chosen by
 ``ModelConfig``. Parallelism and activation checkpointing are applied from outside.
+
+``Transformer.forward`` is the model's only arithmetic: training, evaluation, generation
+(with a ``KVCache``) and every pipeline stage (``keep_layers``) run it. A decoding layout
+(``model.fused``) swaps modules of the same tree for joined ones that this forward calls.
 """
 
 from __future__ import annotations
@@ -117,8 +121,8 @@ CPU_HAS_AMX = cpu_has_amx()  # read once: a constant to torch.compile
 
 
 def slow_16bit_kernels(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether ``dtype`` is bf16/fp16 on a CPU without AMX, where PyTorch's 16-bit attention and
-    small matmuls run slower than float32's on the same values (``attend``, ``decoding_matmul_dtype``)."""
+    """Whether ``dtype`` is bf16/fp16 on a CPU without AMX, where PyTorch's 16-bit attention over
+    whole sequences runs slower than float32's on the same values (``attend``)."""
     return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_HAS_AMX
 
 
@@ -185,6 +189,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.wqkv: nn.Module | None = None  # wq, wk, wv joined into one projection (``model.fused``), else None
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (B, T, heads * head_dim each): three projections, or one joined one split in three."""
+        if self.wqkv is None:
+            return self.wq(x), self.wk(x), self.wv(x)
+        kv = self.n_kv_heads * self.head_dim
+        return self.wqkv(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
 
     def forward(
         self,
@@ -195,9 +207,10 @@ class Attention(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -219,11 +232,15 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.mlp_bias)
         self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.mlp_bias) if self.gated else None
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.mlp_bias)
+        self.w13: nn.Module | None = None  # w1 and w3 joined into one projection (``model.fused``), else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
+        if not self.gated:
+            return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        if self.w13 is None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -240,6 +257,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """Embedding, blocks, final norm, LM head. On a pipeline stage (``keep_layers``) the parts
+    the stage does not own are None (``layers`` keeps the owned blocks under their indices) and
+    ``forward`` skips them: token ids in on the first stage, hidden states in on the others."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -279,12 +300,14 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Final normalised hidden states (B, T, d_model).
+        """Final normalised hidden states (B, T, d_model) of token ids (B, T), or, on a pipeline
+        stage without the embedding, of the previous stage's hidden states (B, T, d_model);
+        on a stage without the final norm, the last block's output.
 
         ``positions`` (B, T) restarts RoPE per packed document or skips left padding;
         ``attn_mask`` (B, 1, T, S) boolean, True = may attend; ``kv_cache`` for decoding.
         """
-        B, T = tokens.shape
+        B, T = tokens.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
         if positions is None:
             check_length(self.cfg, offset, T)
@@ -293,13 +316,25 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         cos, sin = rotation_tables(cos, sin)
         attn_mask = cached_prefix_mask(attn_mask, offset, T, tokens.device)
-        x = self.embed(tokens)
-        for block in self.layers:
+        x = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.layers.children():
             x = block(x, cos, sin, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
     def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Logits (B, T, vocab_size)."""
-        return self.lm_head(self.hidden_states(tokens, **kwargs))
+        """Logits (B, T, vocab_size); hidden states on a pipeline stage without the head."""
+        hidden = self.hidden_states(tokens, **kwargs)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+    def keep_layers(self, layers: range, embed: bool, head: bool) -> Transformer:
+        """Make this model a pipeline stage, in place: keep blocks ``layers`` (under their indices,
+        so parameter names, ``layers.<i>...``, stay the whole model's) and the embedding only with
+        ``embed``, the final norm and LM head only with ``head``; drop the rest. Returns ``self``."""
+        self.layers = nn.ModuleDict({str(i): self.layers[i] for i in layers})
+        if not embed:
+            self.embed = None
+        if not head:
+            self.norm = self.lm_head = None
+        return self

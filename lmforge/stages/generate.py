@@ -24,7 +24,7 @@ from lmforge.core.config import at_least, load_config, positive, seed_field, uni
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.model.generate import GenerationConfig, generate
+from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import resolve_device
 

@@ -24,7 +24,7 @@ from lmforge.core.config import Renamed, at_least, positive
 from lmforge.data.chat import read_sft_records, render_chatml
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.model.generate import GenerationConfig, generate, release_decoding_view
+from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
 from lmforge.objectives.reference import completion_logprobs
 from lmforge.train.loop import autocast_context
 

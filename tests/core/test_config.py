@@ -239,7 +239,7 @@ def config_roots() -> list[type]:
     train-classifier, and the generation engine's config."""
     from lmforge.curate.quality import TrainClassifierConfig
     from lmforge.curate.steps import STEP_TYPES, _load
-    from lmforge.model.generate import GenerationConfig
+    from lmforge.inference.engine import GenerationConfig
     from lmforge.stages import VERBS
 
     return ([verb.load().RECIPE for verb in VERBS] + [_load(t)[0] for t in STEP_TYPES]

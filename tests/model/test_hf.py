@@ -262,21 +262,21 @@ def test_llama3_rope_scaling_is_written_for_both_transformers_generations():
 
 @torch.no_grad()
 def test_cached_decoding_of_a_scaled_model_gives_the_logits_of_a_full_recompute():
-    """generate.py's decoding view reads the model's RoPE tables, so the scaling reaches it."""
-    from lmforge.model.generate import GenerationConfig, decode_step, decoding_view, generate, prefill
+    """The engine's decoding layout reads the model's RoPE tables, so the scaling reaches it."""
+    from lmforge.inference.engine import GenerationConfig, decode_step, decoding_view, generate, prefill
 
     model = randomized(ModelConfig(**SCALED))
     prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 90)]
     net = decoding_view(model)
-    assert net is not model  # the fused view, not the modules
-    logits, state = prefill(net, prompts, max_new_tokens=8)
+    assert net is not model  # the fused layout, not the modules
+    batch = prefill(net, prompts, extra=8)
     seqs = [list(p) for p in prompts]
     for _ in range(8):
         for row, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[row], model(torch.tensor([seq]))[0, -1], atol=1e-5, rtol=0)
-        next_tokens = logits.argmax(-1)
+            torch.testing.assert_close(batch.logits[row], model(torch.tensor([seq]))[0, -1], atol=1e-5, rtol=0)
+        next_tokens = batch.logits.argmax(-1)
         for seq, token in zip(seqs, next_tokens.tolist()):
             seq.append(token)
-        logits = decode_step(net, next_tokens, state)
+        decode_step(net, next_tokens, batch)
     out = generate(model, prompts, GenerationConfig(max_new_tokens=8, temperature=0.0, stop_token_ids=[]))
     assert [g.tokens for g in out] == [seq[len(p):] for seq, p in zip(seqs, prompts)]

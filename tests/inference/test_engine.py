@@ -1,5 +1,6 @@
 """The generation engine: cached decoding computes what a full recompute computes, padding
-keeps batch rows apart, the samplers do what their papers say, and stopping works."""
+keeps batch rows apart, finished rows leave and queued requests take their slots, every
+token's log-probability is the training forward's, and stopping works."""
 
 from __future__ import annotations
 
@@ -9,21 +10,20 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
-from lmforge.model import transformer as transformer_module
-from lmforge.model.config import ModelConfig
-from lmforge.model.generate import (
-    FusedTransformer,
+from lmforge.inference.engine import (
+    Engine,
     GenerationConfig,
+    Request,
     decode_step,
-    decoding_matmul_dtype,
     decoding_view,
     generate,
     prefill,
-    sample_next_token,
-    top_k_filter,
-    top_p_filter,
 )
+from lmforge.inference.sampling import min_p_filter, repetition_penalty, sample_next_token, top_k_filter, top_p_filter
+from lmforge.model.config import ModelConfig
+from lmforge.model.fused import TransposedLinear, fused_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import KVCache, Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora
@@ -52,32 +52,36 @@ def full_logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
 # --------------------------------------------------------------------------- cache and padding
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
+LAYOUTS = {"modules": lambda m: m, "fused": lambda m: fused_copy(m, transpose=False),
+           "fused-transposed": lambda m: fused_copy(m, transpose=True)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @torch.no_grad()
-def test_cached_decoding_gives_the_logits_of_a_full_recompute(model, fused):
-    net = FusedTransformer(model) if fused else model
+def test_cached_decoding_gives_the_logits_of_a_full_recompute(model, layout):
+    net = LAYOUTS[layout](model)
     prompt = PROMPTS[0]
-    logits, state = prefill(net, [prompt], max_new_tokens=10)
+    batch = prefill(net, [prompt], extra=10)
     seq = list(prompt)
     for _ in range(10):
-        torch.testing.assert_close(logits[0], full_logits(model, seq), atol=1e-5, rtol=0)
-        token = int(logits[0].argmax())
+        torch.testing.assert_close(batch.logits[0], full_logits(model, seq), atol=1e-5, rtol=0)
+        token = int(batch.logits[0].argmax())
         seq.append(token)
-        logits = decode_step(net, torch.tensor([token]), state)
+        decode_step(net, torch.tensor([token]), batch)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @torch.no_grad()
-def test_each_row_of_a_left_padded_batch_gets_the_logits_of_its_prompt_alone(model, fused):
-    net = FusedTransformer(model) if fused else model
+def test_each_row_of_a_left_padded_batch_gets_the_logits_of_its_prompt_alone(model, layout):
+    net = LAYOUTS[layout](model)
     feed = torch.randint(3, 512, (len(PROMPTS), 8), generator=torch.Generator().manual_seed(0))
-    logits, state = prefill(net, PROMPTS, max_new_tokens=8)
-    assert state.key_mask is not None  # lengths differ, so the batch is padded
+    batch = prefill(net, PROMPTS, extra=8)
+    assert batch.key_mask is not None  # lengths differ, so the batch is padded
     for step in range(8):
         for row, prompt in enumerate(PROMPTS):
             alone = full_logits(model, prompt + feed[row, :step].tolist())
-            torch.testing.assert_close(logits[row], alone, atol=1e-5, rtol=0)
-        logits = decode_step(net, feed[:, step], state)
+            torch.testing.assert_close(batch.logits[row], alone, atol=1e-5, rtol=0)
+        decode_step(net, feed[:, step], batch)
 
 
 @torch.no_grad()
@@ -130,44 +134,28 @@ def test_bfloat16_generation_runs_and_caches_in_bfloat16(model):
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     results = generate(bf16, PROMPTS, greedy(6))
     assert [len(r.tokens) for r in results] == [6, 6, 6]
-    _, state = prefill(bf16, PROMPTS, 6)
-    assert state.cache.k.dtype == torch.bfloat16
+    assert prefill(decoding_view(bf16), PROMPTS, 6).cache.k.dtype == torch.bfloat16
 
 
-# --------------------------------------------------------------------------- the fused decoding view
+# --------------------------------------------------------------------------- the decoding layout
 
 
-VARIANTS = {
-    "llama": {},
-    "qwen-like": dict(qkv_bias=True, qk_norm=True, tie_embeddings=True),
-    "gpt2-like": dict(ffn="gelu", norm="layernorm", qkv_bias=True, out_bias=True, mlp_bias=True, n_kv_heads=4),
-}
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@torch.no_grad()
-def test_fused_view_gives_the_logits_of_the_model_for_every_variant(variant):
-    torch.manual_seed(1)
-    model = Transformer(ModelConfig(**{**CFG, **VARIANTS[variant]})).eval()
-    for p in model.parameters():  # non-zero biases and norm gains other than 1, so a misplaced one shows
-        if p.ndim == 1:
-            p.add_(0.1 * torch.randn_like(p))
-    fused = FusedTransformer(model)
-    tokens = torch.tensor([PROMPTS[0]])
-    torch.testing.assert_close(fused.lm_head(fused.hidden_states(tokens)), model(tokens), atol=1e-5, rtol=0)
-    logits, state = prefill(fused, [PROMPTS[0]], max_new_tokens=6)
-    seq = list(PROMPTS[0])
-    for _ in range(6):
-        torch.testing.assert_close(logits[0], full_logits(model, seq), atol=1e-5, rtol=0)
-        seq.append(int(logits[0].argmax()))
-        logits = decode_step(fused, torch.tensor([seq[-1]]), state)
+def test_the_fused_copy_shares_the_model_and_leaves_it_unchanged(model):
+    keys = list(model.state_dict())
+    fused = fused_copy(model, transpose=True)
+    assert list(model.state_dict()) == keys  # checkpoints, HF export and LoRA targets keep wq/wk/wv/w1/w3
+    assert model.layers[0].attn.wqkv is None and model.layers[0].attn.wq is not None
+    assert fused.embed.weight is model.embed.weight and fused.layers[0].attn_norm.weight is model.layers[0].attn_norm.weight
+    assert type(fused.layers[0].attn.wqkv) is TransposedLinear and fused.layers[0].attn.wq is None
+    assert type(fused.layers[0].mlp.w13) is TransposedLinear and type(fused.lm_head) is TransposedLinear
+    assert type(fused) is type(model) and type(fused).forward is type(model).forward  # one forward
 
 
 def test_decoding_view_is_reused_until_a_parameter_changes():
     torch.manual_seed(2)
     model = Transformer(ModelConfig(**CFG)).eval()
     view = decoding_view(model)
-    assert isinstance(view, FusedTransformer) and decoding_view(model) is view
+    assert isinstance(view, Transformer) and view is not model and decoding_view(model) is view
     before = generate(model, PROMPTS, greedy(8))
     with torch.no_grad():  # an optimizer step: in place, so the tensors keep their storage
         for p in model.parameters():
@@ -178,34 +166,26 @@ def test_decoding_view_is_reused_until_a_parameter_changes():
     model.to(torch.bfloat16)
     bf16_view = decoding_view(model)
     assert bf16_view is not changed
-    assert bf16_view.head.dtype == decoding_matmul_dtype(torch.bfloat16, torch.device("cpu"))
+    # 16-bit matrices stay 16-bit and in F.linear's layout, the faster one for 16-bit on a CPU
+    assert bf16_view.layers[0].attn.wqkv.weight.dtype == torch.bfloat16 and type(bf16_view.lm_head) is nn.Linear
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cpu_has_amx", [False, True])
 @torch.no_grad()
-def test_a_16_bit_view_computes_in_its_dtype_whichever_matrices_it_keeps(monkeypatch, dtype, cpu_has_amx):
-    """Without AMX a 16-bit model's view keeps float32 matrices (16-bit matmuls are slow there) and
-    rounds each product back; with AMX it keeps the model's dtype. Either way the hidden states
-    stay in the model's dtype, and the logits are the 16-bit model's within 16-bit rounding, no
-    further from the float32 model's than the 16-bit model's own."""
-    monkeypatch.setattr(transformer_module, "CPU_HAS_AMX", cpu_has_amx)
+def test_a_16_bit_decoding_view_computes_the_16_bit_models_logits(dtype):
     torch.manual_seed(3)
-    model = Transformer(ModelConfig(**{**CFG, **VARIANTS["qwen-like"]})).eval()
+    model = Transformer(ModelConfig(**{**CFG, "qkv_bias": True, "qk_norm": True, "tie_embeddings": True})).eval()
     low = copy.deepcopy(model).to(dtype)
-    fused = FusedTransformer(low)
-    assert fused.head.dtype == (dtype if cpu_has_amx else torch.float32)
-    assert {w.wqkv.dtype for w in fused.layers} == {fused.head.dtype}
+    view = decoding_view(low)
     tokens = torch.tensor([PROMPTS[0]])
-    hidden = fused.hidden_states(tokens)
-    assert hidden.dtype == dtype
-    logits, reference, exact = fused.lm_head(hidden), low(tokens), model(tokens)
+    logits, reference = view(tokens), low(tokens)
     assert logits.dtype == dtype
-    torch.testing.assert_close(logits.float(), reference.float(), atol=0.1, rtol=0.05)
-    assert (logits.float() - exact).abs().max() <= 1.5 * (reference.float() - exact).abs().max()
-    cached, state = prefill(fused, [PROMPTS[0]], max_new_tokens=2)
-    assert state.cache.k.dtype == dtype
-    torch.testing.assert_close(cached[0], logits[0, -1])
+    # joined matrices compute the same dot products, each rounded once to 16 bits
+    torch.testing.assert_close(logits.float(), reference.float(), atol=0.05, rtol=0.02)
+    batch = prefill(view, [PROMPTS[0]], extra=2)
+    assert batch.cache.k.dtype == dtype
+    # the cached pass keeps the 16-bit attention kernel, the full pass upcasts (``attend``): 16-bit rounding apart
+    torch.testing.assert_close(batch.logits[0].float(), logits[0, -1].float(), atol=0.02, rtol=0.02)
 
 
 def test_a_model_with_lora_adapters_generates_through_its_own_modules(model):
@@ -317,11 +297,134 @@ def test_empty_prompt_is_refused(model):
 
 
 def test_release_decoding_view_drops_the_cached_copy_of_the_weights():
-    from lmforge.model.generate import _fused_views, release_decoding_view
+    from lmforge.inference.engine import _decoding_models, release_decoding_view
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, ffn_hidden=64, max_seq_len=32)).eval()
     generate(model, [[1, 2, 3]], GenerationConfig(max_new_tokens=2, temperature=0.0, stop_token_ids=[]))
-    assert model in _fused_views
+    assert model in _decoding_models
     release_decoding_view(model)
-    assert model not in _fused_views
+    assert model not in _decoding_models
+
+
+# --------------------------------------------------------------------------- the engine: rows leave, queues, n, log-probs
+
+
+def training_logprobs(model: Transformer, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log p(completion[i] | prompt + completion[:i]) from one training forward in float32."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion]))[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+def test_a_finished_row_leaves_the_batch_and_is_not_computed_again(model):
+    full = generate(model, PROMPTS, greedy(10))
+    stop = full[1].tokens[2]
+    engine = Engine(model)
+    for p in PROMPTS:
+        engine.submit(Request(p, greedy(10, stop_token_ids=[stop])))
+    sizes = []
+    calls = []
+    hook = engine.net.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    while engine.queue or engine.rows:
+        engine.step()
+        sizes.append(len(engine.rows))
+        if engine.batch is not None:
+            assert engine.batch.cache.k.shape[1] == engine.batch.logits.shape[0] == len(engine.rows)
+    hook.remove()
+    assert 2 in sizes  # row 1 left after its stop token, the others went on
+    assert calls.count(3) <= full[1].tokens.index(stop) + 1  # the 3-row batch ran only until row 1 stopped
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_queued_requests_take_the_slots_of_finished_rows_and_decode_as_alone(model, max_batch):
+    prompts = PROMPTS + [[0, 5, 6], [0, 400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412]]
+    configs = [greedy(n) for n in (3, 12, 7, 9, 5)]  # different lengths, so rows finish at different steps
+    engine = Engine(model, max_batch=max_batch)
+    ids = [engine.submit(Request(p, c)) for p, c in zip(prompts, configs)]
+    order, results = [], {}
+    for request_id, gens in engine.run():
+        order.append(request_id)
+        results[request_id] = gens[0]
+        assert len(engine.rows) <= max_batch
+    assert sorted(order) == ids and order != ids or max_batch == 1  # finished as they finish, not in order
+    for i, (p, c) in enumerate(zip(prompts, configs)):
+        assert results[ids[i]].tokens == generate(model, [p], c)[0].tokens
+
+
+def test_logprobs_equal_the_training_forward_for_padded_batches_n_samples_and_joined_rows(model):
+    config = GenerationConfig(max_new_tokens=9, temperature=1.0, seed=4, stop_token_ids=[], n=3, top_logprobs=4)
+    for max_batch in (64, 4):  # everything at once, and rows joining a running batch
+        results = generate(model, PROMPTS, config, max_batch=max_batch)
+        assert len(results) == 3 * len(PROMPTS)
+        for i, r in enumerate(results):
+            prompt = PROMPTS[i // 3]
+            assert r.prompt_tokens == prompt
+            expected = training_logprobs(model, prompt, r.tokens)
+            torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-5, rtol=0)
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + r.tokens]))[0, len(prompt) - 1 : -1].float()
+            top = torch.log_softmax(logits, dim=-1).topk(4)
+            assert [[t for t, _ in step] for step in r.top_logprobs] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor([[v for _, v in step] for step in r.top_logprobs]), top.values,
+                                       atol=1e-5, rtol=0)
+        samples = [tuple(r.tokens) for r in results[:3]]
+        assert len(set(samples)) == 3  # n samples of one prompt are drawn independently
+
+
+def test_n_samples_share_one_prefill_of_their_prompt(model):
+    engine = Engine(model)
+    embedded = []  # the shape of every batch of tokens embedded: one prefill, then one row per sample per step
+    hook = engine.net.embed.register_forward_hook(lambda m, args, out: embedded.append(tuple(args[0].shape)))
+    engine.submit(Request(PROMPTS[0], GenerationConfig(max_new_tokens=4, n=5, seed=1, stop_token_ids=[])))
+    ((_, gens),) = list(engine.run())
+    hook.remove()
+    assert len(gens) == 5 and embedded == [(1, len(PROMPTS[0]))] + [(5, 1)] * 3
+    assert engine.batch is None
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(model):
+    config = GenerationConfig(max_new_tokens=8, temperature=1.0, top_k=50, seed=11, stop_token_ids=[])
+    engine = Engine(model)
+    alone = engine.submit(Request(PROMPTS[0], config))
+    (_, (first,)), = list(engine.run())
+    engine = Engine(model, max_batch=2)
+    engine.submit(Request(PROMPTS[1], GenerationConfig(max_new_tokens=3, seed=5, stop_token_ids=[])))
+    mixed = engine.submit(Request(PROMPTS[0], config))
+    engine.submit(Request(PROMPTS[2], GenerationConfig(max_new_tokens=6, temperature=0.0, stop_token_ids=[])))
+    results = dict(engine.run())
+    assert alone == 0 and results[mixed][0].tokens == first.tokens
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely():
+    import transformers
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    ours = min_p_filter(logits, 0.1)
+    theirs = transformers.MinPLogitsWarper(min_p=0.1)(None, logits.clone())
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+
+
+def test_repetition_penalty_is_ctrls_as_transformers_applies_it():
+    import transformers
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[1, 5, 5, 7], [0, 2, 29, 3]])
+    seen = torch.zeros(2, 30, dtype=torch.bool).scatter_(1, ids, True)
+    theirs = transformers.RepetitionPenaltyLogitsProcessor(penalty=1.3)(ids, logits.clone())
+    torch.testing.assert_close(repetition_penalty(logits, seen, 1.3), theirs)
+
+
+def test_a_repetition_penalty_changes_greedy_output_away_from_repeats(model):
+    plain = generate(model, PROMPTS, greedy(24))
+    penalized = generate(model, PROMPTS, greedy(24, repetition_penalty=5.0))
+    repeats = sum(len(r.tokens) - len(set(r.tokens)) for r in plain)
+    assert sum(len(r.tokens) - len(set(r.tokens)) for r in penalized) < repeats or repeats == 0
+    assert [r.tokens for r in plain] != [r.tokens for r in penalized] or repeats == 0
+
+
+def test_per_row_settings_filter_each_row_by_its_own():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.3]] * 2)
+    kept = top_k_filter(logits, torch.tensor([1, 0]))
+    assert torch.isfinite(kept).tolist() == [[False, True, False, False, False], [True] * 5]
+    greedy_row = sample_next_token(logits, torch.tensor([0.0, 1.0]), generator=torch.Generator().manual_seed(0))
+    assert int(greedy_row[0]) == 1

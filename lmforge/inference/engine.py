@@ -1,0 +1,427 @@
+"""The generation engine: requests in, completions out, with a KV cache and continuous batching.
+
+Requests wait in a queue; up to ``max_batch`` rows decode together. A request's prompt is
+prefilled once and its cache rows copied for its ``n`` samples. A row that finishes (a stop
+token, a stop string, ``max_new_tokens``) leaves the batch at once: its cache rows are dropped
+and it is not computed again, and the freed slots take the next waiting requests, whose
+prefilled caches join the batch's. Every step runs the model's own forward
+(``Transformer.forward`` with a ``KVCache``), on a decoding layout of the same modules
+(``model.fused``) when the model is plain.
+
+The batch's cache is right-aligned: all rows write the same column each step, a row that
+joined with a shorter history is padded on the left, and an attention mask hides the
+padding while each row's RoPE positions count from its own first token, so every row
+computes what it would alone. A batch with no padding takes the plain path (no mask, no
+position tables).
+
+Each generated token comes with its log-probability under the model (log-softmax of the
+raw logits in float32, temperature 1, before any penalty or truncation), and optionally the
+``top_logprobs`` most likely alternatives: what a training forward of prompt + completion
+gives for the same tokens, so an RL sampler and its trainer agree.
+
+    results = generate(model, [[bos, *tok.encode("Once upon")]], GenerationConfig(temperature=0), tok)
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.inference.sampling import repetition_penalty, sample_next_token
+from lmforge.model.fused import fused_copy, is_plain, linear_reads_transposed_faster
+from lmforge.model.transformer import KVCache, positions_and_mask
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationConfig:
+    """How to pick tokens and when to stop."""
+
+    max_new_tokens: int = positive(128)
+    temperature: float = at_least(0, 1.0)  # 0 = greedy
+    top_k: int = at_least(0, 0)  # 0 = off
+    top_p: float = unit_interval(1.0, low_open=True)  # 1 = off
+    min_p: float = unit_interval(0.0)  # 0 = off
+    repetition_penalty: float = positive(1.0)  # 1 = off
+    stop: list[str] = field(default_factory=list)  # the text is cut before the first one found
+    stop_token_ids: list[int] | None = at_least(0, None)  # None = the tokenizer's EOS; [] = never stop early
+    seed: int | None = seed_field(None)  # None = torch's global generator
+    n: int = positive(1)  # samples per prompt, sharing the prompt's prefill
+    top_logprobs: int = in_range(0, 0, 20)  # alternatives returned with each token's log-probability
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.n < 1:
+            raise ValueError(f"max_new_tokens and n must be >= 1, got {self.max_new_tokens} and {self.n}")
+        if self.temperature < 0.0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(
+                f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"
+            )
+        if not 0.0 <= self.min_p <= 1.0 or self.repetition_penalty <= 0 or self.top_logprobs < 0:
+            raise ValueError(f"need 0 <= min_p <= 1, repetition_penalty > 0 and top_logprobs >= 0; got "
+                             f"{self.min_p}, {self.repetition_penalty}, {self.top_logprobs}")
+
+
+@dataclass
+class Generation:
+    """One sample's continuation of a prompt.
+
+    ``tokens`` excludes a stop token and includes the token that completed a stop string;
+    ``text`` (when a tokenizer was given) is cut before the stop string. ``logprobs[i]`` is
+    the model's log-probability of ``tokens[i]``; ``top_logprobs[i]`` the most likely
+    (token, log-probability) pairs at that step when asked for.
+    """
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    finish_reason: FinishReason
+    text: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class Request:
+    """A prompt (token ids) and how to continue it; ``generator`` overrides ``config.seed``."""
+
+    prompt: Sequence[int]
+    config: GenerationConfig
+    generator: torch.Generator | None = None
+
+
+# --------------------------------------------------------------------------- the decoding layout
+
+
+_decoding_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights fingerprint, copy)
+
+
+def decoding_view(model: nn.Module) -> nn.Module:
+    """The module generation runs: for a plain model its decoding layout (``fused_copy``),
+    rebuilt when a parameter or buffer has changed since the last call (moved, cast, loaded or
+    stepped); a LoRA, NF4 or sharded model itself. Either way ``Transformer.forward`` runs."""
+    if not is_plain(model):
+        return model
+    weight = model.embed.weight
+    transpose = linear_reads_transposed_faster(weight.dtype, weight.device)
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter: rebuild every call
+        return fused_copy(model, transpose)
+    fingerprint = [(t.data_ptr(), t._version, t.dtype) for t in tensors]
+    cached = _decoding_models.get(model)
+    if cached is None or cached[0] != fingerprint:
+        cached = (fingerprint, fused_copy(model, transpose))
+        _decoding_models[model] = cached
+    return cached[1]
+
+
+def release_decoding_view(model: nn.Module) -> None:
+    """Drop the cached decoding layout of ``model``: its joined matrices cost memory, so a caller
+    that goes back to training the model releases it first."""
+    _decoding_models.pop(model, None)
+
+
+# --------------------------------------------------------------------------- the batch's cache
+
+
+@dataclass
+class Batch:
+    """The active rows' decoding state, one entry per row."""
+
+    cache: KVCache
+    key_mask: torch.Tensor | None  # (B, capacity) True at real keys and at every column still to write; None = no padding
+    next_positions: torch.Tensor  # (B, 1) RoPE position of each row's next token
+    logits: torch.Tensor  # (B, V) each row's next-token logits
+
+    def select(self, rows: torch.Tensor) -> Batch:
+        """The rows ``rows`` (a row may repeat: ``n`` samples of one prompt), in that order."""
+        cache = KVCache(self.cache.k.index_select(1, rows), self.cache.v.index_select(1, rows), self.cache.length)
+        key_mask = self.key_mask.index_select(0, rows) if self.key_mask is not None else None
+        return Batch(cache, unpadded(key_mask, cache.length), self.next_positions.index_select(0, rows),
+                     self.logits.index_select(0, rows))
+
+    def spans(self) -> torch.Tensor:
+        """(B,) columns from each row's first real key to the cache's end."""
+        length = self.cache.length
+        if self.key_mask is None:
+            return torch.full((self.logits.shape[0],), length, device=self.logits.device)
+        return length - self.key_mask[:, :length].int().argmax(dim=1)
+
+
+def unpadded(key_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """None when no row has padding in the written columns (the plain path), else ``key_mask``."""
+    return None if key_mask is None or bool(key_mask[:, :length].all()) else key_mask
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one (B, T) tensor padded on the left, and each prompt's length (B,)."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+    return tokens.to(device), torch.tensor([len(p) for p in prompts], device=device)
+
+
+def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int) -> Batch:
+    """Run the prompts through the model into a fresh cache with room for ``extra`` more tokens."""
+    param = model.embed.weight
+    tokens, lengths = left_pad(prompts, 0, param.device)
+    B, T = tokens.shape
+    cache = KVCache.empty(model.cfg, B, T + extra, param.dtype, param.device)
+    if all(len(p) == T for p in prompts):
+        hidden = model.hidden_states(tokens, kv_cache=cache)
+        key_mask = None
+    else:
+        slots = torch.arange(T + extra, device=param.device)[None]
+        key_mask = slots >= (T - lengths)[:, None]  # (B, T + extra): padding False, every slot after the prompt True
+        positions, mask = positions_and_mask(key_mask[:, :T])
+        hidden = model.hidden_states(tokens, positions=positions, attn_mask=mask, kv_cache=cache)
+    # The head over the last position only: the model's forward is hidden_states then lm_head.
+    return Batch(cache, key_mask, lengths[:, None].clone(), model.lm_head(hidden[:, -1]))
+
+
+def merge(a: Batch, b: Batch, extra: int) -> Batch:
+    """One batch of ``a``'s rows then ``b``'s, right-aligned on the longest history, with room
+    for ``extra`` more tokens; columns no row still reads are dropped."""
+    spans = torch.cat((a.spans(), b.spans()))
+    width = int(spans.max())
+    capacity = width + extra
+    k0 = a.cache.k
+    shape = (k0.shape[0], len(spans), k0.shape[2], capacity, k0.shape[4])
+    # zeros, not empty: padding columns are masked, and a masked NaN would still poison softmax
+    k, v = k0.new_zeros(shape), k0.new_zeros(shape)
+    key_mask = torch.zeros(len(spans), capacity, dtype=torch.bool, device=k0.device)
+    key_mask[:, width:] = True
+    start = 0
+    for part in (a, b):
+        rows = slice(start, start + part.logits.shape[0])
+        L = part.cache.length
+        n = min(L, width)
+        k[:, rows, :, width - n : width] = part.cache.k[:, :, :, L - n : L]
+        v[:, rows, :, width - n : width] = part.cache.v[:, :, :, L - n : L]
+        key_mask[rows, width - n : width] = True if part.key_mask is None else part.key_mask[:, L - n : L]
+        start = rows.stop
+    return Batch(KVCache(k, v, width), unpadded(key_mask, width), torch.cat((a.next_positions, b.next_positions)),
+                 torch.cat((a.logits, b.logits)))
+
+
+def decode_step(model: nn.Module, tokens: torch.Tensor, batch: Batch) -> None:
+    """Feed one new token per row (B,) through the model's forward; the next logits go to ``batch.logits``."""
+    if batch.key_mask is None:
+        logits = model(tokens[:, None], kv_cache=batch.cache)
+    else:
+        end = batch.cache.length + 1
+        logits = model(tokens[:, None], positions=batch.next_positions, attn_mask=batch.key_mask[:, None, None, :end],
+                       kv_cache=batch.cache)
+    batch.next_positions += 1
+    batch.logits = logits[:, -1]
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class Row:
+    """One sample being generated."""
+
+    request: int
+    sample: int
+    prompt: list[int]
+    config: GenerationConfig
+    generator: torch.Generator | None
+    stop_ids: set[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    text: str | None = None
+    finish: FinishReason | None = None
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the earliest of ``stops`` starts in ``text``, or -1."""
+    return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+
+
+class Engine:
+    """Continuous batching over a queue: ``submit`` requests, then iterate ``run()`` for
+    ``(request id, its n generations)`` as each request finishes (not in submission order)."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, max_batch: int = 64):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.net = decoding_view(model)
+        self.queue: deque[tuple[int, Request]] = deque()
+        self.rows: list[Row] = []
+        self.batch: Batch | None = None
+        self.done: dict[int, list[Row]] = {}
+        self.ids = itertools.count()
+
+    def submit(self, request: Request) -> int:
+        """Queue a request; returns its id. Bad requests are refused here, before any work."""
+        cfg, prompt = request.config, request.prompt
+        if len(prompt) == 0:
+            raise ValueError("every prompt needs at least one token (add a BOS token to an empty prompt)")
+        if cfg.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the text")
+        max_len = self.model.cfg.max_seq_len
+        if len(prompt) + cfg.max_new_tokens > max_len:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens plus max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
+                f"max_seq_len {max_len}; shorten the prompt or lower max_new_tokens"
+            )
+        request_id = next(self.ids)
+        self.queue.append((request_id, request))
+        return request_id
+
+    def run(self) -> Iterator[tuple[int, list[Generation]]]:
+        """Decode until the queue and the batch are empty, yielding each request as it finishes."""
+        with torch.inference_mode():
+            while self.queue or self.rows:
+                yield from self.step()
+
+    def step(self) -> list[tuple[int, list[Generation]]]:
+        """Admit waiting requests into free slots, choose every row's next token, let finished rows
+        leave, and run one decode step for the rest; returns the requests that finished."""
+        self.admit()
+        tokens = self.choose_tokens()
+        keep = [i for i, row in enumerate(self.rows) if row.finish is None]
+        finished = [row for row in self.rows if row.finish is not None]
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, dtype=torch.long, device=tokens.device)
+            self.rows = [self.rows[i] for i in keep]
+            self.batch = self.batch.select(index) if keep else None
+            tokens = tokens.index_select(0, index)
+        if self.rows:
+            decode_step(self.net, tokens, self.batch)
+        return self.collect(finished)
+
+    def admit(self) -> None:
+        """Move waiting requests into the batch while their rows fit (a request always fits an empty batch)."""
+        taken: list[tuple[int, Request]] = []
+        while self.queue:
+            n = self.queue[0][1].config.n
+            if (self.rows or taken) and len(self.rows) + sum(r.config.n for _, r in taken) + n > self.max_batch:
+                break
+            taken.append(self.queue.popleft())
+        if not taken:
+            return
+        device = self.model.embed.weight.device
+        new_rows = []
+        for request_id, request in taken:
+            cfg = request.config
+            generator = request.generator
+            if generator is None and cfg.seed is not None:
+                generator = torch.Generator(device).manual_seed(cfg.seed)
+            stop_ids = cfg.stop_token_ids
+            if stop_ids is None:
+                stop_ids = [self.tokenizer.eos_id] if self.tokenizer is not None else []
+            for sample in range(cfg.n):
+                new_rows.append(Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
+                                    top_logprobs=[] if cfg.top_logprobs else None))
+        extra = max(r.config.max_new_tokens for r in new_rows + self.rows) - 1
+        fresh = prefill(self.net, [r.prompt for _, r in taken], 0 if self.rows else extra)
+        copies = torch.tensor([r.config.n for _, r in taken], device=device)
+        if bool((copies > 1).any()):  # n samples of a prompt: copies of its one prefill
+            fresh = fresh.select(torch.arange(len(taken), device=device).repeat_interleave(copies))
+        if self.rows:
+            extra = max(r.config.max_new_tokens - len(r.tokens) for r in new_rows + self.rows) - 1
+            fresh = merge(self.batch, fresh, extra)
+        self.rows, self.batch = self.rows + new_rows, fresh
+
+    def choose_tokens(self) -> torch.Tensor:
+        """Each row's next token from its logits, recorded with its log-probability; marks finished rows."""
+        rows, logits = self.rows, self.batch.logits
+        configs = [r.config for r in rows]
+        if any(c.repetition_penalty != 1.0 for c in configs):
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            for i, r in enumerate(rows):
+                seen[i, torch.tensor(r.prompt + r.tokens, device=logits.device)] = True
+            penalties = torch.tensor([c.repetition_penalty for c in configs], device=logits.device)
+            sampled_from = repetition_penalty(logits.float(), seen, penalties)
+        else:
+            sampled_from = logits
+        if all(c.temperature == 0 for c in configs):
+            tokens = sampled_from.argmax(dim=-1)
+        else:
+            def setting(name):
+                return torch.tensor([getattr(c, name) for c in configs], device=logits.device)
+            tokens = sample_next_token(sampled_from, setting("temperature"), setting("top_k"), setting("top_p"),
+                                       [r.generator for r in rows], setting("min_p"))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max(c.top_logprobs for c in configs)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            self.record(row, token, chosen[i], (top_ids[i], top_values[i]) if k else None)
+        return tokens
+
+    def record(self, row: Row, token: int, logprob: float, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Append the token to the row, or finish the row at a stop token, stop string or its length."""
+        cfg = row.config
+        if token in row.stop_ids:
+            row.finish = "stop"
+            return
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        if row.top_logprobs is not None:
+            row.top_logprobs.append(list(zip(top[0][: cfg.top_logprobs].tolist(), top[1][: cfg.top_logprobs].tolist())))
+        if cfg.stop:
+            # Look for a stop string in the last few tokens only (a token is at least one byte,
+            # a character at most four), then cut the whole text at the first one.
+            tail = 4 * max(len(s) for s in cfg.stop) + 4
+            if find_stop(self.tokenizer.decode(row.tokens[-tail:]), cfg.stop) >= 0:
+                text = self.tokenizer.decode(row.tokens)
+                cut = find_stop(text, cfg.stop)
+                if cut >= 0:
+                    row.text, row.finish = text[:cut], "stop"
+                    return
+        if len(row.tokens) >= cfg.max_new_tokens:
+            row.finish = "length"
+
+    def collect(self, finished: list[Row]) -> list[tuple[int, list[Generation]]]:
+        """The requests whose every sample has now finished."""
+        out = []
+        for row in finished:
+            samples = self.done.setdefault(row.request, [])
+            samples.append(row)
+            if len(samples) == row.config.n:
+                del self.done[row.request]
+                out.append((row.request, [self.generation(r) for r in sorted(samples, key=lambda r: r.sample)]))
+        return out
+
+    def generation(self, row: Row) -> Generation:
+        text = row.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(row.tokens)
+        return Generation(row.prompt, row.tokens, row.finish, text, row.logprobs, row.top_logprobs)
+
+
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    tokenizer: Tokenizer | None = None,
+    max_batch: int = 64,
+) -> list[Generation]:
+    """Continue each prompt (token ids) until a stop token, a stop string or ``max_new_tokens``;
+    ``config.n`` generations per prompt, prompt after prompt. With ``config.seed`` the prompts
+    share one generator, as one seeded call."""
+    if not prompts:
+        raise ValueError("every prompt needs at least one token (add a BOS token to an empty prompt)")
+    engine = Engine(model, tokenizer, max_batch=max_batch)
+    generator = None
+    if config.seed is not None:
+        generator = torch.Generator(model.embed.weight.device).manual_seed(config.seed)
+    ids = [engine.submit(Request(p, config, generator)) for p in prompts]
+    results = dict(engine.run())
+    return [g for i in ids for g in results[i]]
+

@@ -1,0 +1,141 @@
+"""One forward: every model variant gives the same logits through a training forward, cached
+decoding (the inference engine's prefill and decode steps, on its decoding layout), a pipeline
+split (the stage modules run one after another) and its Hugging Face export.
+
+Every ``ModelConfig`` field is either changed by a variant here or listed in
+``NOT_ARITHMETIC`` with the reason; a new field fails ``test_every_config_field_is_covered``
+until a variant covers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+from lmforge.distributed.mesh import stage_layer_ranges
+from lmforge.inference.engine import decode_step, decoding_view, prefill
+from lmforge.model.config import ModelConfig
+from lmforge.model.fused import structural_copy
+from lmforge.model.hf import hf_config_dict, state_dict_to_hf
+from lmforge.model.transformer import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, ffn_hidden=96, max_seq_len=64, rope_theta=50000.0)
+VARIANTS = {
+    "mha": {},
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1, head_dim=32),  # head_dim other than d_model / n_heads
+    "tied": dict(tie_embeddings=True, n_kv_heads=2),
+    "qk-norm": dict(qk_norm=True, n_kv_heads=2, norm_eps=1e-6),  # Qwen3
+    "qkv-bias": dict(qkv_bias=True, n_kv_heads=2),  # Qwen2
+    "all-biases": dict(qkv_bias=True, out_bias=True, mlp_bias=True),  # Llama with biases
+    "gpt2-like": dict(norm="layernorm", ffn="gelu", ffn_hidden=None, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "llama3-rope": dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                        rope_original_max_seq_len=16, tie_embeddings=True, n_kv_heads=2),
+}
+NOT_ARITHMETIC = {
+    "preset": "names a set of the other fields' values, which the variants set directly",
+    "init_std": "the initial weights only; the test draws its own random weights",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROMPTS = [[1, 17, 45, 200, 8, 91, 2, 77, 5, 12, 250, 33], [1, 250, 3], [1, 9, 9, 130, 41, 66, 200]]
+FEED = [[7, 70, 170, 3, 99], [12, 5, 5, 240, 1], [60, 61, 62, 63, 64]]  # tokens fed after each prompt
+
+
+def tolerance(dtype: torch.dtype, n_layers: int, scale: float) -> float:
+    """How far two orders of the same arithmetic may fall apart, in absolute logits.
+
+    float32: each route rounds every product and sum to 24 bits (relative 6e-8); over the few
+    hundred terms of a dot product and the 2L + 1 residual updates the differences stay under
+    1e-6 of the logits' scale, so 1e-5 absolute (at logits of order 1) leaves room and still
+    catches any wrong term. 16-bit: the routes differ by where values are rounded to 16 bits
+    (eps 2^-8 for bfloat16, 2^-11 for float16; attention runs upcast over whole sequences and in
+    16 bits against the cache, see ``attend``), and each of the 2L + 2 roundings of the
+    residual stream and the head may move a logit by one eps of the scale: (2L + 2) eps x scale.
+    """
+    if dtype == torch.float32:
+        return 1e-5 * max(scale, 1.0)
+    eps = torch.finfo(dtype).eps
+    return (2 * n_layers + 2) * eps * scale
+
+
+def randomized(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Weights of a scale that gives logits of order 1, and random norm gains and biases, so a
+    misplaced gain, bias or column changes the logits."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def full_logits(model: Transformer, rows: list[list[int]]) -> list[torch.Tensor]:
+    """The training forward of each row alone: logits (T, V) in float32."""
+    with torch.no_grad():
+        return [model(torch.tensor([row]))[0].float() for row in rows]
+
+
+def test_every_config_field_is_covered():
+    covered = set(BASE) | {k for v in VARIANTS.values() for k in v}
+    missing = [f.name for f in fields(ModelConfig) if f.name not in covered and f.name not in NOT_ARITHMETIC]
+    assert not missing, f"ModelConfig fields {missing} are in no parity variant: add a variant (or a reason to NOT_ARITHMETIC)"
+    for name, changes in VARIANTS.items():  # each variant changes what it names
+        default = ModelConfig(**BASE)
+        assert any(getattr(ModelConfig(**{**BASE, **changes}), k) != getattr(default, k) for k in changes) or name == "mha"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_training_forward_cached_decoding_pipeline_and_hf_give_the_same_logits(variant, dtype):
+    cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
+    model = randomized(cfg).to(DTYPES[dtype])
+    rows = [p + f for p, f in zip(PROMPTS, FEED)]
+    expected = full_logits(model, rows)
+    scale = max(float(e.abs().max()) for e in expected)
+    atol = tolerance(DTYPES[dtype], cfg.n_layers, scale)
+
+    # cached decoding: a left-padded prefill of prompts of different lengths, then one token a step
+    net = decoding_view(model)
+    with torch.inference_mode():
+        batch = prefill(net, PROMPTS, extra=len(FEED[0]))
+        for step in range(len(FEED[0])):
+            for row, prompt in enumerate(PROMPTS):
+                got = batch.logits[row].float()
+                torch.testing.assert_close(got, expected[row][len(prompt) - 1 + step], atol=atol, rtol=0)
+            decode_step(net, torch.tensor([f[step] for f in FEED]), batch)
+
+    # a pipeline split: the same module with the blocks each stage does not own removed
+    tokens = torch.tensor([rows[0]])
+    x = tokens
+    with torch.no_grad():
+        for i, layers in enumerate(stage_layer_ranges(cfg.n_layers, 3)):  # embedding + 1, 2, 1 + head
+            # (a structural copy shares the tensors, so every kernel reads the same memory)
+            stage = structural_copy(model).keep_layers(layers, embed=i == 0, head=i == 2)
+            x = stage(x)
+        # the same operations on the same values: equal to the last bit
+        assert torch.equal(x, model(tokens))
+
+    # Hugging Face export, where an HF class computes this variant
+    try:
+        config = hf_config_dict(cfg)
+    except ValueError as exc:
+        assert variant == "gpt2-like" and "RMSNorm + SwiGLU" in str(exc)
+        return
+    hf_cfg = transformers.AutoConfig.for_model(**config)
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    missing, unexpected = hf.load_state_dict(state_dict_to_hf(model.float().state_dict(), cfg), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    hf.to(DTYPES[dtype])
+    with torch.no_grad():
+        theirs = hf(torch.tensor([rows[1]])).logits[0].float()
+    torch.testing.assert_close(theirs, expected[1], atol=atol, rtol=0)
