@@ -45,11 +45,14 @@ from lmforge.distributed.parallelize import reshard
 from lmforge.model.checkpoint import TOKENIZER_FILES, load_model_config
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.reference import Reference, precompute_logprobs
+from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.scoring import Scorer
 from lmforge.train.checkpoint import load_model, resolve_checkpoint
 from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
 from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, run_precision, train
 from lmforge.train.prepare import prepare_model
+
+BASE_EXPORT = "base-hf"  # a LoRA run's base as a Hugging Face folder, the base its adapter names
 
 
 @dataclass
@@ -202,7 +205,8 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         return summary
     model.to(device)  # a no-op in one process; rank 0's gathered copy, once the shards are gone
     backbone = model.backbone if stage.head is not None else model
-    final = save_finetuned(backbone, run.run_dir, run.tok_dir, run.base_dir, recipe.lora,
+    adapter_base = export_adapter_base(run.base_dir, run.run_dir) if recipe.lora is not None else None
+    final = save_finetuned(backbone, run.run_dir, run.tok_dir, adapter_base, recipe.lora,
                            write_extra=model.save_head if stage.head is not None else None)
     after = scorer(model) if scorer is not None else {}
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})
@@ -212,6 +216,21 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
     atomic_write_json(run.run_dir / "summary.json", summary)
     log.info("%s: after training %s; model in %s", stage.name, after, final)
     return summary
+
+
+def export_adapter_base(base_dir: Path, run_dir: Path) -> Path:
+    """``run_dir/base-hf``: the Hugging Face export of the base a LoRA run's adapter applies to
+    (with the ChatML template the adapter was trained on), which the adapter's
+    ``adapter_config.json`` names, as TRL's adapters name their hub base. It holds a full copy of
+    the base's weights (the demo's: a few MB). A base with no Hugging Face equivalent (LayerNorm,
+    GELU) is not exported: the adapter then names the lmforge checkpoint, and a warning says so."""
+    out = run_dir / BASE_EXPORT
+    try:
+        run_export(ExportRecipe(checkpoint=str(base_dir), run_dir=str(out)), chat=True)
+    except InputError as exc:
+        log.warning("the adapter names the lmforge checkpoint %s, which transformers cannot load: %s", base_dir, exc)
+        return base_dir
+    return out
 
 
 def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext | None = None) -> FinetuneRun:

@@ -97,6 +97,25 @@ def test_export_merge_lora_writes_the_fine_tuned_weights(tmp_path, base_checkpoi
         assert torch.allclose(hf(x).logits, tuned(x), atol=1e-5)
 
 
+def test_a_lora_adapter_names_a_base_that_peft_loads_and_matches_the_merged_model(tmp_path, base_checkpoint, sft_data):
+    import transformers
+    from peft import AutoPeftModelForCausalLM
+
+    run_sft(recipe(tmp_path, base_checkpoint, sft_data, "lora={r: 4, alpha: 8}", "train.max_steps=3"))
+    adapter = tmp_path / "run" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "run" / "base-hf").resolve())
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(config["base_model_name_or_path"])
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": "12 + 30 ="}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    tuned, _ = load_model(tmp_path / "run")  # final/: the adapter merged into the weights
+    with torch.no_grad():
+        unmerged, merged = peft_model(ids).logits, tuned(ids)
+    # fp32 throughout: W x + s B(A x) against (W + s BA) x differ only by rounding (~1e-7 relative)
+    assert torch.allclose(unmerged, merged, atol=1e-5) and not torch.allclose(merged, load_model(base_checkpoint)[0](ids))
+
+
 def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path, base_checkpoint, sft_data):
     lora = "lora={r: 4, alpha: 8, quantize_base: true, nf4_block_size: 64, nf4_scaler_block_size: 8}"
     summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, lora, "train.max_steps=10", "train.lr=2e-2"))
