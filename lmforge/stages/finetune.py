@@ -180,7 +180,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
     if val_batches:
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
     if logging_rank:
-        log.info("%s: before training %s", stage.name, before)
+        log.info("%s: before training: %s", stage.name, format_results(before))
     grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
     summary = train(
         model=model,
@@ -214,8 +214,19 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
                    skipped=run.skipped.to_dict(), before=before, after=after, final_checkpoint=str(final),
                    lora=recipe.lora is not None, **stage.summary)
     atomic_write_json(run.run_dir / "summary.json", summary)
-    log.info("%s: after training %s; model in %s", stage.name, after, final)
+    log.info("%s: after training: %s; model in %s", stage.name, format_results(after), final)
     return summary
+
+
+def format_results(results: dict) -> str:
+    """Scores and validation figures for the console: ``val_loss 0.6931, exact_match {exact_match
+    0.1067, examples 150}`` (4 significant digits), not a Python dict's 17."""
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + format_results(v) + "}"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k} {value(v)}" for k, v in results.items()) or "nothing scored"
 
 
 def export_adapter_base(base_dir: Path, run_dir: Path) -> Path:
