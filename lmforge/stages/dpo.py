@@ -33,7 +33,7 @@ from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.peft.lora import LoraConfig
-from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, run_finetune
+from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, combined, named_scorer, preference_scorer
 from lmforge.train.loop import TrainConfig
 from lmforge.train.metrics import loss_curve_lines
@@ -101,7 +101,8 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     """Lines for the lifecycle report: data, margins, preference and exact-match accuracy before and after."""
     before, after = res.get("before") or {}, res.get("after") or {}
     out = [f"- loss `{res.get('loss')}`: {res.get('train_examples')} training pairs, {res.get('step')} steps in "
-           f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+           f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
+           adapter_line(res, "dpo", "recipes/demo/dpo.yaml")]
     skipped = (res.get("skipped") or {}).get("by_reason") or {}
     if skipped:
         out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped}")

@@ -229,6 +229,18 @@ def format_results(results: dict) -> str:
     return ", ".join(f"{k} {value(v)}" for k, v in results.items()) or "nothing scored"
 
 
+def adapter_line(res: dict, verb: str, recipe: str) -> str:
+    """The report's line on the run's adapter: where it and its base are (LoRA), or how to get one
+    (full fine-tuning writes none), so a user of a full fine-tuning lifecycle learns where adapters come from."""
+    run_dir = Path(res.get("final_checkpoint") or "run").parent
+    if res.get("lora"):
+        return (f"- LoRA adapter (PEFT format) in `{run_dir / 'adapter'}`, its base as a Hugging Face folder in "
+                f"`{run_dir / BASE_EXPORT}`: `peft.AutoPeftModelForCausalLM.from_pretrained` loads both")
+    return (f"- full fine-tuning, so no adapter: the same stage with `lora.r=16 lora.alpha=32` writes a PEFT-format "
+            f"one to its `adapter/` (e.g. `lmforge {verb} {recipe} lora.r=16 lora.alpha=32 train.lr=3e-3 "
+            f"run_dir={run_dir}-lora`)")
+
+
 def export_adapter_base(base_dir: Path, run_dir: Path) -> Path:
     """``run_dir/base-hf``: the Hugging Face export of the base a LoRA run's adapter applies to
     (with the ChatML template the adapter was trained on), which the adapter's
