@@ -13,8 +13,10 @@ it is left out of the loss, the metrics and the pair count.
 Logged per pair, as TRL does: ``reward_chosen``/``reward_rejected`` (β·log-ratio for the
 reference-based losses, β·log-prob for the reference-free ones), ``margin`` (their
 difference), ``accuracy`` (margin > 0), ``logp_chosen``/``logp_rejected`` and, with a
-reference, ``kl``: the mean log-ratio logπ − logπ_ref of chosen and rejected (a k1
-estimate on the preference data, not on the policy's own samples).
+reference, ``ties`` (margin 0 up to rounding: every pair while the policy is the reference, so
+an accuracy near 0 then means ties, not wrong preferences) and ``kl_k1``: the mean log-ratio
+logπ − logπ_ref of chosen and rejected (TRL's ``kl``; a k1 estimate on the preference data, not
+on the policy's own samples, so it can be negative).
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ from lmforge.objectives.preference import (
     simpo_loss,
 )
 from lmforge.objectives.reference import Reference, completion_logprobs, trim_padding
+
+# a tie's log-ratio margin, relative to the summed log-probs it is the difference of: float32 sums
+# over a completion's tokens, computed in batches of other padding, round at ~1e-6 of their size
+TIE_RELATIVE = 1e-5
+
+
+def ties(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> torch.Tensor:
+    """The pairs whose log-ratio margin (logπ_c − logπ_ref_c) − (logπ_r − logπ_ref_r) is zero up to
+    float32 rounding: every pair while the policy is the reference."""
+    scale = chosen.abs() + rejected.abs() + ref_chosen.abs() + ref_rejected.abs()
+    return ((chosen - ref_chosen) - (rejected - ref_rejected)).abs() <= TIE_RELATIVE * scale
 
 PreferenceLoss = Literal["dpo", "ipo", "cdpo", "rdpo", "hinge", "simpo", "orpo", "cpo"]
 REFERENCE_FREE = ("simpo", "orpo", "cpo")
@@ -120,7 +133,8 @@ class PreferenceObjective(Objective):
                 losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, DPO_TYPES[cfg.loss],
                                   cfg.label_smoothing)[0]
             reward_c, reward_r = cfg.beta * (chosen - ref_chosen).detach(), cfg.beta * (rejected - ref_rejected).detach()
-            metrics["kl"] = masked_sum((chosen - ref_chosen) + (rejected - ref_rejected), scored).detach() / 2
+            metrics["ties"] = masked_sum(ties(chosen, rejected, ref_chosen, ref_rejected).float(), scored)
+            metrics["kl_k1"] = masked_sum((chosen - ref_chosen) + (rejected - ref_rejected), scored).detach() / 2
             if cfg.sft_weight:  # TRL's "sft" loss on the chosen completions
                 losses = losses + cfg.sft_weight * chosen_nll
                 metrics["nll"] = chosen_nll.detach() * scored.sum()

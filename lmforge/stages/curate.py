@@ -58,14 +58,15 @@ def run(cfg: Any) -> dict:
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
-    """Lines for the lifecycle report, with the statistics plot."""
+    """Lines for the lifecycle report, with the statistics figure beside the report as
+    ``<stage>-stats.png`` (the lifecycle's ``plot_path`` names a loss curve, which curation has not)."""
     if "stages" not in res:
         return [f"- {k}: {v}" for k, v in res.items() if not isinstance(v, (dict, list))]
-    plot = None
-    if (stage_dir / "report.png").exists():
-        shutil.copyfile(stage_dir / "report.png", plot_path)
-        plot = plot_path.name
-    return report_lines(res, plot)
+    if not (stage_dir / "report.png").exists():
+        return report_lines(res, None)
+    figure = plot_path.with_name(plot_path.name.removesuffix("-loss.png") + "-stats.png")
+    shutil.copyfile(stage_dir / "report.png", figure)
+    return report_lines({**res, "plot": figure.name}, figure.name)
 
 
 RECIPE = CurateConfig

@@ -33,7 +33,7 @@ from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.peft.lora import LoraConfig
-from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, run_finetune
+from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, combined, named_scorer, preference_scorer
 from lmforge.train.loop import TrainConfig
 from lmforge.train.metrics import loss_curve_lines
@@ -88,25 +88,35 @@ def _pct(result: dict | None, key: str = "exact_match") -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+def _accuracy(result: dict) -> str:
+    """The implicit-reward accuracy (margin > 0) with its ties (margin 0 up to rounding) said as
+    ties: while the policy is the reference every margin is 0, and "0.0%" would read as every pair wrong."""
+    ties = result.get("val_ties") or 0.0
+    if ties >= 1.0:
+        return "n/a (every pair a tie: margin 0 at init)"
+    return f"{_pct(result, 'val_accuracy')} ({100 * ties:.1f}% ties)" if ties > 0 else _pct(result, "val_accuracy")
+
+
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     """Lines for the lifecycle report: data, margins, preference and exact-match accuracy before and after."""
     before, after = res.get("before") or {}, res.get("after") or {}
     out = [f"- loss `{res.get('loss')}`: {res.get('train_examples')} training pairs, {res.get('step')} steps in "
-           f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+           f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
+           adapter_line(res, "dpo", "recipes/demo/dpo.yaml")]
     skipped = (res.get("skipped") or {}).get("by_reason") or {}
     if skipped:
         out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped}")
     if "val_margin" in after:
         start = round(before.get("val_margin", 0.0), 3) + 0.0  # no "-0.000" at policy == reference
         out.append(f"- validation reward margin **{start:.3f} → {after['val_margin']:.3f}**, implicit-reward "
-                   f"preference accuracy {_pct(before, 'val_accuracy')} → {_pct(after, 'val_accuracy')}")
+                   f"preference accuracy {_accuracy(before)} → {_accuracy(after)}")
     if "logp_accuracy" in after:
         out.append(f"- the model's own preference (log-prob of chosen > rejected) on {after['pairs']} held-out pairs: "
                    f"{_pct(before, 'logp_accuracy')} → **{_pct(after, 'logp_accuracy')}**")
     if after.get("exact_match"):
         out.append(f"- exact match on {after['exact_match']['examples']} tasks: **{_pct(before)} before, "
                    f"{_pct(after)} after**")
-    return out + loss_curve_lines(stage_dir, plot_path)
+    return out + loss_curve_lines(stage_dir, plot_path, ylabel=f"{res.get('loss')} loss per pair")
 
 
 RECIPE = DPORecipe

@@ -68,8 +68,10 @@ def recipe_from_args(args: argparse.Namespace) -> ExportRecipe:
     return dataclasses.replace(recipe, merge_lora=args.merge_lora) if args.merge_lora else recipe
 
 
-def run_export(recipe: ExportRecipe) -> Path:
-    """Write ``recipe.run_dir`` atomically; return the checkpoint directory that was exported."""
+def run_export(recipe: ExportRecipe, chat: bool = False) -> Path:
+    """Write ``recipe.run_dir`` atomically; return the checkpoint directory that was exported.
+    ``chat``: the export gets the ChatML template when the checkpoint has none (the base of a
+    fine-tuning run's adapter, which was trained on it), as ``merge_lora`` does."""
     ckpt = resolve_checkpoint(recipe.checkpoint)
     out = Path(recipe.run_dir)
     _check_output_dir(out, ckpt)
@@ -81,7 +83,7 @@ def run_export(recipe: ExportRecipe) -> Path:
     check_weights(state, cfg, where=str(ckpt / WEIGHTS))
     state = cast_weights(state, recipe.dtype)
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
-    tokenizer = export_tokenizer(ckpt, merging=bool(recipe.merge_lora))
+    tokenizer = export_tokenizer(ckpt, merging=bool(recipe.merge_lora) or chat)
     token_ids = special_token_ids(tokenizer.vocab, tokenizer.exported) if tokenizer else {}
     try:
         hf_config = hf_config_dict(cfg, dtype=dtype, **token_ids)

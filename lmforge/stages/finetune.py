@@ -45,11 +45,14 @@ from lmforge.distributed.parallelize import reshard
 from lmforge.model.checkpoint import TOKENIZER_FILES, load_model_config
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.reference import Reference, precompute_logprobs
+from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.scoring import Scorer
 from lmforge.train.checkpoint import load_model, resolve_checkpoint
 from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
 from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, run_precision, train
 from lmforge.train.prepare import prepare_model
+
+BASE_EXPORT = "base-hf"  # a LoRA run's base as a Hugging Face folder, the base its adapter names
 
 
 @dataclass
@@ -177,7 +180,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
     if val_batches:
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
     if logging_rank:
-        log.info("%s: before training %s", stage.name, before)
+        log.info("%s: before training: %s", stage.name, format_results(before))
     grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
     summary = train(
         model=model,
@@ -202,7 +205,8 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         return summary
     model.to(device)  # a no-op in one process; rank 0's gathered copy, once the shards are gone
     backbone = model.backbone if stage.head is not None else model
-    final = save_finetuned(backbone, run.run_dir, run.tok_dir, run.base_dir, recipe.lora,
+    adapter_base = export_adapter_base(run.base_dir, run.run_dir) if recipe.lora is not None else None
+    final = save_finetuned(backbone, run.run_dir, run.tok_dir, adapter_base, recipe.lora,
                            write_extra=model.save_head if stage.head is not None else None)
     after = scorer(model) if scorer is not None else {}
     after.update({k: v for k, v in summary.items() if k.startswith("val_")})
@@ -210,8 +214,46 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
                    skipped=run.skipped.to_dict(), before=before, after=after, final_checkpoint=str(final),
                    lora=recipe.lora is not None, **stage.summary)
     atomic_write_json(run.run_dir / "summary.json", summary)
-    log.info("%s: after training %s; model in %s", stage.name, after, final)
+    log.info("%s: after training: %s; model in %s", stage.name, format_results(after), final)
     return summary
+
+
+def format_results(results: dict) -> str:
+    """Scores and validation figures for the console: ``val_loss 0.6931, exact_match {exact_match
+    0.1067, examples 150}`` (4 significant digits), not a Python dict's 17."""
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + format_results(v) + "}"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k} {value(v)}" for k, v in results.items()) or "nothing scored"
+
+
+def adapter_line(res: dict, verb: str, recipe: str) -> str:
+    """The report's line on the run's adapter: where it and its base are (LoRA), or how to get one
+    (full fine-tuning writes none), so a user of a full fine-tuning lifecycle learns where adapters come from."""
+    run_dir = Path(res.get("final_checkpoint") or "run").parent
+    if res.get("lora"):
+        return (f"- LoRA adapter (PEFT format) in `{run_dir / 'adapter'}`, its base as a Hugging Face folder in "
+                f"`{run_dir / BASE_EXPORT}`: `peft.AutoPeftModelForCausalLM.from_pretrained` loads both")
+    return (f"- full fine-tuning, so no adapter: the same stage with `lora.r=16 lora.alpha=32` writes a PEFT-format "
+            f"one to its `adapter/` (e.g. `lmforge {verb} {recipe} lora.r=16 lora.alpha=32 train.lr=3e-3 "
+            f"run_dir={run_dir}-lora`)")
+
+
+def export_adapter_base(base_dir: Path, run_dir: Path) -> Path:
+    """``run_dir/base-hf``: the Hugging Face export of the base a LoRA run's adapter applies to
+    (with the ChatML template the adapter was trained on), which the adapter's
+    ``adapter_config.json`` names, as TRL's adapters name their hub base. It holds a full copy of
+    the base's weights (the demo's: a few MB). A base with no Hugging Face equivalent (LayerNorm,
+    GELU) is not exported: the adapter then names the lmforge checkpoint, and a warning says so."""
+    out = run_dir / BASE_EXPORT
+    try:
+        run_export(ExportRecipe(checkpoint=str(base_dir), run_dir=str(out)), chat=True)
+    except InputError as exc:
+        log.warning("the adapter names the lmforge checkpoint %s, which transformers cannot load: %s", base_dir, exc)
+        return base_dir
+    return out
 
 
 def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext | None = None) -> FinetuneRun:

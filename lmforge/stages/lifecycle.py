@@ -38,7 +38,7 @@ class StageSpec:
 
 @dataclass
 class LifecycleRecipe:
-    run_dir: str = "runs/lifecycle"  # receives report.md, the stages' <stage>-loss.png figures and lifecycle.json
+    run_dir: str = "runs/lifecycle"  # receives report.md, its figures (<stage>-loss.png; curate: <stage>-stats.png), lifecycle.json
     stages: list[StageSpec] = field(default_factory=list)
     force: bool = False  # rerun stages even when their outputs are complete
 

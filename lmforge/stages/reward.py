@@ -74,7 +74,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
         out.append(f"- held-out pairwise accuracy on {res.get('val_examples')} pairs: "
                    f"**{100 * before.get('val_accuracy', 0):.1f}% → {100 * after['val_accuracy']:.1f}%**, "
                    f"mean margin {before.get('val_margin', 0):.3f} → {after['val_margin']:.3f}")
-    return out + loss_curve_lines(stage_dir, plot_path)
+    return out + loss_curve_lines(stage_dir, plot_path, ylabel="Bradley-Terry loss (nats/pair)")
 
 
 RECIPE = RewardRecipe

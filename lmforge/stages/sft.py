@@ -32,7 +32,7 @@ from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
-from lmforge.stages.finetune import FinetuneStage, run_finetune
+from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, named_scorer
 from lmforge.train.loop import TrainConfig
 from lmforge.train.metrics import loss_curve_lines
@@ -100,7 +100,8 @@ def run_sft(recipe: SFTRecipe) -> dict:
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     """Lines for the lifecycle report: data, validation loss, exact match before and after."""
     out = [f"- {res.get('train_examples')} training examples, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
-           f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`"]
+           f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
+           adapter_line(res, "sft", "recipes/demo/sft.yaml")]
     skipped = (res.get("skipped") or {}).get("by_reason") or {}
     out.append(f"- examples skipped or truncated: {sum(skipped.values())} {skipped if skipped else ''}".rstrip())
     if res.get("val_loss") is not None:

@@ -56,13 +56,17 @@ def validation_batches(rows: dict[str, torch.Tensor] | None, batch_size: int, ra
     return lambda: RowLoader(rows, batch_size, shuffle=False, loop=False, rank=rank, world_size=world_size)
 
 
-def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, base_dir: Path, lora: LoraConfig | None,
+def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, adapter_base: Path | None, lora: LoraConfig | None,
                    write_extra: Callable[[Path], None] | None = None) -> Path:
     """The fine-tuned model as a plain checkpoint in ``run_dir/final`` (LoRA merged) that
-    generate/export read, plus, for LoRA, the adapter in PEFT's format in ``run_dir/adapter``.
+    generate/export read, plus, for LoRA, the adapter in PEFT's format in ``run_dir/adapter``
+    whose ``base_model_name_or_path`` is ``adapter_base`` (absolute): a Hugging Face folder of the
+    base, so ``AutoPeftModelForCausalLM.from_pretrained(adapter)`` loads it.
     ``write_extra(directory)`` adds files (a reward head) before the checksums are written."""
     if lora is not None:
-        save_adapter(model, lora, run_dir / "adapter", base_model_name_or_path=str(base_dir))
+        if adapter_base is None:
+            raise ValueError("save_finetuned: a LoRA run needs adapter_base, the Hugging Face export of its base")
+        save_adapter(model, lora, run_dir / "adapter", base_model_name_or_path=str(Path(adapter_base).resolve()))
         merge_lora(model)
     final = run_dir / "final"
     with atomic_directory(final) as tmp:  # a rerun's final/ is replaced whole, never left half new

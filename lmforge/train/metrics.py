@@ -91,14 +91,16 @@ def parse_metrics(path: Path) -> list[dict]:
     return records
 
 
-def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> list[str]:
-    """The lifecycle report's lines for a stage's loss curve (plotted into ``out``) and its loss-spike
-    events; none without metrics."""
-    curve = ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy) else []
+def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None,
+                     ylabel: str = "loss (nats/token)") -> list[str]:
+    """The lifecycle report's lines for a stage's loss curve (plotted into ``out``, its y-axis
+    ``ylabel``: what the stage's loss is per) and its loss-spike events; none without metrics."""
+    curve = ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy, ylabel) else []
     return curve + report_lines(read_metrics(stage_dir, events=True))
 
 
-def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None) -> Path | None:
+def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None,
+                ylabel: str = "loss (nats/token)") -> Path | None:
     """Training and validation loss against step, from the stage's metrics.jsonl."""
     records = read_metrics(stage_dir)
     if not records:
@@ -116,7 +118,7 @@ def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None
     if unigram_entropy:
         ax.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1, label="unigram entropy")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

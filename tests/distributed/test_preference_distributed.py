@@ -101,7 +101,7 @@ def column(run_dir, key):
     return [r[key] for r in read_metrics(run_dir) if key in r]
 
 
-METRICS = {"dpo": ("margin", "accuracy", "kl"), "kto": ("kl", "accuracy", "signed_reward"),
+METRICS = {"dpo": ("margin", "accuracy", "kl_k1"), "kto": ("kl", "accuracy", "signed_reward"),
            "reward": ("margin", "accuracy", "reward_chosen")}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,20 +41,29 @@ def dpo_recipe(tmp_path, base, data, *overrides) -> DPORecipe:
         f"data.val=[{data / 'val.jsonl'}]", "score.name=exact_match", "score.max_examples=4", "score.max_new_tokens=4", *COMMON, *overrides])
 
 
-def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, base_checkpoint, data):
+def test_dpo_starts_at_ln2_learns_the_preference_and_writes_a_model(tmp_path, base_checkpoint, data, monkeypatch):
     summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "objective.beta=0.5"))
     records = read_metrics(tmp_path / "dpo")
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 1
     assert records[0]["margin"] == pytest.approx(0.0, abs=1e-5)
     assert records[-1]["loss"] < records[0]["loss"]
-    assert {"reward_chosen", "reward_rejected", "accuracy", "kl", "grad_norm"} <= set(records[-1])
+    assert {"reward_chosen", "reward_rejected", "accuracy", "ties", "kl_k1", "grad_norm"} <= set(records[-1])
+    assert "kl" not in records[-1]  # named for the estimate it is, which can be negative
+    assert records[0]["ties"] == 1.0 and records[0]["accuracy"] == 0.0  # policy == reference: every margin 0
     before, after = summary["before"], summary["after"]
     assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert after["val_margin"] > before["val_margin"] and after["logp_margin"] > before["logp_margin"]
     assert before["exact_match"]["examples"] == 4
+    import matplotlib.axes
+
     from lmforge.stages.dpo import report  # the lifecycle report's line, from the named scorer's figures
 
-    assert "- exact match on 4 tasks: **" in "\n".join(report(summary, tmp_path / "dpo", tmp_path / "plot.png"))
+    labels = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda ax, label, **kw: labels.append(label))
+    lines = "\n".join(report(summary, tmp_path / "dpo", tmp_path / "plot.png"))
+    assert "- exact match on 4 tasks: **" in lines
+    assert before["val_ties"] == 1.0 and "preference accuracy n/a (every pair a tie: margin 0 at init) → " in lines
+    assert labels == ["dpo loss per pair"]  # not nats/token: the loss is a pair's
     model, where = load_model(tmp_path / "dpo")
     assert where.name == "final"
 
@@ -96,7 +106,7 @@ def test_lora_dpo_uses_the_model_with_adapters_disabled_as_reference(tmp_path, b
                                  "precompute_reference=false"))
     records = read_metrics(tmp_path / "dpo")
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # B = 0 at init: policy == reference
-    assert records[-1]["kl"] != 0.0 and summary["lora"]
+    assert records[-1]["kl_k1"] != 0.0 and summary["lora"]
     assert (tmp_path / "dpo" / "adapter" / "adapter_model.safetensors").is_file()
 
 
@@ -292,3 +302,21 @@ def test_equal_shares_cover_every_row_once_and_give_every_rank_as_many_rows(n):
     assert rows == list(range(n))  # in order, each once
     sizes = {share.stop - share.start + pad for share, pad in shares}
     assert sizes == {-(-n // 2)}  # padded to the same size
+
+
+def test_dpo_report_says_ties_as_ties():
+    from lmforge.stages.dpo import report
+
+    res = {"loss": "dpo", "before": {"val_margin": 0.0, "val_accuracy": 0.0, "val_ties": 1.0},
+           "after": {"val_margin": 0.5, "val_accuracy": 0.7733, "val_ties": 0.02}}
+    lines = "\n".join(report(res, Path("/nonexistent"), Path("/nonexistent/plot.png")))
+    assert "preference accuracy n/a (every pair a tie: margin 0 at init) → 77.3% (2.0% ties)" in lines
+
+
+def test_fine_tuning_results_print_formatted_not_as_dicts():
+    from lmforge.stages.finetune import format_results
+
+    text = format_results({"val_loss": 0.6931471805599453, "exact_match": {"exact_match": 0.10666666666666667,
+                                                                           "examples": 150}})
+    assert text == "val_loss 0.6931, exact_match {exact_match 0.1067, examples 150}"
+    assert format_results({}) == "nothing scored"

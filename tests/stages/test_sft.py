@@ -36,8 +36,10 @@ def test_full_fine_tuning_trains_assistant_tokens_and_writes_a_loadable_model(tm
     assert summary["before"]["exact_match"]["examples"] == min(8, n_val) and "exact_match" in summary["after"]["exact_match"]
     from lmforge.stages.sft import report  # the lifecycle report's line, from the named scorer's figures
 
-    assert f"- exact match on {min(8, n_val)} validation tasks: **" in "\n".join(report(summary, tmp_path / "run",
-                                                                                       tmp_path / "plot.png"))
+    lines = "\n".join(report(summary, tmp_path / "run", tmp_path / "plot.png"))
+    assert f"- exact match on {min(8, n_val)} validation tasks: **" in lines
+    assert "- full fine-tuning, so no adapter: the same stage with `lora.r=16 lora.alpha=32` writes" in lines
+    assert f"`lmforge sft recipes/demo/sft.yaml lora.r=16 lora.alpha=32 train.lr=3e-3 run_dir={tmp_path / 'run'}-lora`" in lines
     model, where = load_model(tmp_path / "run")  # resolves to run/final
     assert where.name == "final" and model.cfg.d_model == 32
     config = json.loads((where / "tokenizer_config.json").read_text())
@@ -95,6 +97,29 @@ def test_export_merge_lora_writes_the_fine_tuned_weights(tmp_path, base_checkpoi
     x = torch.randint(0, 512, (2, 12))
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, tuned(x), atol=1e-5)
+
+
+def test_a_lora_adapter_names_a_base_that_peft_loads_and_matches_the_merged_model(tmp_path, base_checkpoint, sft_data):
+    import transformers
+    from peft import AutoPeftModelForCausalLM
+
+    from lmforge.stages.sft import report
+
+    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, "lora={r: 4, alpha: 8}", "train.max_steps=3"))
+    adapter = tmp_path / "run" / "adapter"
+    assert (f"- LoRA adapter (PEFT format) in `{adapter}`, its base as a Hugging Face folder in `{tmp_path / 'run' / 'base-hf'}`"
+            in "\n".join(report(summary, tmp_path / "run", tmp_path / "plot.png")))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "run" / "base-hf").resolve())
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(config["base_model_name_or_path"])
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": "12 + 30 ="}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    tuned, _ = load_model(tmp_path / "run")  # final/: the adapter merged into the weights
+    with torch.no_grad():
+        unmerged, merged = peft_model(ids).logits, tuned(ids)
+    # fp32 throughout: W x + s B(A x) against (W + s BA) x differ only by rounding (~1e-7 relative)
+    assert torch.allclose(unmerged, merged, atol=1e-5) and not torch.allclose(merged, load_model(base_checkpoint)[0](ids))
 
 
 def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path, base_checkpoint, sft_data):
