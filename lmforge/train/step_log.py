@@ -16,7 +16,7 @@ from lmforge.train.metrics import PEAK_ENV, MetricsLogger, peak_flops, peak_memo
 from lmforge.train.step import StepResult
 
 # objective metrics worth a place on the console line (all of them go to metrics.jsonl)
-CONSOLE_METRICS = ("margin", "accuracy", "kl")
+CONSOLE_METRICS = ("margin", "accuracy", "kl", "kl_k1")
 
 
 class NoMetrics:
