@@ -95,7 +95,7 @@ def time_steps(step, n_steps: int, device: torch.device) -> list[float]:
 
 def result_rows(precision: str, best: dict[str, float], tokens: int, flops_per_token: int, peak: float | None) -> list[dict]:
     return [{"precision": precision, "model": name, "step_s": round(t, 4), "tokens_per_s": round(tokens / t, 1),
-             "mfu": round(mfu, 4) if (mfu := utilization(flops_per_token * tokens / t, peak)) is not None else None}
+             "mfu": float(f"{mfu:.4g}") if (mfu := utilization(flops_per_token * tokens / t, peak)) is not None else None}
             for name, t in best.items()]
 
 

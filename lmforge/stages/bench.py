@@ -5,7 +5,8 @@ square matmuls and the best rate is cached. A GPU in the table uses its data-she
 figure is cached and used instead. A cached figure is only ever raised: a rerun keeps the
 higher of the new measurement and the cached one, since a peak is the best the hardware
 reaches and other work running at the same time only lowers it. Run it on an idle
-machine; delete the cache file (LMFORGE_CACHE/peak_flops.json) to start over.
+machine; delete the cache file (LMFORGE_CACHE/peak_flops.json) to start over. Without it,
+the first stage on a machine that needs a peak measures it the same way and caches it.
 A figure stated in the environment wins over both and nothing is timed:
 LMFORGE_PEAK_FLOPS=float32=2e11,bfloat16=9e11 (the test suite sets it).
 
@@ -25,7 +26,15 @@ import torch
 from lmforge.core.config import load_config, positive
 from lmforge.core.run import log
 from lmforge.train.loop import resolve_device
-from lmforge.train.metrics import cached_peak, datasheet_peak, measure_matmul_peak, peak_cache_path, store_peak
+from lmforge.train.metrics import (
+    STABLE_SECONDS,
+    STABLE_SIZE,
+    cached_peak,
+    datasheet_peak,
+    measure_matmul_peak,
+    peak_cache_path,
+    store_peak,
+)
 
 PEAK_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -35,8 +44,8 @@ class BenchRecipe:
     what: Literal["peak"] = "peak"
     device: str = "auto"
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # any of float32, bfloat16, float16
-    size: int = positive(2048)  # n of the n x n matmul
-    seconds: float = positive(3.0)  # per dtype; the best rate observed is kept
+    size: int = positive(STABLE_SIZE)  # n of the n x n matmul
+    seconds: float = positive(STABLE_SECONDS)  # per dtype; the best rate observed is kept
     measure: bool = False  # a GPU in the data-sheet table: time it and use the measured figure for MFU
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, combined, named_scorer, preference_scorer
-from lmforge.train.loop import TrainConfig
+from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
 
 # the objective's keys, flat at the recipe's top before they were nested under `objective:`
@@ -116,6 +116,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if after.get("exact_match"):
         out.append(f"- exact match on {after['exact_match']['examples']} tasks: **{_pct(before)} before, "
                    f"{_pct(after)} after**")
+    out += precision_line(res)
     return out + loss_curve_lines(stage_dir, plot_path, ylabel=f"{res.get('loss')} loss per pair")
 
 

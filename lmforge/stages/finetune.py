@@ -109,6 +109,7 @@ class FinetuneRun:
     train_examples: list
     val_examples: list
     skipped: SkipLog
+    precision_reason: str = ""  # why, for the summary and the report
 
     def train_config(self, cfg: TrainConfig) -> TrainConfig:
         """``cfg`` with the precision chosen here, so the loop trains in the one the stage evaluated in."""
@@ -195,6 +196,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         flops_per_token=model.cfg.flops_per_token(d.max_length) * (4 / 3 if reference is not None else 1),
         tokenizer_dir=run.tok_dir,
         parallel=parallel,
+        precision_reason=run.precision_reason,
     )
     if (stored := completed_summary(run.run_dir, summary)) is not None:  # a rerun: the run's own summary stands
         return {**stored, **summary}
@@ -267,7 +269,7 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     check_finetune_memory(recipe, device, parallel)
     logging_rank = parallel is None or parallel.is_logging_rank
     run_dir = start_run(recipe, recipe.run_dir) if logging_rank else Path(recipe.run_dir)
-    precision = run_precision(recipe.train, run_dir, device, parallel)  # rank 0 chooses for every rank
+    precision, precision_reason = run_precision(recipe.train, run_dir, device, parallel)  # rank 0 chooses for every rank
     torch.manual_seed(recipe.train.seed)
     model, tok, tok_dir, base_dir = load_base(recipe.checkpoint, run_dir, device, recipe.data.max_length, parallel)
     d = recipe.data
@@ -280,7 +282,7 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     log.info("%s: %d training and %d validation examples; %d skipped or truncated %s", stage.name, len(train_examples),
              len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
     return FinetuneRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
-                       skipped)
+                       skipped, precision_reason)
 
 
 def check_data_paths(recipe, stage: FinetuneStage) -> None:

@@ -47,6 +47,7 @@ from lmforge.train.checkpoint import checkpoint_dirs
 from lmforge.train.loop import (
     TrainConfig,
     accumulation_steps,
+    precision_line,
     resolve_device,
     run_precision,
     train,
@@ -143,8 +144,9 @@ def will_resume(cfg: TrainConfig, run_dir: Path) -> bool:
 
 def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.nn.Module, cfg: TrainConfig,
                     run_dir: Path, token_bytes: torch.Tensor, ctx: ParallelContext | None = None,
-                    pipeline: PipelineRunner | None = None) -> dict:
-    """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``."""
+                    pipeline: PipelineRunner | None = None, precision_reason: str | None = None) -> dict:
+    """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``.
+    ``precision_reason``: why ``cfg.precision`` was chosen, when it was chosen before the loop."""
     rank, dp = data_parallel_rank(ctx)
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     data = recipe.data
@@ -166,6 +168,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         tokenizer_dir=recipe.tokenizer,
         parallel=ctx,
         pipeline=pipeline,
+        precision_reason=precision_reason,
     )
     if (stored := completed_summary(run_dir, summary)) is not None:  # a rerun: the run's own summary stands
         return {**stored, **summary}
@@ -192,7 +195,8 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
             start_run(recipe, recipe.run_dir)
         dist.barrier()
         run_dir = Path(recipe.run_dir)
-        cfg = dataclasses.replace(recipe.train, precision=run_precision(recipe.train, run_dir, ctx.device, ctx))
+        precision, reason = run_precision(recipe.train, run_dir, ctx.device, ctx)
+        cfg = dataclasses.replace(recipe.train, precision=precision)
         torch.manual_seed(cfg.seed)
         model = build_model(recipe.model, ctx.device)
         flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
@@ -208,7 +212,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
                                       split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss,
                                       count_bytes=lambda targets: int(token_bytes[targets.cpu()].sum()))
 
-        return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline)
+        return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline, reason)
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
@@ -221,7 +225,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if res.get("tokens_per_s"):
         mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
         out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")
-    return out + loss_curve_lines(stage_dir, plot_path, res.get("unigram_entropy"))
+    return out + precision_line(res) + loss_curve_lines(stage_dir, plot_path, res.get("unigram_entropy"))
 
 
 RECIPE = PretrainRecipe

@@ -27,7 +27,7 @@ from lmforge.model.reward import RewardModel
 from lmforge.objectives.reward import RewardLossConfig, RewardObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, run_finetune
-from lmforge.train.loop import TrainConfig
+from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
 
 
@@ -74,6 +74,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
         out.append(f"- held-out pairwise accuracy on {res.get('val_examples')} pairs: "
                    f"**{100 * before.get('val_accuracy', 0):.1f}% → {100 * after['val_accuracy']:.1f}%**, "
                    f"mean margin {before.get('val_margin', 0):.3f} → {after['val_margin']:.3f}")
+    out += precision_line(res)
     return out + loss_curve_lines(stage_dir, plot_path, ylabel="Bradley-Terry loss (nats/pair)")
 
 

@@ -34,7 +34,7 @@ from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, named_scorer
-from lmforge.train.loop import TrainConfig
+from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
 
 
@@ -110,6 +110,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if before and after:
         out.append(f"- exact match on {after['examples']} validation tasks: **{100 * before['exact_match']:.1f}% before, "
                    f"{100 * after['exact_match']:.1f}% after**")
+    out += precision_line(res)
     return out + loss_curve_lines(stage_dir, plot_path)
 
 

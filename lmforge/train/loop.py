@@ -39,7 +39,7 @@ from lmforge.train.checkpointer import TrainerState, build_checkpointer, resume_
 from lmforge.train.evaluate import Evaluator, evaluate  # noqa: F401 (evaluate: the stages' import)
 from lmforge.train.forward import DTYPES, autocast_context  # noqa: F401 (autocast_context: the stages' import)
 from lmforge.train.guards import NonFiniteGuard, TimeLimit
-from lmforge.train.metrics import peak_flops
+from lmforge.train.metrics import peak_source
 from lmforge.train.optim import build_adamw, lr_at
 from lmforge.train.spikes import SpikeConfig, SpikeGuard, StepRange
 from lmforge.train.step import build_step_runner
@@ -145,6 +145,7 @@ def train(
     tokenizer_dir: str | Path | None = None,
     parallel: ParallelContext | None = None,
     pipeline: PipelineRunner | None = None,
+    precision_reason: str | None = None,
 ) -> dict:
     """Train ``model`` in place for ``cfg.max_steps`` optimizer steps; return a summary.
 
@@ -153,6 +154,8 @@ def train(
     In a distributed run ``model`` is already parallelized (blocks compiled there when
     ``cfg.compile``), ``train_batches`` yields this data-parallel rank's rows, and
     ``pipeline`` (a pipeline rank's stage and schedule) replaces forward/backward.
+    ``precision_reason``: why ``cfg.precision`` was chosen, when the stage chose it before the
+    loop (``run_precision``); it goes into the summary with the precision.
     """
     if not isinstance(objective, Objective):
         raise TypeError(f"{type(objective).__name__} is not an Objective: subclass lmforge.objectives.base.Objective")
@@ -160,8 +163,8 @@ def train(
     optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
     checkpointer = build_checkpointer(run_dir, cfg, recipe, tokenizer_dir, model, optimizer, parallel)
     found = checkpointer.find()
-    precision = choose_precision(cfg, found[1].trainer_state.get("precision") if found else None,
-                                 training_device(model, parallel))
+    precision, reason = choose_precision(cfg, found[1].trainer_state.get("precision") if found else None,
+                                         training_device(model, parallel))
     runner = build_step_runner(model, objective, optimizer, precision, cfg.grad_clip, cfg.compile, parallel, pipeline)
     spikes = SpikeGuard(cfg.spikes)
     spikes.check_loader(train_batches)
@@ -170,13 +173,16 @@ def train(
     step_log = StepLog(run_dir, cfg.tensorboard, checkpointer.is_first_rank, start_step if found else None,
                        cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token)
     evaluator = Evaluator(val_batches, cfg.eval_every, cfg.eval_batches, runner.evaluate)
-    summary: dict = {"start_step": start_step, "step": start_step, "precision": precision}
+    summary: dict = {"start_step": start_step, "step": start_step, "precision": precision,
+                     "precision_reason": precision_reason or reason}
     if start_step >= cfg.max_steps:
         log.info("run already complete at step %d (max_steps %d)", start_step, cfg.max_steps)
         step_log.close()
         return {**summary, "already_complete": True}  # the stage keeps the run's summary.json (completed_summary)
 
     model.train()
+    if cfg.compile:
+        log.info("compiling the model (torch.compile; the first step takes longer)")
     step_log.start(start_step)
     limit = TimeLimit(cfg.max_minutes, cfg.stop_at_step)
     last_ckpt, record = None, {}
@@ -223,34 +229,38 @@ def training_device(model: nn.Module, parallel: ParallelContext | None) -> torch
     return parallel.device if parallel is not None else next(model.parameters()).device
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``auto``: bf16 on GPUs that support it, else fp16; on CPUs bf16 only where its matmul
-    peak clearly beats fp32's (CPUs without native bf16 dot products run it slower)."""
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """The precision to train in and why. ``auto``: bf16 on GPUs that support it, else fp16; on
+    CPUs bf16 only where its matmul peak clearly beats fp32's (CPUs without native bf16 dot
+    products run it slower), from the peaks measured once per machine and cached."""
     if precision != "auto":
-        return precision
+        return precision, "set in the recipe"
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    fp32 = peak_flops(device, torch.float32, quick=True)
-    bf16 = peak_flops(device, torch.bfloat16, quick=True)
+        return ("bf16", "auto: this GPU supports bf16") if torch.cuda.is_bf16_supported() else \
+            ("fp16", "auto: this GPU has no bf16")
+    fp32, fp32_source = peak_source(device, torch.float32)
+    bf16, bf16_source = peak_source(device, torch.bfloat16)
     choice = "bf16" if bf16 >= 1.3 * fp32 else "fp32"
-    log.info("precision auto -> %s (matmul peak: bf16 %.0f, fp32 %.0f GFLOP/s)", choice, bf16 / 1e9, fp32 / 1e9)
-    return choice
+    sources = fp32_source if fp32_source == bf16_source else f"fp32 {fp32_source}, bf16 {bf16_source}"
+    log.info("precision auto -> %s (matmul peak: bf16 %.0f, fp32 %.0f GFLOP/s; %s)",
+             choice, bf16 / 1e9, fp32 / 1e9, sources)
+    return choice, f"auto: bf16 matmul {bf16 / fp32:.1f}x fp32 on this CPU, {sources}"
 
 
-def choose_precision(cfg: TrainConfig, recorded: str | None, device: torch.device) -> str:
-    """``train.precision``; for ``auto``, ``recorded``, the precision of the run being resumed
-    (a resumed run keeps its choice), else what ``resolve_precision`` picks for this machine."""
+def choose_precision(cfg: TrainConfig, recorded: str | None, device: torch.device) -> tuple[str, str]:
+    """``train.precision`` and why; for ``auto``, ``recorded``, the precision of the run being
+    resumed (a resumed run keeps its choice), else what ``resolve_precision`` picks for this machine."""
     if cfg.precision == "auto" and recorded in DTYPES:
-        return recorded
+        return recorded, "auto: kept from the checkpoint resumed"
     return resolve_precision(cfg.precision, device)
 
 
 def run_precision(cfg: TrainConfig, run_dir: str | Path, device: torch.device,
-                  parallel: ParallelContext | None = None) -> str:
+                  parallel: ParallelContext | None = None) -> tuple[str, str]:
     """``choose_precision`` for a stage that needs the precision before the loop starts (to
-    evaluate, score a reference or parallelize first): it passes the result to ``train`` in
-    ``cfg.precision``, so the loop does not choose again. Under ``parallel`` rank 0 chooses
-    and every rank gets its choice (``auto``'s quick timings could differ between ranks)."""
+    evaluate, score a reference or parallelize first): it passes the precision to ``train`` in
+    ``cfg.precision`` and the reason in ``precision_reason``, so the loop does not choose again.
+    Under ``parallel`` rank 0 chooses and every rank gets its choice."""
     chosen = [None]
     if parallel is None or parallel.is_logging_rank:
         ckpt = resume_checkpoint(cfg, run_dir)
@@ -259,3 +269,11 @@ def run_precision(cfg: TrainConfig, run_dir: str | Path, device: torch.device,
     if parallel is not None:
         dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
+
+
+def precision_line(summary: dict) -> list[str]:
+    """The report line of a stage's summary saying which precision it trained in and why."""
+    if not summary.get("precision"):
+        return []
+    reason = summary.get("precision_reason")
+    return [f"- precision {summary['precision']}" + (f" ({reason})" if reason else "")]

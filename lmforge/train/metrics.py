@@ -50,7 +50,7 @@ class MetricsLogger:
         if self.writer is not None:
             step = record.get("step", 0)
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value == value:
+                if key not in ("step", "time") and isinstance(value, (int, float)) and value == value:
                     self.writer.add_scalar(key, value, step)
 
     def close(self) -> None:
@@ -161,7 +161,8 @@ def cache_dir() -> Path:
 
 
 def peak_cache_path() -> Path:
-    """``{machine key: {dtype name: FLOP/s}}``, written by `lmforge bench peak`."""
+    """``{machine key: {dtype name: FLOP/s}}``, written by `lmforge bench peak` and by the first
+    stage on a machine that needs a peak it has no figure for (``peak_source``)."""
     return cache_dir() / "peak_flops.json"
 
 
@@ -212,7 +213,7 @@ def _time_product(product, a: torch.Tensor, b: torch.Tensor, device: torch.devic
 
 
 def cached_peak(device: torch.device, dtype_name: str) -> float | None:
-    """The figure `lmforge bench peak` measured and cached for this machine at ``dtype_name``, else None."""
+    """The figure measured and cached for this machine at ``dtype_name`` (``store_peak``), else None."""
     path = peak_cache_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
     return cache.get(machine_key(device), {}).get(dtype_name)
@@ -243,28 +244,39 @@ def stated_peak(dtype_name: str) -> float | None:
     return peaks.get(dtype_name)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True, quick: bool = False) -> float | None:
-    """Peak FLOP/s of ``device`` at ``dtype``, the denominator of MFU.
+# How long `lmforge bench peak` and a stage's first measurement on a machine time each dtype:
+# long enough that the best of many 2048^3 products is stable (a second gave readings 3x apart).
+STABLE_SECONDS = 3.0
+STABLE_SIZE = 2048
 
-    In order: the figure ``LMFORGE_PEAK_FLOPS`` states, the figure `lmforge bench peak`
-    measured and cached for this machine (for a GPU only when run with ``measure=true``), a
-    known GPU's data-sheet figure, else a short measurement now (or None when
-    ``measure_if_missing`` is false).
+
+def peak_flops(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True) -> float | None:
+    """Peak FLOP/s of ``device`` at ``dtype``, the denominator of MFU (``peak_source`` says where it came from)."""
+    return peak_source(device, dtype, measure_if_missing)[0]
+
+
+def peak_source(device: torch.device, dtype: torch.dtype, measure_if_missing: bool = True) -> tuple[float | None, str]:
+    """Peak FLOP/s of ``device`` at ``dtype`` and where it came from.
+
+    In order: the figure ``LMFORGE_PEAK_FLOPS`` states, the figure measured and cached for
+    this machine (by `lmforge bench peak`, or by the first stage that needed it; for a GPU
+    only when measured with ``measure=true``), a known GPU's data-sheet figure, else a
+    measurement now, as long as `lmforge bench peak`'s and cached for every later stage and
+    run (or None when ``measure_if_missing`` is false).
     """
     name = str(dtype).removeprefix("torch.")
     if (stated := stated_peak(name)) is not None:
-        return stated
+        return stated, f"stated in {PEAK_ENV}"
     if (cached := cached_peak(device, name)) is not None:
-        return cached
+        return cached, "cached peak"
     if (sheet := datasheet_peak(device, name)) is not None:
-        return sheet
+        return sheet, "data-sheet peak"
     if not measure_if_missing:
-        return None
-    # Not cached: a busy machine would make a quick measurement too low for good.
-    if not quick:
-        log.info("no cached %s peak for this machine: measuring for 1 s (run `lmforge bench peak` on an idle "
-                 "machine to measure properly and cache it in %s)", name, peak_cache_path())
-    return measure_matmul_peak(device, dtype, n=1024 if quick else 2048, seconds=0.3 if quick else 1.0)
+        return None, "no peak"
+    log.info("no cached %s peak for this machine: measuring it once (~%.0f s) and caching it in %s "
+             "(`lmforge bench peak` measures again, keeping the higher figure)", name, STABLE_SECONDS, peak_cache_path())
+    value = measure_matmul_peak(device, dtype, n=STABLE_SIZE, seconds=STABLE_SECONDS)
+    return store_peak(device, dtype, value), "peak measured now and cached"
 
 
 def utilization(achieved_flops: float, peak: float | None) -> float | None:

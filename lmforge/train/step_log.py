@@ -30,7 +30,8 @@ class NoMetrics:
 
 
 class StepLog:
-    """The records of one run. ``resume_step``: the step resumed from (the records past it are
+    """The records of one run. Each step's carries its wall-clock ``time`` (unix seconds) and
+    ``elapsed_s`` since the run (re)started. ``resume_step``: the step resumed from (the records past it are
     dropped from ``metrics.jsonl``), None for a fresh run. ``flops_per_token`` (the model's)
     turns throughput into MFU against the measured peak of ``device`` in ``precision``."""
 
@@ -43,6 +44,8 @@ class StepLog:
         self.metrics = self.open_metrics(resume_step)
         self.peak = peak_flops(device, DTYPES[precision]) if flops_per_token and logging_rank else None
         self.bar, self.start_step = tqdm(disable=True), 0
+        self.started = time.time()  # when the run (re)started: the records' elapsed_s counts from here
+        self.first_step_done: float | None = None  # perf_counter at the end of the first step, for the ETA
         self.tok_rates: list[float] = []
         self.mfus: list[float] = []
 
@@ -51,7 +54,7 @@ class StepLog:
 
     def start(self, start_step: int) -> None:
         """The progress bar of the steps from ``start_step``."""
-        self.start_step = start_step
+        self.start_step, self.started, self.first_step_done = start_step, time.time(), None
         if self.logging_rank:
             self.bar = progress_bar(self.max_steps, "training", unit="step", initial=start_step)
 
@@ -71,8 +74,13 @@ class StepLog:
         """The record of step ``step`` (0-based), which began at ``time.perf_counter()`` ``started``."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - started
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(result.grad_norm),
+        now = time.perf_counter()
+        dt = now - started
+        if step == self.start_step:
+            self.first_step_done = now
+        wall = time.time()
+        record = {"step": step + 1, "time": wall, "elapsed_s": wall - self.started,  # wall clock, for time plots
+                  "loss": loss, "lr": lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens_seen, "targets": result.n_targets, "tokens_per_s": n_tokens / dt, "step_s": dt,
                   "memory_bytes": peak_memory_bytes(self.device), "nonfinite_steps": nonfinite_steps}
         record.update({name: float(value) for name, value in result.metrics.items()})
@@ -98,9 +106,20 @@ class StepLog:
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         if bar.disable and (record["step"] % self.log_every == 0 or is_last or "val_loss" in record):
-            log.info("%s", format_step(record, self.max_steps))
+            log.info("%s", format_step(record, self.max_steps, None if is_last else self.eta_s(record)))
         elif "val_loss" in record:
             bar.write(format_step(record, self.max_steps))
+
+    def eta_s(self, record: dict) -> float | None:
+        """Seconds left: the remaining steps at the average time of the steps after the first (which
+        pays for compilation) since the run (re)started, or at the first's while it is the only one."""
+        done = record["step"] - self.start_step
+        if self.first_step_done is None or done < 1:
+            return None
+        if done == 1:
+            return record["step_s"] * (self.max_steps - record["step"])
+        per_step = (time.perf_counter() - self.first_step_done) / (done - 1)
+        return per_step * (self.max_steps - record["step"])
 
     def averages(self) -> dict:
         """Tokens/s and MFU averaged over the steps after the first."""
@@ -116,7 +135,18 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def format_step(r: dict, max_steps: int) -> str:
+def format_eta(seconds: float) -> str:
+    """``45s``, ``2m05s``, ``1h02m``: a remaining time for a console line."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_step(r: dict, max_steps: int, eta_s: float | None = None) -> str:
+    """The console line of step record ``r``; ``eta_s``: the seconds the remaining steps should take."""
     text = f"step {r['step']}/{max_steps} loss {r['loss']:.4f} lr {r['lr']:.2e} gnorm {r['grad_norm']:.2f} {r['tokens_per_s']:.0f} tok/s"
     if "mfu" in r:
         text += f" mfu {100 * r['mfu']:.1f}%"
@@ -125,4 +155,6 @@ def format_step(r: dict, max_steps: int) -> str:
         text += f" | val loss {r['val_loss']:.4f}"
     if "val_bpb" in r:
         text += f" bpb {r['val_bpb']:.4f}"
+    if eta_s is not None:
+        text += f" | eta {format_eta(eta_s)}"
     return text

@@ -177,7 +177,7 @@ def _run_curate(spec: dict, run_dir: Path) -> None:
 
 
 # metrics fields that depend on the machine's speed, not on the computation
-_TIMING = {"tokens_per_s", "step_s", "memory_bytes", "mfu"}
+_TIMING = {"tokens_per_s", "step_s", "memory_bytes", "mfu", "time", "elapsed_s"}
 
 
 def _training_differences(done: Path, reference: Path, final: Callable[[Path], Path]) -> list[str]:

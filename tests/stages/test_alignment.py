@@ -220,7 +220,7 @@ def test_auto_precision_is_chosen_once_so_evaluation_and_training_agree(tmp_path
 
     def resolve(precision, device):
         chosen.append(precision)
-        return next(measured) if precision == "auto" else precision
+        return (next(measured), "auto") if precision == "auto" else (precision, "set in the recipe")
 
     monkeypatch.setattr(loop, "resolve_precision", resolve)
     summary = run_dpo(dpo_recipe(tmp_path, base_checkpoint, data, "train.precision=auto", "train.max_steps=1",

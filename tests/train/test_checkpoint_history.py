@@ -90,12 +90,13 @@ def test_asking_for_a_gpu_on_a_machine_without_one_is_a_clear_error():
 def test_a_resumed_auto_precision_run_keeps_the_precision_it_started_with(make_recipe, tmp_path, monkeypatch):
     import lmforge.train.loop as loop
 
-    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: "bf16")
+    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: ("bf16", "auto"))
     first = run_pretrain(make_recipe(**{"train.max_steps": 4, "train.precision": "auto"}))
     assert first["precision"] == "bf16"
-    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: "fp32")  # the machine now measures otherwise
+    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: ("fp32", "auto"))  # the machine now measures otherwise
     resumed = run_pretrain(make_recipe(**{"train.max_steps": 6, "train.precision": "auto"}))
     assert resumed["start_step"] == 4 and resumed["precision"] == "bf16"
+    assert resumed["precision_reason"] == "auto: kept from the checkpoint resumed"
     fresh = run_pretrain(make_recipe(tmp_path / "fresh", **{"train.max_steps": 2, "train.precision": "auto"}))
     assert fresh["precision"] == "fp32"
 
@@ -105,7 +106,7 @@ def test_a_resumed_run_reads_its_trainer_state_once(make_recipe, monkeypatch):
 
     import lmforge.train.loop as loop
 
-    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: "fp32")
+    monkeypatch.setattr(loop, "resolve_precision", lambda precision, device: ("fp32", "auto"))
     run_pretrain(make_recipe(**{"train.max_steps": 4, "train.precision": "auto"}))
     reads, read_text = [], Path.read_text
 

@@ -1,7 +1,10 @@
 import copy
 import dataclasses
 import json
+import logging
 import math
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -410,3 +413,106 @@ def test_mfu_above_100_percent_is_never_reported(tmp_path, monkeypatch, caplog):
     assert not any("mfu" in r for r in read_metrics(tmp_path / "run")) and summary["mfu"] is None
     warnings = [r.getMessage() for r in caplog.records if "MFU is not reported" in r.getMessage()]
     assert len(warnings) == 1 and "LMFORGE_PEAK_FLOPS" in warnings[0]
+
+
+@pytest.fixture()
+def info_log(caplog):
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        yield caplog
+
+
+def test_every_metrics_row_carries_wall_clock_time_counted_from_each_restart(make_recipe, tmp_path):
+    run_pretrain(make_recipe(**{"train.stop_at_step": 4}))
+    run_pretrain(make_recipe())  # resumes at step 4
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 9))  # the resumed file is whole and in order
+    times = [r["time"] for r in records]
+    assert times == sorted(times) and all(r["elapsed_s"] >= 0 for r in records)
+    started = [r["time"] - r["elapsed_s"] for r in records]  # when the run (re)started, per row
+    assert max(started[:4]) == pytest.approx(min(started[:4]), abs=1e-3)
+    assert max(started[4:]) == pytest.approx(min(started[4:]), abs=1e-3)
+    assert started[4] >= times[3]  # the resumed rows count from the restart, after the first run's last row
+
+
+def test_compiling_is_announced_before_the_first_step(tmp_path, monkeypatch, info_log):
+    import lmforge.train.step as step
+
+    monkeypatch.setattr(step, "compile_objective", lambda objective: objective)  # the message, not the compile
+    cfg = TrainConfig(max_steps=2, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu", compile=True,
+                      log_every=1)
+    (tmp_path / "run").mkdir()
+    train(model=tiny_model(), objective=CausalLMObjective(), train_batches=IndexedBatches(), cfg=cfg,
+          run_dir=tmp_path / "run", recipe=cfg)
+    messages = [r.getMessage() for r in info_log.records]
+    compiling = [i for i, m in enumerate(messages) if m.startswith("compiling the model (torch.compile")]
+    first_step = next(i for i, m in enumerate(messages) if re.match(r"step \d+/", m))
+    assert len(compiling) == 1 and compiling[0] < first_step
+
+
+def test_console_lines_without_a_terminal_carry_an_eta_until_the_last(tmp_path, info_log):
+    cfg = TrainConfig(max_steps=4, warmup_steps=0, precision="fp32", tensorboard=False, device="cpu", log_every=2)
+    (tmp_path / "run").mkdir()
+    train(model=tiny_model(), objective=CausalLMObjective(), train_batches=IndexedBatches(), cfg=cfg,
+          run_dir=tmp_path / "run", recipe=cfg)
+    lines = [r.getMessage() for r in info_log.records if re.match(r"step \d+/", r.getMessage())]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
+    assert re.search(r" \| eta \d+s$", lines[0]) and "eta" not in lines[1]
+
+
+def test_the_eta_is_the_remaining_steps_at_the_mean_time_of_the_steps_after_the_first(monkeypatch):
+    import lmforge.train.step_log as step_log
+
+    log = step_log.StepLog(None, False, False, None, max_steps=10, log_every=1, device=torch.device("cpu"),
+                           precision="fp32", world_size=1, flops_per_token=None)
+    log.start(0)
+    clock = iter([30.0, 32.0, 40.0, 40.0])  # step 1 compiles for 30 s, steps 2 and 3 take 2 and 8 s
+    monkeypatch.setattr(step_log, "time", SimpleNamespace(perf_counter=lambda: next(clock), time=lambda: 0.0))
+    result = step_log.StepResult(loss=torch.tensor(1.0), grad_norm=torch.tensor(1.0), n_targets=1, metrics={})
+    first = log.record(0, result, 1.0, 1e-3, 0.0, 1, 1, 0)
+    assert log.eta_s(first) == pytest.approx(30.0 * 9)  # only the first step to go by
+    log.record(1, result, 1.0, 1e-3, 30.0, 1, 2, 0)
+    third = log.record(2, result, 1.0, 1e-3, 32.0, 1, 3, 0)
+    assert log.eta_s(third) == pytest.approx(5.0 * 7)  # (40 - 30) / 2 s a step, 7 steps left
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (45.4, "45s"), (125, "2m05s"), (3720, "1h02m"),
+                                               (-3, "0s")])
+def test_an_eta_reads_in_seconds_minutes_or_hours(seconds, text):
+    from lmforge.train.step_log import format_eta, format_step
+
+    assert format_eta(seconds) == text
+    record = {"step": 2, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0}
+    assert format_step(record, 10, seconds).endswith(f"| eta {text}") and "eta" not in format_step(record, 10)
+
+
+def test_auto_precision_measures_the_peaks_once_per_machine_and_later_stages_reuse_them(
+        make_recipe, tmp_path, monkeypatch):
+    """A one-second peak measured afresh in each stage disagreed 3x between stages on one machine;
+    the first measurement now takes as long as `lmforge bench peak`'s and is cached for all."""
+    from lmforge.stages import pretrain
+    from lmforge.train import metrics
+    from lmforge.train.loop import resolve_precision
+
+    monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMFORGE_PEAK_FLOPS")
+    timed = []
+
+    def measure(device, dtype, n, seconds):  # a machine whose bf16 matmul runs 4x fp32
+        timed.append((dtype, n, seconds))
+        return {torch.float32: 1e12, torch.bfloat16: 4e12}[dtype]
+
+    monkeypatch.setattr(metrics, "measure_matmul_peak", measure)
+    first = run_pretrain(make_recipe(tmp_path / "a", **{"train.precision": "auto", "train.max_steps": 2}))
+    assert timed == [(torch.float32, metrics.STABLE_SIZE, metrics.STABLE_SECONDS),
+                     (torch.bfloat16, metrics.STABLE_SIZE, metrics.STABLE_SECONDS)]
+    assert first["precision"] == "bf16"
+    assert first["precision_reason"] == "auto: bf16 matmul 4.0x fp32 on this CPU, peak measured now and cached"
+    assert json.loads((tmp_path / "cache" / "peak_flops.json").read_text())[metrics.machine_key(torch.device("cpu"))] \
+        == {"float32": 1e12, "bfloat16": 4e12}
+    second = run_pretrain(make_recipe(tmp_path / "b", **{"train.precision": "auto", "train.max_steps": 2}))
+    assert len(timed) == 2  # nothing timed again: not by the second stage, nor for its MFU
+    assert second["precision_reason"] == "auto: bf16 matmul 4.0x fp32 on this CPU, cached peak"
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["precision_reason"] == second["precision_reason"]
+    lines = pretrain.report(second, tmp_path / "b", tmp_path / "loss.png")
+    assert "- precision bf16 (auto: bf16 matmul 4.0x fp32 on this CPU, cached peak)" in lines
+    assert resolve_precision("fp32", torch.device("cpu")) == ("fp32", "set in the recipe")
