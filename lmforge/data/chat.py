@@ -99,6 +99,13 @@ def render_chatml(messages: Sequence[dict], add_generation_prompt: bool = False,
     return segments
 
 
+def chat_prompt_ids(tok: Tokenizer, messages: Sequence[dict]) -> list[int]:
+    """``[BOS]`` + the ChatML text of ``messages`` up to the assistant's generation prompt: what a
+    chat model continues (as HF's ``apply_chat_template(..., add_generation_prompt=True)`` renders)."""
+    text = "".join(seg for seg, _ in render_chatml(messages, add_generation_prompt=True))
+    return [tok.bos_id, *tok.encode(text)]
+
+
 def tokenize_segments(tok: Tokenizer, segments: Sequence[Segment], add_eos: bool = False,
                       add_bos: bool = True) -> tuple[list[int], list[int]]:
     """``[BOS] + encode(text) (+ [EOS])`` and labels: a token is trained if it overlaps a trained span.

@@ -7,6 +7,14 @@ checkpoint directory or a run directory (its newest valid checkpoint).
 
   lmforge generate --prompt "To be, or not" checkpoint=runs/demo/pretrain temperature=0
   lmforge generate checkpoint=runs/demo/pretrain prompts='["ROMEO:", "JULIET:"]' top_p=0.9 seed=1
+
+Chat mode (a fine-tuned model): with chat=true each prompt is a user turn (after `system`, if
+set), or with messages_file each JSONL line's `messages` is a conversation ending with the
+user; the ChatML template is applied up to the assistant's turn and generation stops at
+<|im_end|> (or end of text).
+
+  lmforge generate checkpoint=runs/demo/sft chat=true temperature=0 --prompt "What is 12 + 30?"
+  lmforge generate checkpoint=runs/demo/dpo messages_file=conversations.jsonl temperature=0
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 from lmforge.core.config import at_least, load_config, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
+from lmforge.data.chat import IM_END, ExampleError, chat_prompt_ids, read_sft_records, validate_messages
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.train.checkpoint import load_model
@@ -44,7 +53,10 @@ class GenerateRecipe:
     seed: int | None = seed_field(0)  # same seed, same prompts -> same completions; null = unseeded
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"  # auto = cuda when available, else cpu
-    add_bos: bool = True  # prompt = [bos] + encode(text), as documents were in pre-training
+    add_bos: bool = True  # prompt = [bos] + encode(text), as documents were in pre-training (chat: always)
+    chat: bool = False  # each prompt is a user turn: ChatML template applied, stop at <|im_end|>
+    system: str | None = None  # chat: a system turn before each prompt
+    messages_file: str | None = None  # chat: JSONL of {"messages": [...]} conversations ending with the user; replaces prompts
     run_dir: str | None = None  # when set, receives generations.jsonl and config.yaml
 
 
@@ -63,26 +75,67 @@ def recipe_from_args(args: argparse.Namespace) -> GenerateRecipe:
     return cfg
 
 
+def conversations(recipe: GenerateRecipe) -> list[tuple[str, list[dict]]]:
+    """Chat mode's conversations, each with how it is shown: the prompt text, or file:line."""
+    if recipe.messages_file is None:
+        system = [{"role": "system", "content": recipe.system}] if recipe.system else []
+        return [(p, [*system, {"role": "user", "content": p}]) for p in recipe.prompts]
+    out = []
+    for where, record in read_sft_records([recipe.messages_file]):
+        try:
+            if isinstance(record, ExampleError):
+                raise record
+            if not isinstance(record, dict) or "messages" not in record:
+                raise ExampleError("bad_messages", "each line must be an object with 'messages'")
+            validate_messages(record["messages"], need_assistant=False)
+            if record["messages"][-1]["role"] != "user":
+                raise ExampleError("bad_messages", "the conversation must end with a user turn, for the model to answer")
+        except ExampleError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        out.append((where, record["messages"]))
+    return out
+
+
+def encode_prompts(recipe: GenerateRecipe, tokenizer: Tokenizer) -> tuple[list[str], list[list[int]]]:
+    """The prompts as shown and as token ids (ChatML up to the assistant's turn in chat mode)."""
+    if recipe.chat or recipe.messages_file is not None:
+        chats = conversations(recipe)
+        return [shown for shown, _ in chats], [chat_prompt_ids(tokenizer, c) for _, c in chats]
+    return list(recipe.prompts), [([tokenizer.bos_id] if recipe.add_bos else []) + tokenizer.encode(p)
+                                  for p in recipe.prompts]
+
+
+def chat_stop_ids(recipe: GenerateRecipe, tokenizer: Tokenizer) -> list[int] | None:
+    """Chat mode stops at the end of the assistant's turn (and at end of text) unless
+    stop_token_ids is given."""
+    if not (recipe.chat or recipe.messages_file is not None) or recipe.stop_token_ids is not None:
+        return list(recipe.stop_token_ids) if recipe.stop_token_ids is not None else None
+    im_end = tokenizer.token_to_id(IM_END)
+    if im_end is None:
+        raise InputError(f"chat mode needs a tokenizer with {IM_END} (a fine-tuned checkpoint); this one has none")
+    return [im_end, tokenizer.eos_id]
+
+
 def run_generate(recipe: GenerateRecipe) -> list[dict]:
     """Generate a completion for every prompt; return one record per prompt (as in generations.jsonl)."""
-    if not recipe.prompts:
+    if not recipe.prompts and recipe.messages_file is None:
         raise InputError("prompts is empty: give at least one prompt (prompts='[\"...\"]' or --prompt TEXT)")
-    try:
-        config = GenerationConfig(
-            max_new_tokens=recipe.max_new_tokens, temperature=recipe.temperature, top_k=recipe.top_k,
-            top_p=recipe.top_p, stop=list(recipe.stop), seed=recipe.seed,
-            stop_token_ids=list(recipe.stop_token_ids) if recipe.stop_token_ids is not None else None,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
     model, ckpt = load_model(recipe.checkpoint, device=resolve_device(recipe.device))
     model.to(DTYPES[recipe.dtype]).eval()
     tokenizer = Tokenizer.load(ckpt)
     bad = [t for t in recipe.stop_token_ids or [] if not 0 <= t < model.cfg.vocab_size]
     if bad:
         raise InputError(f"stop_token_ids {bad} are outside the vocabulary [0, {model.cfg.vocab_size})")
-    prompt_ids = [([tokenizer.bos_id] if recipe.add_bos else []) + tokenizer.encode(p) for p in recipe.prompts]
-    for text, ids in zip(recipe.prompts, prompt_ids):
+    try:
+        config = GenerationConfig(
+            max_new_tokens=recipe.max_new_tokens, temperature=recipe.temperature, top_k=recipe.top_k,
+            top_p=recipe.top_p, stop=list(recipe.stop), seed=recipe.seed,
+            stop_token_ids=chat_stop_ids(recipe, tokenizer),
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    prompts, prompt_ids = encode_prompts(recipe, tokenizer)
+    for text, ids in zip(prompts, prompt_ids):
         if not ids:
             raise InputError(f"prompt {text!r} encodes to no tokens; give some text or set add_bos=true")
 
@@ -97,9 +150,9 @@ def run_generate(recipe: GenerateRecipe) -> list[dict]:
              n_new, len(results), seconds, n_new / seconds, recipe.dtype, model.embed.weight.device, ckpt)
 
     records = []
-    for i, (prompt, r) in enumerate(zip(recipe.prompts, results)):
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
         print(f"--- [{i + 1}/{len(results)}] {len(r.tokens)} tokens, finished by {r.finish_reason}")
-        print(prompt + r.text, flush=True)
+        print(f"{prompt}\n{r.text}" if recipe.chat or recipe.messages_file else prompt + r.text, flush=True)
         records.append({"prompt": prompt, **asdict(r)})
     if recipe.run_dir is not None:
         with run_dir_lock(recipe.run_dir):

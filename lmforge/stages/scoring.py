@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lmforge.core.config import Renamed, at_least, positive
-from lmforge.data.chat import read_sft_records, render_chatml
+from lmforge.data.chat import chat_prompt_ids, read_sft_records
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
@@ -92,8 +92,7 @@ def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tu
             continue
         if not isinstance(answer, dict) or answer.get("role") != "assistant":
             continue
-        text = "".join(seg for seg, _ in render_chatml(context, add_generation_prompt=True))
-        prompts.append([tok.bos_id, *tok.encode(text)])
+        prompts.append(chat_prompt_ids(tok, context))
         answers.append(answer["content"])
         if len(prompts) >= max_examples:
             break

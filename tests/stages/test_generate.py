@@ -82,3 +82,67 @@ def test_stop_token_ids_end_a_completion_at_the_first_one(checkpoint, capsys):
     assert stopped["finish_reason"] == "stop" and stopped["tokens"] == free["tokens"][:first]
     code = main(["generate", f"checkpoint={checkpoint}", "stop_token_ids=[100000]", "max_new_tokens=2"])
     assert code == 2 and "outside the vocabulary" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def turn_ender(tmp_path_factory, small_tokenizer_dir):
+    """A model that answers every context with <|im_end|>: its final LayerNorm's gain is zero and
+    its bias a unit vector, so the head sees the same hidden state at every position, and only
+    <|im_end|>'s row of the head points along it (logit 10 against 0 for every other token)."""
+    from lmforge.data.tokenizer import Tokenizer
+
+    im_end = Tokenizer.load(small_tokenizer_dir).token_to_id("<|im_end|>")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=64, n_layers=1, n_heads=4, max_seq_len=128,
+                                    norm="layernorm", tie_embeddings=False))
+    with torch.no_grad():
+        model.norm.weight.zero_()
+        model.norm.bias.zero_()
+        model.norm.bias[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[im_end, 0] = 10.0
+    directory = tmp_path_factory.mktemp("turn_ender")
+    write_model_files(directory, model, small_tokenizer_dir)
+    write_checksums(directory)
+    return directory, im_end
+
+
+def test_chat_mode_applies_the_template_and_stops_at_the_end_of_the_turn(turn_ender, small_tokenizer_dir):
+    from lmforge.data.chat import chat_prompt_ids
+    from lmforge.data.tokenizer import Tokenizer
+
+    ckpt, im_end = turn_ender
+    base = dict(checkpoint=str(ckpt), prompts=["What is 2 + 2?"], max_new_tokens=6, temperature=0.0)
+    (plain,) = run_generate(GenerateRecipe(**base))  # not chat: <|im_end|> is just another token
+    assert plain["tokens"] == [im_end] * 6 and plain["finish_reason"] == "length"
+    (chat,) = run_generate(GenerateRecipe(**base, chat=True, system="Answer briefly."))
+    assert chat["tokens"] == [] and chat["finish_reason"] == "stop"
+    tok = Tokenizer.load(small_tokenizer_dir)
+    expected = chat_prompt_ids(tok, [{"role": "system", "content": "Answer briefly."},
+                                     {"role": "user", "content": "What is 2 + 2?"}])
+    assert tok.decode(expected[1:]) == ("<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+                                        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_mode_reads_conversations_from_a_messages_file(turn_ender, tmp_path, capsys):
+    ckpt, _ = turn_ender
+    convs = tmp_path / "conversations.jsonl"
+    convs.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n"
+                     + json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": "Hello"},
+                                                {"role": "user", "content": "Bye"}]}) + "\n")
+    records = run_generate(GenerateRecipe(checkpoint=str(ckpt), messages_file=str(convs), max_new_tokens=4, temperature=0.0))
+    assert [r["prompt"] for r in records] == [f"{convs}:1", f"{convs}:2"]
+    assert all(r["finish_reason"] == "stop" for r in records)
+    convs.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}) + "\n")
+    assert main(["generate", f"checkpoint={ckpt}", f"messages_file={convs}"]) == 2
+    assert f"{convs}:1: the conversation must end with a user turn" in capsys.readouterr().err
+
+
+def test_chat_mode_refuses_a_tokenizer_without_im_end(checkpoint, capsys, monkeypatch):
+    from lmforge.data.tokenizer import Tokenizer
+
+    real = Tokenizer.token_to_id
+    monkeypatch.setattr(Tokenizer, "token_to_id", lambda self, t: None if t == "<|im_end|>" else real(self, t))
+    assert main(["generate", f"checkpoint={checkpoint}", "chat=true", "--prompt", "Hi"]) == 2
+    assert "chat mode needs a tokenizer with <|im_end|>" in capsys.readouterr().err
