@@ -27,14 +27,17 @@ import transformers  # noqa: E402  (a dev dependency: the reference these tests 
 TINY = dict(vocab_size=300, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64, rope_theta=50000.0)
 
 
-def randomized(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A model whose norm gains and biases are random too, so a mis-mapped one changes the logits."""
+def randomized(cfg: ModelConfig, seed: int = 0, matrix_std: float | None = None) -> Transformer:
+    """A model whose norm gains and biases are random too, so a mis-mapped one changes the logits;
+    with ``matrix_std``, the matrices are drawn from N(0, matrix_std²) instead of the model's init."""
     torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
+            elif matrix_std is not None:
+                p.normal_(0.0, matrix_std)
     return model.eval()
 
 

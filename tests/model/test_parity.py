@@ -20,6 +20,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.fused import structural_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
+from tests.model.test_hf import randomized
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,20 +63,6 @@ def tolerance(dtype: torch.dtype, n_layers: int, scale: float) -> float:
     return (2 * n_layers + 2) * eps * scale
 
 
-def randomized(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """Weights of a scale that gives logits of order 1, and random norm gains and biases, so a
-    misplaced gain, bias or column changes the logits."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.1)
-    return model.eval()
-
-
 def full_logits(model: Transformer, rows: list[list[int]]) -> list[torch.Tensor]:
     """The training forward of each row alone: logits (T, V) in float32."""
     with torch.no_grad():
@@ -95,7 +82,8 @@ def test_every_config_field_is_covered():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_training_forward_cached_decoding_pipeline_and_hf_give_the_same_logits(variant, dtype):
     cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
-    model = randomized(cfg).to(DTYPES[dtype])
+    # weights of a scale that gives logits of order 1: a misplaced gain, bias or column shows
+    model = randomized(cfg, matrix_std=0.1).to(DTYPES[dtype])
     rows = [p + f for p, f in zip(PROMPTS, FEED)]
     expected = full_logits(model, rows)
     scale = max(float(e.abs().max()) for e in expected)
