@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml constraints.txt | $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve,eval]'
+	# a headless Chromium (and its driver) for the chat page's browser test, where apt can install one;
+	# without it that one test skips and says why
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; } || true
 	# torchao: the test-only reference of NF4 (tests/peft), kept out of site-packages, where
 	# transformers and peft import it and its CUDA extensions fail to load on the CPU torch, noisily
 	$(PY) -m pip uninstall --quiet --yes torchao 2>/dev/null || true
