@@ -1,0 +1,1 @@
+"""Evaluation: tasks in lm-evaluation-harness format, their metrics, and the harness adapter."""

@@ -1,0 +1,1 @@
+"""Reinforcement learning from feedback: rollouts through the engine, rewards, advantages, policy losses."""

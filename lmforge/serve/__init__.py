@@ -1,0 +1,1 @@
+"""Serving: an OpenAI-compatible HTTP server and a chat page over the inference engine."""
