@@ -166,7 +166,7 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale: GroupS
     if scale == "group":
         std = (_group_sum(centred**2, inverse, len(counts)) / (n - 1)).sqrt()[inverse]
     elif scale == "batch":
-        std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
+        std = scores.std()
     else:
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     return centred / (std + eps)
