@@ -146,11 +146,14 @@ def warn_empty_splits(splits: dict, val_fraction: float, rule: str = "hash", sou
         log.warning("prepare: the validation split is empty: none of the %d documents hashed into val_fraction=%g; "
                     "pretrain will report no validation loss (raise val_fraction, add documents, or use "
                     "split=source_hash or source_tail)", n_docs, val_fraction)
-    if splits["train"]["n_docs"] == 0:
+    if splits["train"]["n_docs"] == 0 and rule == "files":
+        log.warning("prepare: the train split is empty: data.paths gave no document, all %d are the validation "
+                    "files'", n_docs)
+    elif splits["train"]["n_docs"] == 0:
         how = "hashed into" if rule == "hash" else f"went to (split={rule}, val_fraction={val_fraction:g})"
         log.warning("prepare: the train split is empty: all %d documents %s the validation split; lower "
                     "val_fraction or add documents", n_docs, how)
-    elif rule != "hash":
+    elif rule in ("source_hash", "source_tail"):
         for source in sources:
             if source["n_docs"] and source["val_docs"] == source["n_docs"]:
                 log.warning("prepare: all %d documents of %s went to the validation split (split=%s, val_fraction=%g): "

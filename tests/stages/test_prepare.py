@@ -220,3 +220,23 @@ def test_split_options_that_make_no_sense_are_config_errors(override, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(PrepareRecipe, None, override)
+
+
+def test_a_file_that_goes_wholly_to_val_under_source_hash_is_warned_about(tmp_path, small_tokenizer_dir, corpus_jsonl,
+                                                                          caplog):
+    import logging
+
+    from lmforge.core.run import log
+
+    (tmp_path / "one.txt").write_text("a file of a single document")
+    log.addHandler(caplog.handler)  # the lmforge logger does not propagate to the root logger
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmforge"):
+            manifest, _ = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl, tmp_path / "one.txt"],
+                                  split="source_hash", val_fraction=0.1)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert manifest["sources"][1] == {"path": str(tmp_path / "one.txt"), "n_docs": 1, "val_docs": 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"all 1 documents of {tmp_path / 'one.txt'} went to the validation split" in w
+               and "source_tail cuts a one-document file" in w for w in warnings)
