@@ -417,7 +417,11 @@ def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[D
     yield Document(id=path.name, text=text, metadata={"source": str(path)})
 
 
+def id_hash(doc_id: str) -> int:
+    """A stable 64-bit hash of a document id (blake2b), the same on every machine and run."""
+    return int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "big")
+
+
 def split_of(doc_id: str, val_fraction: float) -> str:
     """``"val"`` or ``"train"``, from a stable hash of the document id (not of its position)."""
-    digest = hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest()
-    return "val" if int.from_bytes(digest, "big") < val_fraction * 2**64 else "train"
+    return "val" if id_hash(doc_id) < val_fraction * 2**64 else "train"

@@ -28,10 +28,19 @@ from lmforge.data.skipped import SkippedSamples
 class DatasetSource:
     path: str  # a directory written by ``lmforge prepare``
     weight: float = positive(1.0)
+    name: str | None = None  # of its validation metrics in a mixture (val/<name>/loss); None: the directory's name
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
             raise ValueError(f"dataset weight must be positive, got {self.weight} for {self.path}")
+        if self.name is not None and (not self.name or "/" in self.name or self.name != self.name.strip()):
+            raise ValueError(f"dataset name {self.name!r} of {self.path} must be non-empty, without '/' or "
+                             "surrounding spaces (it names metrics: val/<name>/loss)")
+
+    @property
+    def label(self) -> str:
+        """The name of this dataset's metrics: ``name``, else the last part of its path."""
+        return self.name or Path(self.path).resolve().name
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.core.io import InputError, read_json, sha256_file
-from lmforge.data.documents import Document, split_of
+from lmforge.data.documents import Document
 from lmforge.data.tokenizer import Tokenizer
 
 MANIFEST = "manifest.json"
@@ -99,14 +99,14 @@ class ShardWriter:
         return summary
 
 
-def _batched_in_background(docs: Iterable[Document], batch_docs: int) -> Iterator[list[Document]]:
+def _batched_in_background(docs: Iterable, batch_docs: int) -> Iterator[list]:
     """Read and parse the next batch on a thread while the caller tokenizes this one."""
     q: queue.Queue = queue.Queue(maxsize=4)
     done = object()
 
     def produce() -> None:
         try:
-            batch: list[Document] = []
+            batch: list = []
             for doc in docs:
                 batch.append(doc)
                 if len(batch) >= batch_docs:
@@ -131,42 +131,45 @@ def _batched_in_background(docs: Iterable[Document], batch_docs: int) -> Iterato
 
 
 def tokenize_to_shards(
-    docs: Iterable[Document],
+    docs: Iterable[tuple[str, Document]],
     tokenizer: Tokenizer,
     out_dir: Path,
     *,
-    val_fraction: float,
     shard_tokens: int,
     add_bos: bool = True,
     add_eos: bool = True,
     batch_docs: int = 512,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """Tokenize ``docs`` into train/val shards under ``out_dir``; return the splits' summaries.
+    """Tokenize ``docs``, ``(split, document)`` pairs (``lmforge.data.split`` labels them), into
+    train/val shards under ``out_dir``; return the splits' summaries and per source file its
+    documents and how many of them went to val.
 
-    Output depends only on the documents, their order and the tokenizer, so the same
-    inputs give byte-identical shards. ``progress(n_docs, n_bytes)`` is called per batch.
+    Output depends only on the documents, their order, their splits and the tokenizer, so the
+    same inputs give byte-identical shards. ``progress(n_docs, n_bytes)`` is called per batch.
     """
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, tokenizer.vocab_size) for s in SPLITS}
     prefix = [tokenizer.bos_id] if add_bos else []
     suffix = [tokenizer.eos_id] if add_eos else []
-    sources: dict[str, int] = {}
+    sources: dict[str, list[int]] = {}  # path: [documents, of which in val]
     n_bytes = 0
     for batch in _batched_in_background(docs, batch_docs):
-        encoded = tokenizer.encode_batch([d.text for d in batch])
-        for doc, ids in zip(batch, encoded):
-            writers[split_of(doc.id, val_fraction)].add(np.array(prefix + ids + suffix, dtype=dtype))
-            sources[doc.source] = sources.get(doc.source, 0) + 1
+        encoded = tokenizer.encode_batch([d.text for _, d in batch])
+        for (split, doc), ids in zip(batch, encoded):
+            writers[split].add(np.array(prefix + ids + suffix, dtype=dtype))
+            counts = sources.setdefault(doc.source, [0, 0])
+            counts[0] += 1
+            counts[1] += split == "val"
         if progress is not None:
-            batch_bytes = sum(len(d.text.encode("utf-8")) for d in batch)
+            batch_bytes = sum(len(d.text.encode("utf-8")) for _, d in batch)
             n_bytes += batch_bytes
             progress(len(batch), batch_bytes)
     for w in writers.values():
         w.flush()
     return {
         "splits": {s: w.summary() for s, w in writers.items()},
-        "sources": [{"path": p, "n_docs": n} for p, n in sources.items()],
+        "sources": [{"path": p, "n_docs": n, "val_docs": v} for p, (n, v) in sources.items()],
     }
 
 

@@ -1,7 +1,7 @@
 """Pre-train a decoder-only transformer on token shards with the one training loop:
 AdamW, warm-up + cosine (or WSD) schedule, gradient accumulation to batch_tokens,
 clipping, bf16/fp16/fp32, activation checkpointing, torch.compile, periodic validation
-(loss and bits per byte), metrics.jsonl + TensorBoard with MFU, and atomic checkpoints
+(loss and bits per byte, per dataset of a mixture), metrics.jsonl + TensorBoard with MFU, and atomic checkpoints
 that resume exactly (train.resume=auto).
 
   lmforge pretrain recipes/demo/pretrain.yaml model.n_layers=4 train.max_steps=200
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
-from lmforge.data.loader import LoaderConfig, TokenLoader
+from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
 from lmforge.distributed.config import ParallelConfig
@@ -46,13 +47,14 @@ from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.train.checkpoint import checkpoint_dirs
 from lmforge.train.loop import (
     TrainConfig,
+    ValidationSet,
     accumulation_steps,
     precision_line,
     resolve_device,
     run_precision,
     train,
 )
-from lmforge.train.metrics import loss_curve_lines
+from lmforge.train.metrics import is_domain_loss, loss_curve_lines
 from lmforge.train.prepare import prepare_model
 
 
@@ -80,14 +82,47 @@ def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
 
 
 def validation_loader(data: LoaderConfig, manifest: dict, batch_size: int, rank: int = 0,
-                      world_size: int = 1) -> TokenLoader | None:
-    """The validation split of the first dataset (``manifest`` is its manifest) in order, built
-    once per run and restarted for each evaluation; None when it is shorter than one window."""
+                      world_size: int = 1, dataset: DatasetSource | None = None) -> TokenLoader | None:
+    """The validation split of ``dataset`` (default: the first; ``manifest`` is its manifest) in
+    order, built once per run and restarted for each evaluation; None when it is shorter than one window."""
     if manifest["splits"]["val"]["n_tokens"] <= data.seq_len:
         return None
-    cfg = LoaderConfig(datasets=[data.datasets[0]], seq_len=data.seq_len, bos_aligned=data.bos_aligned, shuffle=False,
-                       seed=data.seed, verify_shards=data.verify_shards)
+    cfg = LoaderConfig(datasets=[dataset or data.datasets[0]], seq_len=data.seq_len, bos_aligned=data.bos_aligned,
+                       shuffle=False, seed=data.seed, verify_shards=data.verify_shards)
     return TokenLoader(cfg, batch_size, split="val", loop=False, rank=rank, world_size=world_size)
+
+
+def validation_sets(data: LoaderConfig, manifests: list[dict], batch_size: int, rank: int = 0,
+                    world_size: int = 1) -> Callable[[], Iterator] | list[ValidationSet] | None:
+    """What the loop validates on: one dataset's validation batches (its metrics keep the names
+    ``val_loss``, ``val_bpb``), or for a mixture one ``ValidationSet`` per dataset with a
+    validation split of at least one window (``val/<name>/loss``, and ``val_loss`` their mean
+    weighted by the mixture weights); None when there is nothing to validate on."""
+    if len(data.datasets) == 1:
+        loader = validation_loader(data, manifests[0], batch_size, rank, world_size)
+        return loader.restart if loader is not None else None
+    sets = []
+    for dataset, manifest in zip(data.datasets, manifests):
+        loader = validation_loader(data, manifest, batch_size, rank, world_size, dataset)
+        if loader is None:
+            log.warning("dataset %s (%s) has no validation split of one window of %d tokens: it has no val/%s metrics "
+                        "and is left out of val_loss", dataset.label, dataset.path, data.seq_len + 1, dataset.label)
+            continue
+        sets.append(ValidationSet(dataset.label, loader.restart, dataset.weight))
+    return sets or None
+
+
+def check_dataset_names(datasets: list[DatasetSource]) -> None:
+    """The datasets of a mixture name their validation metrics (``val/<name>/loss``): two alike would
+    write into the same metric."""
+    if len(datasets) < 2:
+        return
+    seen: dict[str, str] = {}
+    for d in datasets:
+        if d.label in seen:
+            raise InputError(f"data.datasets: {seen[d.label]} and {d.path} are both named {d.label!r}, the name of "
+                             "their validation metrics (val/<name>/loss); give one a `name:`")
+        seen[d.label] = d.path
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
@@ -104,6 +139,7 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     if not recipe.data.datasets:
         raise InputError("data.datasets is empty: list at least one directory written by `lmforge prepare`")
     tok = Tokenizer.load(recipe.tokenizer)
+    check_dataset_names(recipe.data.datasets)
     manifests = [read_manifest(d.path) for d in recipe.data.datasets]
     for d, m in zip(recipe.data.datasets, manifests):
         if m["tokenizer_sha256"] != tok.sha256:
@@ -154,7 +190,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         data = dataclasses.replace(data, verify_shards=True)
     loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)
-    val_loader = validation_loader(data, manifests[0], cfg.micro_batch_size, rank, dp)
+    val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp)
     summary = train(
         model=model,
         objective=CausalLMObjective(token_bytes),
@@ -163,7 +199,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         run_dir=run_dir,
         recipe=recipe,
         grad_accum=grad_accum,
-        val_batches=val_loader.restart if val_loader is not None else None,
+        val_batches=val_batches,
         flops_per_token=flops_per_token,
         tokenizer_dir=recipe.tokenizer,
         parallel=ctx,
@@ -182,6 +218,8 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         if "val_loss" in summary:
             log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",
                      summary["val_loss"], summary.get("val_bpb", float("nan")), entropy, math.exp(summary["val_loss"]))
+        for line in domain_lines(summary):
+            log.info("pretrain: %s", line)
     return summary
 
 
@@ -215,6 +253,14 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
         return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline, reason)
 
 
+def domain_lines(summary: dict) -> list[str]:
+    """One line per dataset of a mixture with its validation loss (``val/<name>/loss``) and bits per byte."""
+    names = [k.removeprefix("val/").removesuffix("/loss") for k in summary if is_domain_loss(k)]
+    return [f"validation loss of {name}: {summary[f'val/{name}/loss']:.4f} nats/token"
+            + (f" ({summary[f'val/{name}/bpb']:.3f} bits/byte)" if f"val/{name}/bpb" in summary else "")
+            for name in names]
+
+
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     """Lines for the lifecycle report, with the loss curve against the unigram entropy."""
     out = [f"- {res.get('params', 0) / 1e6:.2f} M parameters, {res.get('step')} steps of "
@@ -222,6 +268,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if res.get("val_loss") is not None:
         out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token ({res.get('val_bpb', float('nan')):.3f} "
                    f"bits/byte); unigram entropy of the data {res.get('unigram_entropy', float('nan')):.4f}")
+    out += [f"- {line}" for line in domain_lines(res)]
     if res.get("tokens_per_s"):
         mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
         out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")

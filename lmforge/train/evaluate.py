@@ -1,11 +1,13 @@
 """Validation: the mean loss per target, the objective's metrics and bits per byte over
-validation batches, and when the loop runs it (``Evaluator``)."""
+validation batches, per dataset of a mixture (``ValidationSet``), and when the loop runs it
+(``Evaluator``)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -88,18 +90,56 @@ def evaluate(model: nn.Module, objective: Objective, batches: Iterator, device: 
     return result
 
 
+@dataclass
+class ValidationSet:
+    """The validation batches of one dataset of a mixture (``batches()``: a fresh pass) and its
+    mixture weight; its figures are logged as ``val/<name>/<metric>`` (``val/web/loss``)."""
+
+    name: str
+    batches: Callable[[], Iterator]
+    weight: float = 1.0
+
+
+def is_validation_metric(key: str) -> bool:
+    """A record key that evaluation wrote: ``val_loss``, ``val_bpb``, ``val/<name>/loss`` ..."""
+    return key.startswith(("val_", "val/"))
+
+
+def combine_domains(results: list[tuple[ValidationSet, dict]]) -> dict:
+    """Each set's ``val_<metric>`` as ``val/<name>/<metric>``, and ``val_<metric>`` the mean of the
+    sets' figures weighted by their mixture weights (over the sets that have it): the loss on the
+    mixture the run trains on, each domain counting by its weight, not by its validation size."""
+    out: dict = {}
+    totals: dict[str, list[float]] = {}  # val_<metric>: [weighted sum, weight]
+    for vset, result in results:
+        for key, value in result.items():
+            out[f"val/{vset.name}/{key.removeprefix('val_')}"] = value
+            total = totals.setdefault(key, [0.0, 0.0])
+            total[0] += vset.weight * value
+            total[1] += vset.weight
+    return {**{key: s / w for key, (s, w) in totals.items()}, **out}
+
+
 class Evaluator:
     """When the loop validates and on what: every ``every`` steps (0: never in between), at the
     last step and before a stop, over a fresh pass of ``val_batches()`` (None: no validation)
-    through ``run(batches, max_batches)``, the step runner's ``evaluate``."""
+    through ``run(batches, max_batches)``, the step runner's ``evaluate``.
 
-    def __init__(self, val_batches: Callable[[], Iterator] | None, every: int, max_batches: int | None,
-                 run: Callable[[Iterator, int | None], dict]):
-        self.val_batches, self.every, self.max_batches, self.run = val_batches, every, max_batches, run
+    ``val_batches`` a list of ``ValidationSet`` (a mixture) evaluates each set over up to
+    ``max_batches`` micro-batches (the same rows of a dataset whatever else the mixture holds,
+    so its figure compares across mixtures; an evaluation costs up to ``len(sets) * max_batches``
+    forwards) and logs ``combine_domains`` of them."""
+
+    def __init__(self, val_batches: Callable[[], Iterator] | list[ValidationSet] | None, every: int,
+                 max_batches: int | None, run: Callable[[Iterator, int | None], dict]):
+        self.val_batches = val_batches or None  # no set at all: no validation
+        self.every, self.max_batches, self.run = every, max_batches, run
 
     def due(self, done: int, final: bool) -> bool:
         """Whether to validate after ``done`` steps; ``final``: the last step, or the run stops there."""
         return self.val_batches is not None and ((self.every > 0 and done % self.every == 0) or final)
 
     def __call__(self) -> dict:
+        if isinstance(self.val_batches, list):
+            return combine_domains([(s, self.run(s.batches(), self.max_batches)) for s in self.val_batches])
         return self.run(self.val_batches(), self.max_batches)

@@ -7,7 +7,7 @@
 - the checkpointer (``train.checkpointer``): resume (``train.resume``), saves (sharded and in
   the background under ``torchrun``), superseded checkpoints, the restore of a rollback;
 - the evaluator (``train.evaluate``): when to validate, and the validation loss, bits per
-  byte and metrics;
+  byte and metrics (per dataset of a mixture, and their weighted mean);
 - the step log (``train.step_log``): ``metrics.jsonl``/TensorBoard on rank 0, the console, MFU;
 - the guards: non-finite steps and time limits (``train.guards``), loss spikes (``train.spikes``).
 
@@ -36,7 +36,12 @@ from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.objectives.base import Objective
 from lmforge.train.checkpoint import read_resume_state
 from lmforge.train.checkpointer import TrainerState, build_checkpointer, resume_checkpoint
-from lmforge.train.evaluate import Evaluator, evaluate  # noqa: F401 (evaluate: the stages' import)
+from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the stages' import)
+    Evaluator,
+    ValidationSet,
+    evaluate,
+    is_validation_metric,
+)
 from lmforge.train.forward import DTYPES, autocast_context  # noqa: F401 (autocast_context: the stages' import)
 from lmforge.train.guards import NonFiniteGuard, TimeLimit
 from lmforge.train.metrics import peak_source
@@ -70,7 +75,7 @@ class TrainConfig:
     seed: int = seed_field(0)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = at_least(0, 100)  # steps between validations (0: only at the end)
-    eval_batches: int | None = positive(20)  # validation micro-batches per evaluation, over all data-parallel ranks (None: the whole split)
+    eval_batches: int | None = positive(20)  # validation micro-batches per evaluation (per dataset of a mixture), over all data-parallel ranks (None: the whole split)
     log_every: int = positive(10)  # steps between console lines (metrics.jsonl gets every step)
     checkpoint_every: int = at_least(0, 500)  # steps between checkpoints (0: none but the one always written at the end)
     keep_checkpoints: int = at_least(1, 2)  # the final checkpoint is always kept
@@ -140,7 +145,7 @@ def train(
     run_dir: Path,
     recipe: Any,
     grad_accum: int = 1,
-    val_batches: Callable[[], Iterator] | None = None,
+    val_batches: Callable[[], Iterator] | list[ValidationSet] | None = None,
     flops_per_token: float | None = None,
     tokenizer_dir: str | Path | None = None,
     parallel: ParallelContext | None = None,
@@ -150,7 +155,8 @@ def train(
     """Train ``model`` in place for ``cfg.max_steps`` optimizer steps; return a summary.
 
     ``train_batches`` must have ``state_dict()``/``load_state_dict()`` for exact resume;
-    ``val_batches()`` returns a fresh finite iterator over validation batches.
+    ``val_batches()`` returns a fresh finite iterator over validation batches; a list of
+    ``ValidationSet`` (a mixture's datasets) is evaluated set by set (``Evaluator``).
     In a distributed run ``model`` is already parallelized (blocks compiled there when
     ``cfg.compile``), ``train_batches`` yields this data-parallel rank's rows, and
     ``pipeline`` (a pipeline rank's stage and schedule) replaces forward/backward.
@@ -221,7 +227,7 @@ def train(
     checkpointer.commit_pending()
     return {**summary, "step": step + 1, "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
-            **{k: v for k, v in record.items() if k.startswith("val_")}}
+            **{k: v for k, v in record.items() if is_validation_metric(k)}}
 
 
 def training_device(model: nn.Module, parallel: ParallelContext | None) -> torch.device:

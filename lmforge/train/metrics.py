@@ -99,6 +99,11 @@ def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None =
     return curve + report_lines(read_metrics(stage_dir, events=True))
 
 
+def is_domain_loss(key: str) -> bool:
+    """A record key holding one mixture dataset's validation loss, ``val/<name>/loss``."""
+    return key.startswith("val/") and key.endswith("/loss")
+
+
 def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None,
                 ylabel: str = "loss (nats/token)") -> Path | None:
     """Training and validation loss against step, from the stage's metrics.jsonl."""
@@ -115,6 +120,10 @@ def plot_losses(stage_dir: Path, out: Path, unigram_entropy: float | None = None
     val = [r for r in records if "val_loss" in r]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    for key in sorted({k for r in val for k in r if is_domain_loss(k)}):  # each dataset of a mixture
+        domain = [r for r in val if key in r]
+        ax.plot([r["step"] for r in domain], [r[key] for r in domain], ".--", linewidth=1,
+                label=f"validation loss: {key.removeprefix('val/').removesuffix('/loss')}")
     if unigram_entropy:
         ax.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1, label="unigram entropy")
     ax.set_xlabel("step")

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from lmforge.core.run import log, progress_bar
 from lmforge.train.forward import DTYPES
-from lmforge.train.metrics import PEAK_ENV, MetricsLogger, peak_flops, peak_memory_bytes, utilization
+from lmforge.train.metrics import PEAK_ENV, MetricsLogger, is_domain_loss, peak_flops, peak_memory_bytes, utilization
 from lmforge.train.step import StepResult
 
 # objective metrics worth a place on the console line (all of them go to metrics.jsonl)
@@ -155,6 +155,8 @@ def format_step(r: dict, max_steps: int, eta_s: float | None = None) -> str:
         text += f" | val loss {r['val_loss']:.4f}"
     if "val_bpb" in r:
         text += f" bpb {r['val_bpb']:.4f}"
+    if domains := [(k.removeprefix("val/").removesuffix("/loss"), v) for k, v in r.items() if is_domain_loss(k)]:
+        text += " (" + ", ".join(f"{name} {v:.4f}" for name, v in domains) + ")"
     if eta_s is not None:
         text += f" | eta {format_eta(eta_s)}"
     return text

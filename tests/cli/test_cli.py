@@ -124,10 +124,11 @@ def test_run_help_shows_the_keys_of_a_stage_entry(capsys):
     assert "any `lmforge` verb with a recipe" in out  # an entry key's comment
 
 
-def test_pretrain_help_shows_the_path_and_weight_of_each_dataset(capsys):
+def test_pretrain_help_shows_the_path_weight_and_name_of_each_dataset(capsys):
     out = verb_help("pretrain", capsys)
-    assert "list of {path, weight}" in key_line(out, "data.datasets")
+    assert "list of {path, weight, name}" in key_line(out, "data.datasets")
     assert "required" in key_line(out, "path") and "default 1.0" in key_line(out, "weight")
+    assert "default None" in key_line(out, "name")
 
 
 @pytest.mark.parametrize("key", ["model.n_kv_heads", "model.head_dim", "model.ffn_hidden"])

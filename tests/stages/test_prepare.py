@@ -42,7 +42,8 @@ def test_each_stored_document_is_bos_tokens_eos(tmp_path, small_tokenizer, small
         assert manifest["splits"][split]["n_docs"] == len(expected[split])
     assert manifest["dtype"] == "uint16" and manifest["tokenizer_sha256"] == small_tokenizer.sha256
     assert manifest["n_tokens"] == sum(len(d) for s in expected.values() for d in s)
-    assert manifest["sources"] == [{"path": str(corpus_jsonl), "n_docs": len(corpus_texts)}]
+    assert manifest["sources"] == [{"path": str(corpus_jsonl), "n_docs": len(corpus_texts), "val_docs": len(expected["val"])}]
+    assert manifest["split"] == {"rule": "hash", "val_fraction": 0.2}
 
 
 def test_the_manifest_records_each_splits_unigram_entropy_and_pretrain_reads_it(tmp_path, small_tokenizer_dir,
@@ -147,3 +148,95 @@ def test_an_empty_validation_split_is_warned_about(tmp_path, small_tokenizer_dir
     assert manifest["splits"]["val"]["n_docs"] == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("validation split is empty: none of the 9 documents hashed into val_fraction=0.05" in w for w in warnings)
+
+
+def stored_documents(out, split):
+    docs = []
+    for shard in open_shards(out, split):
+        starts = shard.doc_starts
+        docs += [shard.tokens[starts[j] : starts[j + 1]].tolist() for j in range(len(starts) - 1)]
+    return docs
+
+
+def test_source_tail_holds_out_the_last_tenth_of_a_text_as_nanogpt_does(tmp_path, small_tokenizer, small_tokenizer_dir,
+                                                                         corpus_texts, corpus_jsonl):
+    text = tmp_path / "input.txt"
+    data = "\n".join(corpus_texts[:5])
+    text.write_text(data, encoding="utf-8")
+    manifest, out = prepare(tmp_path, small_tokenizer_dir, [text, corpus_jsonl], split="source_tail", val_fraction=0.1)
+    cut = int(len(data) * 0.9)  # nanoGPT's shakespeare_char: data[:int(n*0.9)] trains
+    n = len(corpus_texts)
+    encode = small_tokenizer.encode
+    assert stored_documents(out, "train") == [[0, *encode(data[:cut]), 1]] + [[0, *encode(t), 1]
+                                                                              for t in corpus_texts[: int(n * 0.9)]]
+    assert stored_documents(out, "val") == [[0, *encode(data[cut:]), 1]] + [[0, *encode(t), 1]
+                                                                            for t in corpus_texts[int(n * 0.9):]]
+    assert manifest["split"] == {"rule": "source_tail", "val_fraction": 0.1}
+    assert manifest["sources"] == [{"path": str(text), "n_docs": 2, "val_docs": 1},
+                                   {"path": str(corpus_jsonl), "n_docs": n, "val_docs": n - int(n * 0.9)}]
+
+
+def test_source_hash_gives_a_small_file_its_share_of_val(tmp_path, small_tokenizer_dir, corpus_texts, corpus_jsonl):
+    # three documents that the global hash rule sends all to train
+    ids = [f"doc{i}" for i in range(200) if split_of(f"doc{i}", 0.05) == "train"][:3]
+    small = write_jsonl(tmp_path / "small.jsonl", [{"id": i, "text": t} for i, t in zip(ids, corpus_texts)])
+    hashed, _ = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl, small], "hashed", val_fraction=0.05)
+    per_source, _ = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl, small], "per_source", split="source_hash",
+                            val_fraction=0.05)
+    assert [s["val_docs"] for s in per_source["sources"]] == [len(corpus_texts) - int(len(corpus_texts) * 0.95), 1]
+    assert per_source["split"] == {"rule": "source_hash", "val_fraction": 0.05}
+    assert hashed["sources"][1]["val_docs"] == 0
+
+
+def test_val_paths_are_the_validation_split_as_they_are_read(tmp_path, small_tokenizer, small_tokenizer_dir,
+                                                              corpus_texts, corpus_jsonl):
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"text": "a held-out sentence"}, {"text": "and another"}])
+    manifest, out = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], val_paths=[str(held_out)])
+    encode = small_tokenizer.encode
+    assert stored_documents(out, "val") == [[0, *encode("a held-out sentence"), 1], [0, *encode("and another"), 1]]
+    assert stored_documents(out, "train") == [[0, *encode(t), 1] for t in corpus_texts]  # none hashed away
+    assert manifest["split"] == {"rule": "files", "val_paths": [str(held_out)]} and manifest["val_fraction"] is None
+    assert manifest["sources"][0] == {"path": str(held_out), "n_docs": 2, "val_docs": 2}
+
+
+def test_a_validation_file_that_is_a_train_input_or_empty_is_an_error_and_leaves_no_output(tmp_path, small_tokenizer_dir,
+                                                                                           corpus_jsonl):
+    with pytest.raises(InputError, match="the validation file is also a train input"):
+        prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], val_paths=[str(corpus_jsonl)])
+    (tmp_path / "blank.jsonl").write_text("\n")
+    with pytest.raises(InputError, match="blank.jsonl: the validation file holds no documents"):
+        prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl], val_paths=[str(tmp_path / "blank.jsonl")])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    (["split=source_tail", "val_fraction=0"], r"val_fraction must be in \(0, 1\) for split=source_tail"),
+    (["split=source_hash", "val_fraction=1"], r"val_fraction"),
+    (["split=source_hash", "val_paths=[v.jsonl]"], "val_paths and split=source_hash cannot be combined"),
+    (["split=tail"], "'split' must be one of 'hash', 'source_hash', 'source_tail'"),
+])
+def test_split_options_that_make_no_sense_are_config_errors(override, message):
+    from lmforge.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(PrepareRecipe, None, override)
+
+
+def test_a_file_that_goes_wholly_to_val_under_source_hash_is_warned_about(tmp_path, small_tokenizer_dir, corpus_jsonl,
+                                                                          caplog):
+    import logging
+
+    from lmforge.core.run import log
+
+    (tmp_path / "one.txt").write_text("a file of a single document")
+    log.addHandler(caplog.handler)  # the lmforge logger does not propagate to the root logger
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmforge"):
+            manifest, _ = prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl, tmp_path / "one.txt"],
+                                  split="source_hash", val_fraction=0.1)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert manifest["sources"][1] == {"path": str(tmp_path / "one.txt"), "n_docs": 1, "val_docs": 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"all 1 documents of {tmp_path / 'one.txt'} went to the validation split" in w
+               and "source_tail cuts a one-document file" in w for w in warnings)
