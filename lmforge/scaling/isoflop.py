@@ -142,7 +142,9 @@ def frontier(flops: np.ndarray, loss: np.ndarray) -> np.ndarray:
 def fit_envelope(points: Runs, grid: int = 1500) -> EnvelopeFit:
     """Approach 1 over training-curve points (or, without curves, each run's final point). As in
     Hoffmann et al., ``grid`` log-spaced FLOP counts, each taking the (N, D) of the frontier point
-    that holds the lowest loss up to it, so every stretch of FLOPs weighs the same in the fit."""
+    that holds the lowest loss up to it, so every stretch of FLOPs weighs the same in the fit.
+    Stretches held by the smallest or the largest model trained are left out when other sizes
+    remain: there the envelope is capped by the sizes trained, not set by the law."""
     front = frontier(points.flops, points.loss)
     sizes = np.unique(points.params[front])
     if len(sizes) < 2:
@@ -153,8 +155,15 @@ def fit_envelope(points: Runs, grid: int = 1500) -> EnvelopeFit:
     counts = np.geomspace(c_front[0], c_front[-1], grid)
     holder, weight = np.unique(front[np.searchsorted(c_front, counts, side="right") - 1], return_counts=True)
     warnings = []
-    if len(sizes) < 4:
-        warnings.append(f"Approach 1: only {len(sizes)} model sizes on the envelope; its power laws rest on few runs")
+    edge = np.isin(points.params[holder], [points.params.min(), points.params.max()])
+    if len(np.unique(points.params[holder[~edge]])) >= 2:
+        holder, weight = holder[~edge], weight[~edge]
+    else:
+        warnings.append("Approach 1: the envelope is held by the smallest and largest models trained; "
+                        "its exponents are capped by those sizes")
+    inner = len(np.unique(points.params[holder]))
+    if inner < 4:
+        warnings.append(f"Approach 1: only {inner} model sizes on the envelope; its power laws rest on few runs")
     c = points.flops[holder]
     return EnvelopeFit(front.tolist(), fit_power_law(c, points.params[holder], weight),
                        fit_power_law(c, points.tokens[holder], weight), warnings)

@@ -109,17 +109,19 @@ def overtrained_plan(x: np.ndarray, samples: np.ndarray, flops: float, inference
             "params_range": spread(sampled[:, 0], level), "tokens_range": spread(sampled[:, 1], level)}
 
 
-def effective(unique: float, total, r_star: float) -> np.ndarray:
-    """U + U·R*·(1 − e^(−R/R*)), R = total/U − 1 (≥ 0): Muennighoff et al. 2023, eq. 5 and 6."""
-    repeats = np.maximum(np.asarray(total) / unique - 1.0, 0.0)
+def effective(unique, total, r_star: float) -> np.ndarray:
+    """U + U·R*·(1 − e^(−R/R*)), R = total/U − 1: Muennighoff et al. 2023, eq. 5 and 6, with U the
+    unique part of ``total`` (all of it when total ≤ unique)."""
+    total = np.asarray(total, dtype=float)
+    unique = np.minimum(unique, total)
+    repeats = total / unique - 1.0
     return unique + unique * r_star * (1.0 - np.exp(-repeats / r_star))
 
 
 def data_constrained_loss(k: dict, n, d, unique_tokens: float) -> np.ndarray:
     n = np.asarray(n, dtype=float)
     unique_n = np.minimum(n, k["G"] * (k["G"] * unique_tokens) ** (k["beta"] / k["alpha"]))
-    n_eff = unique_n + unique_n * R_N_STAR * (1.0 - np.exp(-np.maximum(n / unique_n - 1.0, 0.0) / R_N_STAR))
-    return chinchilla_loss(k, n_eff, effective(unique_tokens, d, R_D_STAR))
+    return chinchilla_loss(k, effective(unique_n, n, R_N_STAR), effective(unique_tokens, d, R_D_STAR))
 
 
 def _constrained(k: dict, flops: float, unique_tokens: float) -> tuple[float, float, float]:
