@@ -269,7 +269,8 @@ def run_flops(recipe: ScalingRecipe) -> dict:
     layout, plans = memory_plans(recipe)
     result = {"params": dataclasses.asdict(params), "flops_per_token": dataclasses.asdict(per_token), "seq_len": seq,
               "tokens": tokens, "training_flops": per_token.total * tokens, "training_flops_6nd": per_token.six_n * tokens,
-              "memory": {"layout": layout, **{("with_ac" if ac else "without_ac"): dataclasses.asdict(p)
+              "memory": {"layout": layout, **{("with_ac" if ac else "without_ac"): {**dataclasses.asdict(p),
+                                                                                   "total": p.total}
                                               for ac, p in plans.items()}}}
     peak = device_peak(recipe.budget)
     lines = [f"parameters: {params.total:,} total ({params.active:,} active), {params.embedding:,} embedding, "
