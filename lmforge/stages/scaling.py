@@ -33,7 +33,16 @@ from typing import Literal
 
 import numpy as np
 
-from lmforge.core.config import ConfigError, at_least, load_config, positive, save_config, seed_field, unit_interval
+from lmforge.core.config import (
+    ConfigError,
+    at_least,
+    in_range,
+    load_config,
+    positive,
+    save_config,
+    seed_field,
+    unit_interval,
+)
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
 from lmforge.distributed.memory import format_bytes
 from lmforge.scaling import counts, planning
@@ -48,7 +57,7 @@ from lmforge.train.metrics import GPU_PEAKS
 class FitOptions:
     runs: str | None = None  # the runs CSV: run,params,tokens,flops,loss
     curves: str | None = None  # training curves CSV (run,step,params,tokens,flops,loss) for Approach 1
-    approaches: list[int] = field(default_factory=lambda: [1, 2, 3])
+    approaches: list[int] = in_range(low=1, high=3, default_factory=lambda: [1, 2, 3])  # Hoffmann et al.'s 1, 2, 3
     bootstrap: int = at_least(0, 500)  # resamples for standard errors and intervals (Besiroglu et al.: 4000)
     seed: int = seed_field(0)
     level: float = unit_interval(0.95, low_open=True, high_open=True)  # of the percentile intervals
@@ -109,9 +118,8 @@ def run_fit(recipe: ScalingRecipe) -> dict:
     opts = recipe.fit
     if opts.runs is None:
         raise ConfigError("scaling fit needs the runs CSV: `lmforge scaling fit runs.csv` (or fit.runs=...)")
-    bad = [a for a in opts.approaches if a not in (1, 2, 3)]
-    if bad or not opts.approaches:
-        raise ConfigError(f"fit.approaches = {opts.approaches}: choose among 1, 2 and 3")
+    if not opts.approaches:
+        raise ConfigError("fit.approaches is empty: choose among 1, 2 and 3")
     settings = FitSettings(tuple(opts.approaches), opts.bootstrap, opts.seed, opts.level, opts.huber_delta,
                            opts.budget_tolerance, opts.agreement, opts.grid_stride, opts.exclude_highest)
     runs = read_runs(opts.runs)

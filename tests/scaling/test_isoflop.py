@@ -47,7 +47,7 @@ def test_the_frontier_keeps_each_new_lowest_loss():
 
 
 def test_the_envelope_of_planted_training_curves_gives_the_planted_exponent():
-    names, n, d, c, loss = [], [], [], [], []
+    names, n, d = [], [], []
     for size in np.geomspace(1e7, 1e10, 16):
         tokens = np.geomspace(1e8, 1e12, 200)
         n += [size] * len(tokens)
