@@ -154,6 +154,10 @@ def markdown(result: Analysis, s: dict) -> str:
         for name, row in s[form]["constants"].items():
             lines.append(f"| {name} | {_fmt(row['estimate'])} | {_fmt(row['se'])} | "
                          f"[{_fmt(row['low'])}, {_fmt(row['high'])}] |")
+        if form == "kaplan":
+            k = {name: row["estimate"] for name, row in s[form]["constants"].items()}
+            lines += ["", f"Its limits, Kaplan et al.'s L(N) = ({k['N_c']:.3g}/N)^{k['alpha_N']:.4f} and "
+                      f"L(D) = ({k['D_c']:.3g}/D)^{k['alpha_D']:.4f}."]
         lines.append("")
     if s["exponents"]:
         lines += ["## N_opt ∝ C^a, D_opt ∝ C^b by approach", "", "| approach | a | SE | b | SE |", "|---|---|---|---|---|"]

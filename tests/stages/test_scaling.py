@@ -2,13 +2,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lmforge.cli.main import main
 from lmforge.core.config import load_config
 from lmforge.scaling.counts import count_parameters
 from lmforge.stages.pretrain import PretrainRecipe
-from tests.scaling.planted import TRUE, isoflop_runs, write_csv
+from tests.scaling.planted import TRUE, isoflop_runs, law, write_csv
 
 FAST = ["fit.grid_stride=2", "fit.bootstrap=8"]
 
@@ -31,6 +32,21 @@ def test_fit_writes_json_markdown_and_plots_with_all_three_approaches(fitted):
     assert {"residuals.png", "isoflops.png", "optimal.png"} <= {p.name for p in fitted.iterdir()}
     md = (fitted / "fit.md").read_text()
     assert "| alpha |" in md and "approach 2" in md
+
+
+def test_fit_reads_training_curves_for_approach_1(tmp_path):
+    csv = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=5))
+    curves = tmp_path / "curves.csv"
+    rows = ["run,step,params,tokens,flops,loss"]
+    for i, n in enumerate(np.geomspace(1e7, 1e9, 8)):
+        for step, d in enumerate(np.geomspace(1e8, 1e11, 30)):
+            rows.append(f"r{i},{step},{n},{d},,{float(law(n, d))}")
+    curves.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    assert main(["scaling", "fit", str(csv), f"fit.curves={curves}", f"out={out}", "fit.approaches=[1]"]) == 0
+    s = json.loads((out / "fit.json").read_text())
+    assert list(s["exponents"]) == ["approach_1"] and s["approach_1"]["frontier_points"] > 8
+    assert not any("no training curves" in w for w in s["warnings"])
 
 
 def test_plan_writes_a_pretrain_recipe_of_about_the_optimal_size(fitted, capsys):
