@@ -71,7 +71,8 @@ def plot_optimal(result: Analysis, path: Path) -> None:
         ax.scatter([b.flops for b in result.isoflop.budgets], [b.n_opt for b in result.isoflop.budgets], s=14)
     if result.chinchilla is not None:
         n, _ = compute_optimal(result.chinchilla.vector(), c)
-        ax.plot(c, n[0], label="Approach 3")
+        p = result.chinchilla.params
+        ax.plot(c, n[0], label=f"Approach 3: a = {p['beta'] / (p['alpha'] + p['beta']):.3f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training FLOPs C")
