@@ -12,7 +12,8 @@ gives the compute-optimal N and D with bootstrap intervals, the over-trained pla
 plan.inference_tokens is given (Sardana et al. 2024), the data-constrained plan when
 plan.unique_tokens is given (Muennighoff et al. 2023), DeepSeek LLM's batch size and learning
 rate, and writes `out`/pretrain.yaml: the pretrain recipe (RECIPE.yaml as the template) with a
-model of about N parameters.
+model of about N parameters, for the data-constrained plan if there is one, else the over-trained
+one if there is one, else the compute-optimal one.
 
 `lmforge scaling flops RECIPE.yaml` counts a pretrain recipe's parameters, FLOPs per token,
 memory per device (as `lmforge plan memory`) and its training time at budget.mfu.
@@ -203,18 +204,15 @@ def run_plan(recipe: ScalingRecipe) -> dict:
                                   "tokens_range": opt.tokens_range},
               "hyperparameters": {**hyper, "rule": "DeepSeek LLM 2024: B = 0.2920 C^0.3271 tokens, "
                                   "lr = 0.3118 C^-0.1250"}}
-    n, d = opt.params, opt.tokens
     if recipe.plan.inference_tokens is not None:
         result["overtrained"] = planning.overtrained_plan(x, samples, flops, recipe.plan.inference_tokens, level)
     if recipe.plan.unique_tokens is not None:
-        result["data_constrained"] = dc = planning.data_constrained_plan(x, samples, flops, recipe.plan.unique_tokens,
-                                                                         level)
-        n, d = dc["params"], dc["tokens"]
-    if "overtrained" in result and recipe.plan.unique_tokens is None:
-        n, d = result["overtrained"]["params"], result["overtrained"]["tokens"]
-    pretrain = pretrain_recipe(recipe, n, d, hyper)
+        result["data_constrained"] = planning.data_constrained_plan(x, samples, flops, recipe.plan.unique_tokens,
+                                                                    level)
+    follows = next(k for k in ("data_constrained", "overtrained", "compute_optimal") if k in result)
+    pretrain = pretrain_recipe(recipe, result[follows]["params"], result[follows]["tokens"], hyper)
     shape = counts.count_parameters(pretrain.model)
-    result["recipe"] = {"path": str(out / "pretrain.yaml"), "d_model": pretrain.model.d_model,
+    result["recipe"] = {"path": str(out / "pretrain.yaml"), "follows": follows, "d_model": pretrain.model.d_model,
                         "n_layers": pretrain.model.n_layers, "n_heads": pretrain.model.n_heads,
                         "params": dataclasses.asdict(shape), "batch_tokens": pretrain.train.batch_tokens,
                         "max_steps": pretrain.train.max_steps, "lr": pretrain.train.lr}
@@ -260,7 +258,7 @@ def plan_markdown(r: dict) -> str:
                      f"epochs for {v['compute_optimal_loss_with_repeats']:.4f} (unique data: {v['unconstrained_loss']:.4f}).")
     h, m = r["hyperparameters"], r["recipe"]
     lines += [f"Batch {h['batch_tokens']:.3g} tokens, learning rate {h['lr']:.3g} ({h['rule']}).", "",
-              f"Recipe {m['path']}: d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads: "
+              f"Recipe {m['path']} (the {m['follows'].replace('_', '-')} plan): d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads: "
               f"{m['params']['non_embedding']:.4g} non-embedding ({m['params']['total']:.4g} total) parameters, "
               f"{m['max_steps']} steps of {m['batch_tokens']} tokens at lr {m['lr']:.3g}.", ""]
     return "\n".join(lines)

@@ -70,6 +70,7 @@ def test_plan_with_inference_and_scarce_data_adds_both_alternatives(fitted):
     plan = json.loads((fitted / "plan.json").read_text())
     assert plan["overtrained"]["params"] < plan["compute_optimal"]["params"]
     assert plan["data_constrained"]["epochs"] > 1
+    assert plan["recipe"]["follows"] == "data_constrained"
 
 
 def test_flops_counts_a_recipe_and_its_time_at_an_mfu(tmp_path, capsys):
