@@ -65,9 +65,9 @@ class Allocation:
 def optimal_allocation(x: np.ndarray, samples: np.ndarray, flops: float, level: float) -> Allocation:
     n, d = compute_optimal(x, flops)
     k = chinchilla_constants(x)
-    ns, ds = compute_optimal(samples, flops) if len(samples) else (np.array([[]]), np.array([[]]))
+    ns, ds = (v[:, 0] for v in compute_optimal(samples, flops)) if len(samples) else (np.empty(0), np.empty(0))
     return Allocation(float(n[0, 0]), float(d[0, 0]), float(chinchilla_loss(_one(k, 0), n[0, 0], d[0, 0])),
-                      spread(ns[:, 0], level), spread(ds[:, 0], level))
+                      spread(ns, level), spread(ds, level))
 
 
 def _overtrained(k: dict, flops: float, inference_tokens: float) -> tuple[float, float, float]:

@@ -115,6 +115,17 @@ def recipe_from_args(args: argparse.Namespace) -> ScalingRecipe:
 
 # --------------------------------------------------------------------------- fit
 
+def json_safe(value):
+    """``value`` with NaN and infinities (an SE without bootstrap samples) as null: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def run_fit(recipe: ScalingRecipe) -> dict:
     opts = recipe.fit
     if opts.runs is None:
@@ -130,7 +141,7 @@ def run_fit(recipe: ScalingRecipe) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     s = summary(result)
     s["plots"] = write_plots(result, out)
-    atomic_write_json(out / "fit.json", s)
+    atomic_write_json(out / "fit.json", json_safe(s))
     text = markdown(result, s)
     atomic_write_text(out / "fit.md", text)
     print(text)
@@ -218,7 +229,7 @@ def run_plan(recipe: ScalingRecipe) -> dict:
                         "max_steps": pretrain.train.max_steps, "lr": pretrain.train.lr}
     out.mkdir(parents=True, exist_ok=True)
     save_config(pretrain, out, "pretrain.yaml")
-    atomic_write_json(out / "plan.json", result)
+    atomic_write_json(out / "plan.json", json_safe(result))
     text = plan_markdown(result)
     atomic_write_text(out / "plan.md", text)
     print(text)
@@ -295,7 +306,7 @@ def run_flops(recipe: ScalingRecipe) -> dict:
         lines.append(f"time at MFU {recipe.budget.mfu:g} on {devices} x {peak / 1e12:.0f} TFLOP/s: {seconds / 3600:.3g} h")
     out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "flops.json", result)
+    atomic_write_json(out / "flops.json", json_safe(result))
     print("\n".join(lines))
     return result
 

@@ -98,3 +98,19 @@ def test_plan_without_a_budget_says_what_it_needs(fitted, capsys):
 def test_an_unknown_gpu_lists_the_data_sheet_ones(fitted, capsys):
     assert main(["scaling", "plan", f"out={fitted}", "budget.gpu=TPU", "budget.hours=1"]) == 2
     assert "H100" in capsys.readouterr().err
+
+
+def test_without_bootstrap_the_outputs_are_strict_json_and_the_plan_has_no_interval(tmp_path):
+    csv = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=5))
+    out = tmp_path / "out"
+    assert main(["scaling", "fit", str(csv), f"out={out}", "fit.bootstrap=0", "fit.grid_stride=2",
+                 "fit.approaches=[3]"]) == 0
+    assert main(["scaling", "plan", f"out={out}", "budget.flops=1e20"]) == 0
+
+    def refuse(name):
+        raise ValueError(f"{name} in strict JSON")
+
+    fit = json.loads((out / "fit.json").read_text(), parse_constant=refuse)
+    plan = json.loads((out / "plan.json").read_text(), parse_constant=refuse)
+    assert fit["chinchilla"]["constants"]["alpha"]["se"] is None
+    assert plan["compute_optimal"]["params_range"] == {"low": None, "high": None}
