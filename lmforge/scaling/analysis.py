@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.scaling.isoflop import EnvelopeFit, IsoFlopFit, PowerLaw, fit_envelope, fit_isoflop
 from lmforge.scaling.parametric import CHINCHILLA, KAPLAN, LawFit, constants_table, fit_law
 from lmforge.scaling.runs import Runs
@@ -16,15 +17,19 @@ from lmforge.scaling.runs import Runs
 
 @dataclass
 class FitSettings:
-    approaches: tuple[int, ...] = (1, 2, 3)
-    bootstrap: int = 500
-    seed: int = 0
-    level: float = 0.95
-    delta: float = 1e-3
-    budget_tolerance: float = 0.05
-    agreement: float = 0.05
-    grid_stride: int = 1
-    exclude_highest: int = 0
+    """The `fit:` section of `lmforge scaling fit`."""
+
+    runs: str | None = None  # the runs CSV: run,params,tokens,flops,loss
+    curves: str | None = None  # training curves CSV (run,step,params,tokens,flops,loss) for Approach 1
+    approaches: list[int] = in_range(low=1, high=3, default_factory=lambda: [1, 2, 3])  # Hoffmann et al.'s 1, 2, 3
+    bootstrap: int = at_least(0, 500)  # resamples for standard errors and intervals (Besiroglu et al.: 4000)
+    seed: int = seed_field(0)
+    level: float = unit_interval(0.95, low_open=True, high_open=True)  # of the percentile intervals
+    huber_delta: float = positive(1e-3)  # Hoffmann et al.'s δ
+    budget_tolerance: float = positive(0.05)  # decades of FLOPs that count as one IsoFLOP budget
+    agreement: float = positive(0.05)  # the approaches agree when their a are all within this
+    grid_stride: int = positive(1)  # every k-th value of each axis of the 4,500-start grid (1: all)
+    exclude_highest: int = at_least(0, 0)  # leave out the k highest losses (Besiroglu et al.: 5)
 
 
 @dataclass
@@ -64,7 +69,7 @@ def analyse(runs: Runs, curves: Runs | None, settings: FitSettings) -> Analysis:
         runs = runs.subset(runs.loss < cut)
     result = Analysis(runs, settings)
     if 3 in settings.approaches:
-        kw = dict(bootstrap=settings.bootstrap, seed=settings.seed, delta=settings.delta,
+        kw = dict(bootstrap=settings.bootstrap, seed=settings.seed, delta=settings.huber_delta,
                   grid_stride=settings.grid_stride)
         result.chinchilla = fit_law(CHINCHILLA, runs, **kw)
         result.kaplan = fit_law(KAPLAN, runs, **kw)
@@ -116,7 +121,7 @@ def summary(result: Analysis) -> dict:
     """Everything the fit found, as JSON (the input of `lmforge scaling plan`)."""
     s = result.settings
     out: dict = {"runs": result.runs.source, "points": len(result.runs), "level": s.level,
-                 "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(s).items()}}
+                 "settings": dict(vars(s))}
     for fit in (result.chinchilla, result.kaplan):
         if fit is not None:
             out[fit.form] = {"params": fit.params, "constants": constants_table(fit, s.level), "r2": fit.r2,

@@ -34,16 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from lmforge.core.config import (
-    ConfigError,
-    at_least,
-    in_range,
-    load_config,
-    positive,
-    save_config,
-    seed_field,
-    unit_interval,
-)
+from lmforge.core.config import ConfigError, load_config, positive, save_config, unit_interval
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
 from lmforge.distributed.memory import format_bytes
 from lmforge.scaling import counts, planning
@@ -52,21 +43,6 @@ from lmforge.scaling.plots import write_plots
 from lmforge.scaling.runs import read_runs
 from lmforge.stages.plan import PlanRecipe, memory_plans
 from lmforge.train.metrics import GPU_PEAKS
-
-
-@dataclass
-class FitOptions:
-    runs: str | None = None  # the runs CSV: run,params,tokens,flops,loss
-    curves: str | None = None  # training curves CSV (run,step,params,tokens,flops,loss) for Approach 1
-    approaches: list[int] = in_range(low=1, high=3, default_factory=lambda: [1, 2, 3])  # Hoffmann et al.'s 1, 2, 3
-    bootstrap: int = at_least(0, 500)  # resamples for standard errors and intervals (Besiroglu et al.: 4000)
-    seed: int = seed_field(0)
-    level: float = unit_interval(0.95, low_open=True, high_open=True)  # of the percentile intervals
-    huber_delta: float = positive(1e-3)  # Hoffmann et al.'s δ
-    budget_tolerance: float = positive(0.05)  # decades of FLOPs that count as one IsoFLOP budget
-    agreement: float = positive(0.05)  # the approaches agree when their a are all within this
-    grid_stride: int = positive(1)  # every k-th value of each axis of the 4,500-start grid (1: all)
-    exclude_highest: int = at_least(0, 0)  # leave out the k highest losses (Besiroglu et al.: 5)
 
 
 @dataclass
@@ -92,7 +68,7 @@ class PlanOptions:
 class ScalingRecipe(PlanRecipe):
     what: Literal["fit", "plan", "flops"] = "fit"
     out: str = "runs/scaling"  # fit.json, fit.md, *.png; plan.json, plan.md, pretrain.yaml; flops.json
-    fit: FitOptions = field(default_factory=FitOptions)
+    fit: FitSettings = field(default_factory=FitSettings)
     budget: BudgetOptions = field(default_factory=BudgetOptions)
     plan: PlanOptions = field(default_factory=PlanOptions)
     tokens: float | None = positive(None)  # flops: training tokens; None = train.max_steps x tokens per step
@@ -132,11 +108,9 @@ def run_fit(recipe: ScalingRecipe) -> dict:
         raise ConfigError("scaling fit needs the runs CSV: `lmforge scaling fit runs.csv` (or fit.runs=...)")
     if not opts.approaches:
         raise ConfigError("fit.approaches is empty: choose among 1, 2 and 3")
-    settings = FitSettings(tuple(opts.approaches), opts.bootstrap, opts.seed, opts.level, opts.huber_delta,
-                           opts.budget_tolerance, opts.agreement, opts.grid_stride, opts.exclude_highest)
     runs = read_runs(opts.runs)
     curves = read_runs(opts.curves, curves=True) if opts.curves else None
-    result = analyse(runs, curves, settings)
+    result = analyse(runs, curves, opts)
     out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
     s = summary(result)

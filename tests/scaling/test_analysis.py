@@ -12,7 +12,7 @@ FAST = FitSettings(bootstrap=10, grid_stride=2)
 def test_runs_that_hardly_vary_d_earn_a_poorly_constrained_warning():
     n = np.geomspace(1e7, 1e10, 12)
     d = np.full(12, 1e10) * np.linspace(1, 1.02, 12)
-    result = analyse(runs_from(n, d, noise=0.01, seed=3), None, FitSettings(approaches=(3,), bootstrap=10,
+    result = analyse(runs_from(n, d, noise=0.01, seed=3), None, FitSettings(approaches=[3], bootstrap=10,
                                                                            grid_stride=2))
     chinchilla = [w for w in result.warnings if w.startswith("chinchilla")]
     assert any("bound" in w or "poorly constrained" in w or "known only within" in w for w in chinchilla), chinchilla
