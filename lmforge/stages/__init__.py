@@ -46,5 +46,7 @@ VERBS = [
     Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),
     Verb("bench", "measure this machine (bench peak: matmul FLOP/s per dtype, for MFU)", "lmforge.stages.bench"),
     Verb("plan", "plan a run (plan memory: bytes per device under a parallel layout)", "lmforge.stages.plan"),
+    Verb("scaling", "scaling laws: fit runs (Chinchilla approaches 1-3, Kaplan), plan a budget, count FLOPs",
+         "lmforge.stages.scaling"),
 ]
 VERBS_BY_NAME = {v.name: v for v in VERBS}

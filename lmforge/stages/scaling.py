@@ -1,0 +1,292 @@
+"""Scaling laws. `lmforge scaling fit RUNS.csv` fits Hoffmann et al. 2022's three approaches
+(1: the envelope of training curves, 2: IsoFLOP parabolas, 3: the parametric L(N, D) = E +
+A/N^α + B/D^β by Huber loss on log-loss and L-BFGS from a grid, bootstrapped) and Kaplan et al.
+2020's L(N, D), and writes fit.json, fit.md and PNGs into `out`. The CSV has one row per run:
+run,params,tokens,flops,loss (params: non-embedding N; flops may be empty, then C = 6·N·D);
+fit.curves=CURVES.csv (run,step,params,tokens,flops,loss) gives Approach 1 its curves.
+
+`lmforge scaling plan [RECIPE.yaml]` reads `out`/fit.json and, for a budget (budget.flops, or
+budget.gpu, budget.count, budget.hours and budget.mfu through the data-sheet dense bf16 peak:
+NVIDIA's H100/H200/B200/A100/L40S/L4/A10G and RTX 4090 data sheets, `lmforge.train.metrics`),
+gives the compute-optimal N and D with bootstrap intervals, the over-trained plan when
+plan.inference_tokens is given (Sardana et al. 2024), the data-constrained plan when
+plan.unique_tokens is given (Muennighoff et al. 2023), DeepSeek LLM's batch size and learning
+rate, and writes `out`/pretrain.yaml: the pretrain recipe (RECIPE.yaml as the template) with a
+model of about N parameters, for the data-constrained plan if there is one, else the over-trained
+one if there is one, else the compute-optimal one.
+
+`lmforge scaling flops RECIPE.yaml` counts a pretrain recipe's parameters, FLOPs per token,
+memory per device (as `lmforge plan memory`) and its training time at budget.mfu.
+
+  lmforge scaling fit runs.csv out=runs/scaling fit.bootstrap=1000
+  lmforge scaling plan recipes/demo/pretrain.yaml out=runs/scaling budget.gpu=H100 budget.count=8 budget.hours=24
+  lmforge scaling flops recipes/demo/pretrain.yaml budget.gpu=H100 budget.mfu=0.4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from lmforge.core.config import ConfigError, load_config, positive, save_config, unit_interval
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
+from lmforge.distributed.memory import format_bytes
+from lmforge.scaling import counts, planning
+from lmforge.scaling.analysis import FitSettings, analyse, markdown, summary
+from lmforge.scaling.plots import write_plots
+from lmforge.scaling.runs import read_runs
+from lmforge.stages.plan import PlanRecipe, memory_plans
+from lmforge.train.metrics import GPU_PEAKS
+
+
+@dataclass
+class BudgetOptions:
+    flops: float | None = positive(None)  # training FLOPs; else from gpu x count x hours x mfu
+    gpu: str | None = None  # a data-sheet GPU (H100, A100, ...) for its dense bf16 peak
+    peak_flops: float | None = positive(None)  # per device, instead of the gpu's data sheet
+    count: int = positive(1)  # devices
+    hours: float | None = positive(None)
+    mfu: float = unit_interval(0.4, low_open=True)  # model FLOPs utilization
+
+
+@dataclass
+class PlanOptions:
+    fit: str | None = None  # a fit.json of `lmforge scaling fit`; None = out/fit.json
+    inference_tokens: float | None = positive(None)  # tokens the model will serve (Sardana et al. 2024)
+    unique_tokens: float | None = positive(None)  # unique training tokens available (Muennighoff et al. 2023)
+    params: Literal["non_embedding", "total"] = "non_embedding"  # what the fit's N counted
+    aspect_ratio: float = positive(64.0)  # d_model / n_layers of the emitted model
+
+
+@dataclass
+class ScalingRecipe(PlanRecipe):
+    what: Literal["fit", "plan", "flops"] = "fit"
+    out: str = "runs/scaling"  # fit.json, fit.md, *.png; plan.json, plan.md, pretrain.yaml; flops.json
+    fit: FitSettings = field(default_factory=FitSettings)
+    budget: BudgetOptions = field(default_factory=BudgetOptions)
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    tokens: float | None = positive(None)  # flops: training tokens; None = train.max_steps x tokens per step
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=["fit", "plan", "flops"], help="fit a runs CSV, plan a budget, or count a recipe")
+    parser.add_argument("path", nargs="?", help="fit: the runs CSV; plan, flops: a pretrain recipe (YAML)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> ScalingRecipe:
+    path, overrides = args.path, list(args.overrides)
+    if path is not None and "=" in path and not path.endswith((".yaml", ".yml", ".csv")):
+        path, overrides = None, [path, *overrides]
+    if args.what == "fit":
+        given = [f"fit.runs={path}"] if path else []
+        return load_config(ScalingRecipe, None, ["what=fit", *given, *overrides], overrides_label="command-line override")
+    return load_config(ScalingRecipe, path, [f"what={args.what}", *overrides], overrides_label="command-line override")
+
+
+# --------------------------------------------------------------------------- fit
+
+def json_safe(value):
+    """``value`` with NaN and infinities (an SE without bootstrap samples) as null: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def run_fit(recipe: ScalingRecipe) -> dict:
+    opts = recipe.fit
+    if opts.runs is None:
+        raise ConfigError("scaling fit needs the runs CSV: `lmforge scaling fit runs.csv` (or fit.runs=...)")
+    if not opts.approaches:
+        raise ConfigError("fit.approaches is empty: choose among 1, 2 and 3")
+    runs = read_runs(opts.runs)
+    curves = read_runs(opts.curves, curves=True) if opts.curves else None
+    result = analyse(runs, curves, opts)
+    out = Path(recipe.out)
+    out.mkdir(parents=True, exist_ok=True)
+    s = summary(result)
+    s["plots"] = write_plots(result, out)
+    atomic_write_json(out / "fit.json", json_safe(s))
+    text = markdown(result, s)
+    atomic_write_text(out / "fit.md", text)
+    print(text)
+    return s
+
+
+# --------------------------------------------------------------------------- plan
+
+def datasheet_bf16(gpu: str) -> float:
+    for key, peaks in GPU_PEAKS.items():
+        if key.lower() == gpu.strip().lower():
+            return peaks["bfloat16"]
+    raise ConfigError(f"budget.gpu = {gpu!r} is not in the data-sheet table; choose one of {', '.join(GPU_PEAKS)} "
+                      "or give budget.peak_flops")
+
+
+def device_peak(b: BudgetOptions) -> float | None:
+    if b.peak_flops is not None:
+        return b.peak_flops
+    return datasheet_bf16(b.gpu) if b.gpu else None
+
+
+def budget_of(b: BudgetOptions) -> tuple[float, str]:
+    if b.flops is not None:
+        return b.flops, f"{b.flops:.3g} FLOPs"
+    peak = device_peak(b)
+    if peak is None or b.hours is None:
+        raise ConfigError("scaling plan needs a budget: budget.flops=1e21, or budget.gpu=H100 (or budget.peak_flops) "
+                          "with budget.count, budget.hours and budget.mfu")
+    c = counts.budget_flops(peak, b.count, b.hours, b.mfu)
+    return c, f"{b.count} x {b.gpu or 'device'} ({peak / 1e12:.0f} TFLOP/s bf16) x {b.hours:g} h x MFU {b.mfu:g} = {c:.3g} FLOPs"
+
+
+def read_fit(path: Path) -> tuple[np.ndarray, np.ndarray, float]:
+    fit = read_json(path, what="scaling fit (from `lmforge scaling fit`)")
+    if "chinchilla" not in fit:
+        raise InputError(f"{path}: has no Approach-3 fit (key 'chinchilla'); rerun `lmforge scaling fit` with 3 in "
+                         "fit.approaches")
+    names = ("log_A", "log_B", "log_E", "alpha", "beta")
+    x = np.array([fit["chinchilla"]["params"][k] for k in names])
+    samples = np.array(fit["chinchilla"]["bootstrap"], dtype=float).reshape(-1, 5)
+    return x, samples[np.isfinite(samples).all(axis=1)], float(fit.get("level", 0.95))
+
+
+def pretrain_recipe(recipe: ScalingRecipe, n: float, d: float, hyper: dict):
+    """The template pretrain recipe with a model of ~``n`` parameters, DeepSeek's batch and lr,
+    and max_steps covering ``d`` tokens."""
+    from lmforge.stages.pretrain import PretrainRecipe
+
+    model = counts.shape_for_params(n, recipe.model, aspect_ratio=recipe.plan.aspect_ratio, which=recipe.plan.params)
+    model.max_seq_len = max(model.max_seq_len, recipe.data.seq_len)
+    per_micro = recipe.train.micro_batch_size * recipe.data.seq_len
+    batch = max(1, round(hyper["batch_tokens"] / per_micro)) * per_micro
+    steps = max(1, math.ceil(d / batch))
+    train = dataclasses.replace(recipe.train, lr=hyper["lr"], batch_tokens=batch, max_steps=steps,
+                                warmup_steps=min(recipe.train.warmup_steps, steps))
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(PretrainRecipe)}
+    return PretrainRecipe(**{**fields, "model": model, "train": train})
+
+
+def run_plan(recipe: ScalingRecipe) -> dict:
+    out = Path(recipe.out)
+    fit_path = Path(recipe.plan.fit) if recipe.plan.fit else out / "fit.json"
+    x, samples, level = read_fit(fit_path)
+    flops, how = budget_of(recipe.budget)
+    opt = planning.optimal_allocation(x, samples, flops, level)
+    hyper = planning.deepseek_hyperparameters(flops)
+    result = {"fit": str(fit_path), "budget_flops": flops, "budget": how, "level": level, "bootstrap_samples": len(samples),
+              "compute_optimal": {"params": opt.params, "tokens": opt.tokens, "loss": opt.loss,
+                                  "tokens_per_param": opt.tokens_per_param, "params_range": opt.params_range,
+                                  "tokens_range": opt.tokens_range},
+              "hyperparameters": {**hyper, "rule": "DeepSeek LLM 2024: B = 0.2920 C^0.3271 tokens, "
+                                  "lr = 0.3118 C^-0.1250"}}
+    if recipe.plan.inference_tokens is not None:
+        result["overtrained"] = planning.overtrained_plan(x, samples, flops, recipe.plan.inference_tokens, level)
+    if recipe.plan.unique_tokens is not None:
+        result["data_constrained"] = planning.data_constrained_plan(x, samples, flops, recipe.plan.unique_tokens,
+                                                                    level)
+    follows = next(k for k in ("data_constrained", "overtrained", "compute_optimal") if k in result)
+    pretrain = pretrain_recipe(recipe, result[follows]["params"], result[follows]["tokens"], hyper)
+    shape = counts.count_parameters(pretrain.model)
+    result["recipe"] = {"path": str(out / "pretrain.yaml"), "follows": follows, "d_model": pretrain.model.d_model,
+                        "n_layers": pretrain.model.n_layers, "n_heads": pretrain.model.n_heads,
+                        "params": dataclasses.asdict(shape), "batch_tokens": pretrain.train.batch_tokens,
+                        "max_steps": pretrain.train.max_steps, "lr": pretrain.train.lr}
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(pretrain, out, "pretrain.yaml")
+    atomic_write_json(out / "plan.json", json_safe(result))
+    text = plan_markdown(result)
+    atomic_write_text(out / "plan.md", text)
+    print(text)
+    return result
+
+
+def _range(r: dict) -> str:
+    return f"[{r['low']:.3g}, {r['high']:.3g}]" if math.isfinite(r["low"]) else "(no bootstrap)"
+
+
+def plan_markdown(r: dict) -> str:
+    pct = f"{100 * r['level']:g}%"
+    o = r["compute_optimal"]
+    lines = ["# Scaling plan", "", f"Budget: {r['budget']}; law: {r['fit']} ({r['bootstrap_samples']} bootstrap samples, "
+             f"{pct} intervals).", "", "| plan | N | D | D/N | loss |", "|---|---|---|---|---|",
+             f"| compute-optimal | {o['params']:.3g} {_range(o['params_range'])} | {o['tokens']:.3g} "
+             f"{_range(o['tokens_range'])} | {o['tokens_per_param']:.1f} | {o['loss']:.4f} |"]
+    if "overtrained" in r:
+        v = r["overtrained"]
+        lines.append(f"| over-trained for {v['inference_tokens']:.3g} inference tokens | {v['params']:.3g} "
+                     f"{_range(v['params_range'])} | {v['tokens']:.3g} {_range(v['tokens_range'])} | "
+                     f"{v['tokens_per_param']:.1f} | {v['loss']:.4f} |")
+    if "data_constrained" in r:
+        v = r["data_constrained"]
+        lines.append(f"| {v['unique_tokens']:.3g} unique tokens ({v['epochs']:.1f} epochs) | {v['params']:.3g} "
+                     f"{_range(v['params_range'])} | {v['tokens']:.3g} {_range(v['tokens_range'])} | "
+                     f"{v['tokens'] / v['params']:.1f} | {v['loss']:.4f} |")
+    lines.append("")
+    if "overtrained" in r:
+        v = r["overtrained"]
+        lines.append(f"Over-training (Sardana et al. 2024) saves {100 * v['saving']:.1f}% of training + inference "
+                     f"FLOPs ({v['total_flops']:.3g} vs {v['compute_optimal_total_flops']:.3g}).")
+    if "data_constrained" in r:
+        v = r["data_constrained"]
+        lines.append(f"Repeating data (Muennighoff et al. 2023, R_D* = {v['r_d_star']:.4g}, R_N* = {v['r_n_star']:.4g}): "
+                     f"loss {v['loss']:.4f}; the compute-optimal plan would repeat {v['compute_optimal_epochs']:.1f} "
+                     f"epochs for {v['compute_optimal_loss_with_repeats']:.4f} (unique data: {v['unconstrained_loss']:.4f}).")
+    h, m = r["hyperparameters"], r["recipe"]
+    lines += [f"Batch {h['batch_tokens']:.3g} tokens, learning rate {h['lr']:.3g} ({h['rule']}).", "",
+              f"Recipe {m['path']} (the {m['follows'].replace('_', '-')} plan): d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads: "
+              f"{m['params']['non_embedding']:.4g} non-embedding ({m['params']['total']:.4g} total) parameters, "
+              f"{m['max_steps']} steps of {m['batch_tokens']} tokens at lr {m['lr']:.3g}.", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- flops
+
+def run_flops(recipe: ScalingRecipe) -> dict:
+    model, seq = recipe.model, recipe.data.seq_len
+    params = counts.count_parameters(model)
+    per_token = counts.flops_per_token(model, seq)
+    step_tokens = recipe.train.batch_tokens or recipe.train.micro_batch_size * seq
+    tokens = recipe.tokens or recipe.train.max_steps * step_tokens
+    layout, plans = memory_plans(recipe)
+    result = {"params": dataclasses.asdict(params), "flops_per_token": dataclasses.asdict(per_token), "seq_len": seq,
+              "tokens": tokens, "training_flops": per_token.total * tokens, "training_flops_6nd": per_token.six_n * tokens,
+              "memory": {"layout": layout, **{("with_ac" if ac else "without_ac"): {**dataclasses.asdict(p),
+                                                                                   "total": p.total}
+                                              for ac, p in plans.items()}}}
+    peak = device_peak(recipe.budget)
+    lines = [f"parameters: {params.total:,} total ({params.active:,} active), {params.embedding:,} embedding, "
+             f"{params.head:,} output head, {params.non_embedding:,} non-embedding",
+             f"FLOPs per token (seq {seq}): {per_token.total:.4g} = {per_token.dense:.4g} dense (6 x matmul weights) + "
+             f"{per_token.attention:.4g} attention; 6N (non-embedding) = {per_token.six_n:.4g}",
+             f"training: {tokens:.4g} tokens, {result['training_flops']:.4g} FLOPs ({result['training_flops_6nd']:.4g} "
+             "by 6ND)",
+             f"memory per device ({layout}): {format_bytes(plans[False].total)}, "
+             f"{format_bytes(plans[True].total)} with activation checkpointing (`lmforge plan memory` for the table)"]
+    if peak is not None:
+        devices = recipe.budget.count
+        seconds = counts.training_seconds(result["training_flops"], peak, devices, recipe.budget.mfu)
+        result["training_hours"] = seconds / 3600
+        result["devices"] = devices
+        lines.append(f"time at MFU {recipe.budget.mfu:g} on {devices} x {peak / 1e12:.0f} TFLOP/s: {seconds / 3600:.3g} h")
+    out = Path(recipe.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "flops.json", json_safe(result))
+    print("\n".join(lines))
+    return result
+
+
+def run(recipe: ScalingRecipe) -> dict:
+    return {"fit": run_fit, "plan": run_plan, "flops": run_flops}[recipe.what](recipe)
+
+
+RECIPE = ScalingRecipe

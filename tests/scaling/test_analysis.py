@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import numpy as np
+
+from lmforge.scaling.analysis import Analysis, FitSettings, agreement_warnings, analyse, markdown, summary
+from lmforge.scaling.isoflop import EnvelopeFit, IsoFlopFit, PowerLaw
+from tests.scaling.planted import isoflop_runs, runs_from
+
+FAST = FitSettings(bootstrap=10, grid_stride=2)
+
+
+def test_runs_that_hardly_vary_d_earn_a_poorly_constrained_warning():
+    n = np.geomspace(1e7, 1e10, 12)
+    d = np.full(12, 1e10) * np.linspace(1, 1.02, 12)
+    result = analyse(runs_from(n, d, noise=0.01, seed=3), None, FitSettings(approaches=[3], bootstrap=10,
+                                                                           grid_stride=2))
+    chinchilla = [w for w in result.warnings if w.startswith("chinchilla")]
+    assert any("bound" in w or "poorly constrained" in w or "known only within" in w for w in chinchilla), chinchilla
+
+
+def test_approaches_that_disagree_are_named():
+    law = PowerLaw(0.5, 0.01, 1.0, 5)
+    result = Analysis(runs_from([1e8, 1e9], [1e9, 1e10]), FitSettings(agreement=0.05),
+                      isoflop=IsoFlopFit([], law, law), envelope=EnvelopeFit([], PowerLaw(0.6, 0.01, 1.0, 5), law))
+    warnings = agreement_warnings(result)
+    assert len(warnings) == 1 and "0.600 (approach_1) vs 0.500 (approach_2)" in warnings[0]
+
+
+def test_planted_isoflop_runs_agree_and_the_summary_has_every_part():
+    result = analyse(isoflop_runs(sizes=7, noise=0.002), None, FAST)
+    s = summary(result)
+    assert s["agree"] and set(s["exponents"]) == {"approach_1", "approach_2", "approach_3"}
+    assert len(s["chinchilla"]["bootstrap"]) == 10 and "kaplan" in s
+    text = markdown(result, s)
+    assert "| beta |" in text and "Agreement (all a within 0.05): yes" in text

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lmforge.cli.main import main
+from lmforge.core.config import load_config
+from lmforge.scaling.counts import count_parameters
+from lmforge.stages.pretrain import PretrainRecipe
+from tests.scaling.planted import TRUE, isoflop_runs, law, write_csv
+
+FAST = ["fit.grid_stride=2", "fit.bootstrap=8"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("scaling")
+    csv = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=7, noise=0.002), flops=False)
+    out = tmp_path / "scaling"
+    assert main(["scaling", "fit", str(csv), f"out={out}", *FAST]) == 0
+    return out
+
+
+def test_fit_writes_json_markdown_and_plots_with_all_three_approaches(fitted):
+    s = json.loads((fitted / "fit.json").read_text())
+    assert set(s["exponents"]) == {"approach_1", "approach_2", "approach_3"}
+    assert s["chinchilla"]["constants"]["alpha"]["estimate"] == pytest.approx(TRUE["alpha"], abs=0.02)
+    assert len(s["chinchilla"]["bootstrap"]) == 8 and s["chinchilla"]["r2"] > 0.99
+    assert s["agree"] is True
+    assert {"residuals.png", "isoflops.png", "optimal.png"} <= {p.name for p in fitted.iterdir()}
+    md = (fitted / "fit.md").read_text()
+    assert "| alpha |" in md and "approach 2" in md
+
+
+def test_fit_reads_training_curves_for_approach_1(tmp_path):
+    csv = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=5))
+    curves = tmp_path / "curves.csv"
+    rows = ["run,step,params,tokens,flops,loss"]
+    for i, n in enumerate(np.geomspace(1e7, 1e9, 8)):
+        for step, d in enumerate(np.geomspace(1e8, 1e11, 30)):
+            rows.append(f"r{i},{step},{n},{d},,{float(law(n, d))}")
+    curves.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    assert main(["scaling", "fit", str(csv), f"fit.curves={curves}", f"out={out}", "fit.approaches=[1]"]) == 0
+    s = json.loads((out / "fit.json").read_text())
+    assert list(s["exponents"]) == ["approach_1"] and s["approach_1"]["frontier_points"] > 8
+    assert not any("no training curves" in w for w in s["warnings"])
+
+
+def test_plan_writes_a_pretrain_recipe_of_about_the_optimal_size(fitted, capsys):
+    args = ["scaling", "plan", "recipes/demo/pretrain.yaml", f"out={fitted}", "budget.gpu=H100", "budget.count=8",
+            "budget.hours=1", "budget.mfu=0.4"]
+    assert main(args) == 0
+    plan = json.loads((fitted / "plan.json").read_text())
+    assert plan["budget_flops"] == pytest.approx(989e12 * 8 * 3600 * 0.4)
+    opt = plan["compute_optimal"]
+    assert opt["params_range"]["low"] <= opt["params"] <= opt["params_range"]["high"]
+    recipe = load_config(PretrainRecipe, fitted / "pretrain.yaml")
+    assert count_parameters(recipe.model).non_embedding == pytest.approx(opt["params"], rel=0.1)
+    assert recipe.train.lr == pytest.approx(plan["hyperparameters"]["lr"])
+    assert recipe.train.max_steps * recipe.train.batch_tokens >= opt["tokens"]
+    assert "compute-optimal" in capsys.readouterr().out
+
+
+def test_plan_with_inference_and_scarce_data_adds_both_alternatives(fitted):
+    assert main(["scaling", "plan", f"out={fitted}", "budget.flops=1e20", "plan.inference_tokens=1e12",
+                 "plan.unique_tokens=1e9"]) == 0
+    plan = json.loads((fitted / "plan.json").read_text())
+    assert plan["overtrained"]["params"] < plan["compute_optimal"]["params"]
+    assert plan["data_constrained"]["epochs"] > 1
+    assert plan["recipe"]["follows"] == "data_constrained"
+
+
+def test_flops_counts_a_recipe_and_its_time_at_an_mfu(tmp_path, capsys):
+    assert main(["scaling", "flops", "recipes/demo/pretrain.yaml", f"out={tmp_path}", "budget.peak_flops=1e12",
+                 "budget.mfu=0.5", "tokens=1e9"]) == 0
+    r = json.loads((tmp_path / "flops.json").read_text())
+    assert r["training_flops"] == pytest.approx(r["flops_per_token"]["total"] * 1e9)
+    assert r["training_hours"] == pytest.approx(r["training_flops"] / 0.5e12 / 3600)
+    assert r["memory"]["without_ac"]["total"] > r["memory"]["with_ac"]["total"] > 0
+    assert "non-embedding" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_naming_the_file_line_and_column(tmp_path, capsys):
+    csv = tmp_path / "runs.csv"
+    csv.write_text("run,params,tokens,loss\na,1e6,0,3.0\n")
+    assert main(["scaling", "fit", str(csv), f"out={tmp_path}"]) == 2
+    assert "runs.csv:2: column 'tokens' = '0'" in capsys.readouterr().err
+
+
+def test_plan_without_a_budget_says_what_it_needs(fitted, capsys):
+    assert main(["scaling", "plan", f"out={fitted}"]) == 2
+    assert "budget.flops" in capsys.readouterr().err
+
+
+def test_an_unknown_gpu_lists_the_data_sheet_ones(fitted, capsys):
+    assert main(["scaling", "plan", f"out={fitted}", "budget.gpu=TPU", "budget.hours=1"]) == 2
+    assert "H100" in capsys.readouterr().err
+
+
+def test_without_bootstrap_the_outputs_are_strict_json_and_the_plan_has_no_interval(tmp_path):
+    csv = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=5))
+    out = tmp_path / "out"
+    assert main(["scaling", "fit", str(csv), f"out={out}", "fit.bootstrap=0", "fit.grid_stride=2",
+                 "fit.approaches=[3]"]) == 0
+    assert main(["scaling", "plan", f"out={out}", "budget.flops=1e20"]) == 0
+
+    def refuse(name):
+        raise ValueError(f"{name} in strict JSON")
+
+    fit = json.loads((out / "fit.json").read_text(), parse_constant=refuse)
+    plan = json.loads((out / "plan.json").read_text(), parse_constant=refuse)
+    assert fit["chinchilla"]["constants"]["alpha"]["se"] is None
+    assert plan["compute_optimal"]["params_range"] == {"low": None, "high": None}
