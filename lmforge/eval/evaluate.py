@@ -46,7 +46,7 @@ from lmforge.eval.tasks import (
 )
 
 # metric -> (default aggregation, higher is better, output types, its options)
-EXACT_MATCH_OPTIONS = {"ignore_case", "ignore_punctuation", "ignore_numbers", "regexes_to_ignore", "strip_answer"}
+EXACT_MATCH_OPTIONS = {"ignore_case", "ignore_punctuation", "ignore_numbers", "regexes_to_ignore"}
 METRICS: dict[str, tuple[str, bool, set[str], set[str]]] = {
     "acc": ("mean", True, {"multiple_choice", "loglikelihood"}, set()),
     "acc_norm": ("mean", True, {"multiple_choice"}, set()),

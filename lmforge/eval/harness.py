@@ -1,7 +1,9 @@
-"""lmforge checkpoints as an lm-evaluation-harness model: ``lm_eval --model lmforge
---model_args checkpoint=runs/demo/pretrain``, or ``simple_evaluate(model=LMForgeLM(...))``.
+"""lmforge checkpoints as an lm-evaluation-harness model: ``python -m lmforge.eval.harness
+--model lmforge --model_args checkpoint=runs/demo/pretrain --tasks demo_answers --include_path
+data/eval`` (the harness's own command line), or ``simple_evaluate(model=LMForgeLM(...))``.
 
-Importing this module registers ``LMForgeLM`` under the name ``lmforge`` (``register_model``).
+Importing this module registers ``LMForgeLM`` under the name ``lmforge`` (``register_model``) and
+lmforge eval's ``numeric_match`` as a harness metric, so a task using it runs in both.
 Its three requests run in this process through the same functions as ``lmforge eval``
 (``eval.scoring``), so a task scored either way gives the same numbers. Needs the ``lm_eval``
 package (``pip install 'lmforge[eval]'``).
@@ -10,11 +12,11 @@ package (``pip install 'lmforge[eval]'``).
 from __future__ import annotations
 
 from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import register_metric, register_model
 from torch import nn
 
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.eval import scoring
+from lmforge.eval import answers, scoring
 
 
 @register_model("lmforge")
@@ -45,3 +47,15 @@ class LMForgeLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         return scoring.generate_until(self.model, self.tok, [r.args for r in requests], self.seed, self.batch_size)
+
+
+@register_metric(metric="numeric_match", higher_is_better=True, output_type="generate_until", aggregation="mean")
+def numeric_match(references: list, predictions: list, rel_tol: float = 1e-6, abs_tol: float = 0.0) -> float:
+    """lmforge eval's ``numeric_match`` for the harness: the last number of the response is the target's."""
+    return float(answers.numeric_match(predictions[0], references[0], rel_tol=rel_tol, abs_tol=abs_tol))
+
+
+if __name__ == "__main__":  # the harness's command line with the lmforge model registered
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

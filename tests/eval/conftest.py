@@ -16,7 +16,10 @@ from lmforge.model.transformer import Transformer
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, small_tokenizer_dir) -> Path:
-    path = tmp_path_factory.mktemp("eval-ckpt")
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("eval-ckpt"), small_tokenizer_dir)
+
+
+def write_tiny_checkpoint(path: Path, tokenizer_dir: Path) -> Path:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                                     max_seq_len=64))
@@ -24,7 +27,7 @@ def tiny_checkpoint(tmp_path_factory, small_tokenizer_dir) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
-    write_model_files(path, model, small_tokenizer_dir)
+    write_model_files(path, model, tokenizer_dir)
     write_checksums(path)
     return path
 

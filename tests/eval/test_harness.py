@@ -22,7 +22,7 @@ from lmforge.eval.evaluate import EvalSettings, evaluate_task  # noqa: E402
 from lmforge.eval.harness import LMForgeLM  # noqa: E402
 from lmforge.eval.scoring import load_checkpoint  # noqa: E402
 from lmforge.eval.tasks import load_task  # noqa: E402
-from tests.eval.conftest import model_answers, write_tasks  # noqa: E402
+from tests.eval.conftest import GEN_YAML, model_answers, write_tasks  # noqa: E402
 
 BOOTSTRAP = 200
 
@@ -32,6 +32,10 @@ def harness_run(tmp_path_factory, tiny_checkpoint, corpus_texts):
     root = tmp_path_factory.mktemp("harness-tasks")
     model, tok = load_checkpoint(str(tiny_checkpoint), "cpu")
     files = write_tasks(root, corpus_texts, model_answers(model, tok))
+    files["tiny_num"] = root / "tiny_num.yaml"  # lmforge's numeric_match, registered in the harness by the adapter
+    files["tiny_num"].write_text(GEN_YAML.replace("task: tiny_gen", "task: tiny_num").replace(
+        "metric: exact_match", "metric: numeric_match").replace("    ignore_case: true\n    ignore_punctuation: true\n",
+                                                                "    rel_tol: 0.01\n"), encoding="utf-8")
     cache = tmp_path_factory.mktemp("hf-datasets")
     old_cache, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, cache
     old_cwd = os.getcwd()
@@ -51,7 +55,7 @@ def ours(files, lm, name):
     return evaluate_task(load_task(files[name]), lm.model, lm.tok, settings)
 
 
-@pytest.mark.parametrize("name", ["tiny_mc", "tiny_ll", "tiny_rolling", "tiny_gen"])
+@pytest.mark.parametrize("name", ["tiny_mc", "tiny_ll", "tiny_rolling", "tiny_gen", "tiny_num"])
 def test_lmforge_eval_gives_the_harness_numbers_on_each_task_kind(harness_run, name):
     files, harness, lm = harness_run
     results = ours(files, lm, name)

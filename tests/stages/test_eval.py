@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lmforge.cli.main import main
-from tests.eval.conftest import tiny_checkpoint, write_jsonl, write_tasks  # noqa: F401 (the fixture)
+from tests.eval.conftest import write_jsonl, write_tasks, write_tiny_checkpoint
 
 SAMPLED_YAML = """\
 task: tiny_sampled
@@ -29,6 +31,11 @@ metric_list:
     rel_tol: 0.0
   - metric: exact_match
 """
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, small_tokenizer_dir):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("eval-ckpt"), small_tokenizer_dir)
 
 
 def test_eval_writes_results_for_every_task_metric_and_filter(tmp_path, tiny_checkpoint, corpus_texts, capsys):
