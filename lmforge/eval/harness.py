@@ -11,6 +11,7 @@ package (``pip install 'lmforge[eval]'``).
 
 from __future__ import annotations
 
+import lm_eval.api.metrics  # noqa: F401 (registers the harness's aggregations, which numeric_match names)
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_metric, register_model
 from torch import nn

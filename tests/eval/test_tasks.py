@@ -86,3 +86,14 @@ def test_a_raw_text_file_is_a_rolling_task(tmp_path):
     (tmp_path / "notes.txt").write_text("Some plain text to score.\n", encoding="utf-8")
     task = load_task(tmp_path / "notes.txt")
     assert task.output_type == "loglikelihood_rolling" and task.splits["train"] == [{"text": "Some plain text to score.\n"}]
+
+
+def test_fewshot_override_and_limit_follow_simple_evaluate(tmp_path):
+    from lmforge.eval.tasks import effective_fewshot, limited
+
+    task = load_task(mc_task(tmp_path))
+    assert effective_fewshot(task, None) == 2 and effective_fewshot(task, 1) == 1
+    task.config["num_fewshot"] = 0
+    assert effective_fewshot(task, 3) == 0  # a task that fixes 0 keeps it
+    docs = list(range(10))
+    assert limited(docs, 3) == [0, 1, 2] and limited(docs, 0.25) == [0, 1, 2] and limited(docs, None) == docs
