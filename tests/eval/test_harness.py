@@ -25,6 +25,31 @@ from lmforge.eval.tasks import load_task  # noqa: E402
 from tests.eval.conftest import GEN_YAML, model_answers, write_tasks  # noqa: E402
 
 BOOTSTRAP = 200
+VOTE_YAML = """\
+task: tiny_vote
+dataset_path: json
+dataset_kwargs:
+  data_files: gen.jsonl
+test_split: train
+output_type: generate_until
+doc_to_text: "Q: {{ q }}\\nA:"
+doc_to_target: "{{ a }}"
+repeats: 3
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+  do_sample: true
+  temperature: 1.0
+filter_list:
+  - name: vote
+    filter:
+      - function: lowercase
+      - function: majority_vote
+      - function: take_first
+  - name: first
+    filter:
+      - function: take_first
+"""
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +61,8 @@ def harness_run(tmp_path_factory, tiny_checkpoint, corpus_texts):
     files["tiny_num"].write_text(GEN_YAML.replace("task: tiny_gen", "task: tiny_num").replace(
         "metric: exact_match", "metric: numeric_match").replace("    ignore_case: true\n    ignore_punctuation: true\n",
                                                                 "    rel_tol: 0.01\n"), encoding="utf-8")
+    files["tiny_vote"] = root / "tiny_vote.yaml"  # sampled, 3 repeats, majority vote: seeds and filters agree
+    files["tiny_vote"].write_text(VOTE_YAML, encoding="utf-8")
     cache = tmp_path_factory.mktemp("hf-datasets")
     old_cache, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, cache
     old_cwd = os.getcwd()
@@ -55,7 +82,7 @@ def ours(files, lm, name):
     return evaluate_task(load_task(files[name]), lm.model, lm.tok, settings)
 
 
-@pytest.mark.parametrize("name", ["tiny_mc", "tiny_ll", "tiny_rolling", "tiny_gen", "tiny_num"])
+@pytest.mark.parametrize("name", ["tiny_mc", "tiny_ll", "tiny_rolling", "tiny_gen", "tiny_num", "tiny_vote"])
 def test_lmforge_eval_gives_the_harness_numbers_on_each_task_kind(harness_run, name):
     files, harness, lm = harness_run
     results = ours(files, lm, name)
