@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.eval.scoring import encode_pair, generate_until, load_checkpoint, loglikelihood_pairs, loglikelihood_rolling
+from lmforge.eval.scoring import (
+    encode_pair,
+    generate_until,
+    load_checkpoint,
+    loglikelihood_pairs,
+    loglikelihood_rolling,
+)
 
 
 @pytest.fixture(scope="module")
