@@ -8,8 +8,8 @@ and results.md into --out. <checkpoint> is a checkpoint directory or a run direc
 newest valid checkpoint). The same tasks run in the harness itself with --model lmforge
 (lmforge.eval.harness).
 
-  lmforge eval runs/demo/pretrain --tasks tasks/arc.yaml data/pretrain/shakespeare.jsonl --limit 100
-  lmforge eval runs/demo/sft --tasks tasks/arith.yaml --num-fewshot 3 --out runs/eval-sft batch_size=32
+  lmforge eval runs/demo/sft --tasks data/eval/demo_answers.yaml --out runs/eval-sft
+  lmforge eval runs/demo/pretrain --tasks data/pretrain/milton.jsonl --limit 8 batch_size=32
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def recipe_from_args(args: argparse.Namespace) -> EvalRecipe:
-    recipe = load_config(EvalRecipe, None, list(args.overrides))
-    recipe = dataclasses.replace(recipe, checkpoint=args.checkpoint, tasks=list(args.tasks))
+    # `--tasks a.yaml batch_size=32`: the key=value after the files is an override, not a task file
+    overrides = [t for t in args.tasks if "=" in t and not Path(t).exists()]
+    tasks = [t for t in args.tasks if t not in overrides]
+    recipe = load_config(EvalRecipe, None, [*overrides, *args.overrides])
+    recipe = dataclasses.replace(recipe, checkpoint=args.checkpoint, tasks=tasks)
     for key, value in (("limit", args.limit), ("num_fewshot", args.num_fewshot), ("run_dir", args.out)):
         if value is not None:
             recipe = dataclasses.replace(recipe, **{key: value})

@@ -66,7 +66,7 @@ def test_sampled_generation_is_seeded_and_gives_pass_at_k(tmp_path, tiny_checkpo
     runs = []
     for seed in (1, 1, 2):
         out = tmp_path / f"out{len(runs)}"
-        assert main(["eval", str(tiny_checkpoint), "--tasks", str(task), "--out", str(out), f"seed={seed}", "device=cpu"]) == 0
+        assert main(["eval", str(tiny_checkpoint), "--out", str(out), "--tasks", str(task), f"seed={seed}", "device=cpu"]) == 0
         runs.append({r["metric"]: r["value"] for r in json.loads((out / "results.json").read_text())["results"]})
     assert runs[0] == runs[1]
     assert set(runs[0]) == {"pass@1", "pass@4", "numeric_match", "exact_match"}
