@@ -82,6 +82,7 @@ class Task:
     sources: dict[str, list[str]]
     data_sha256: dict[str, str] = field(default_factory=dict)
     _templates: dict[str, jinja2.Template] = field(default_factory=dict, repr=False)
+    _columns: set[str] | None = field(default=None, repr=False)
 
     # ---- config
     def get(self, key: str, default: Any = None) -> Any:
@@ -179,10 +180,9 @@ class Task:
     @property
     def columns(self) -> set[str]:
         """Every field some document has (a dataset's features)."""
-        cached = self.__dict__.get("_columns")
-        if cached is None:
-            cached = self.__dict__["_columns"] = {k for docs in self.splits.values() for d in docs for k in d}
-        return cached
+        if self._columns is None:
+            self._columns = {k for docs in self.splits.values() for d in docs for k in d}
+        return self._columns
 
     def doc_to_text(self, doc: dict) -> str:
         spec = self.config.get("doc_to_text")
