@@ -41,6 +41,8 @@ VERBS = [
     Verb("kto", "KTO on unpaired desirable/undesirable examples",
          "lmforge.stages.kto", distributed=True),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
+    Verb("eval", "score a checkpoint on lm-evaluation-harness tasks (multiple choice, perplexity, generation)",
+         "lmforge.stages.eval"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
     Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),

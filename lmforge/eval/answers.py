@@ -1,0 +1,74 @@
+"""Answer checks: is a model's text the expected answer? Plain functions of strings, shared by
+``lmforge eval``'s metrics and the RL rewards (a verifiable reward is one of these checks).
+
+- ``exact_match``: lm-evaluation-harness's ``exact_match`` on one pair (its
+  ``exact_match_hf_evaluate``: ``regexes_to_ignore`` removed first, then case, punctuation and
+  digits dropped as asked); ``strip_answer`` first applies the demo tasks' ``normalize_answer``
+  (end-of-turn marker, surrounding whitespace, one trailing period).
+- ``numeric_match``: the last number in the prediction equals the target's last number, within
+  ``rel_tol`` (``math.isclose``); thousands separators are ignored.
+- ``extract``: the harness's ``regex`` filter on one text (``findall``, the ``group``-th match,
+  the first non-empty group of a match with several, stripped; ``fallback`` when none).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections.abc import Sequence
+
+from lmforge.data.sft_demo import normalize_answer
+
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+_DIGITS = str.maketrans("", "", string.digits)
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+
+
+def exact_match(prediction: str, target: str, *, ignore_case: bool = False, ignore_punctuation: bool = False,
+                ignore_numbers: bool = False, regexes_to_ignore: Sequence[str] | None = None,
+                strip_answer: bool = False) -> bool:
+    """True when ``prediction`` equals ``target`` after the same normalisation of both, in the
+    harness's order: each of ``regexes_to_ignore`` removed (``re.sub(r, "", s)``), lower-cased,
+    ``string.punctuation`` removed, digits removed."""
+    if strip_answer:
+        prediction, target = normalize_answer(prediction), normalize_answer(target)
+    for pattern in regexes_to_ignore or ():
+        prediction, target = re.sub(pattern, "", prediction), re.sub(pattern, "", target)
+    if ignore_case:
+        prediction, target = prediction.lower(), target.lower()
+    if ignore_punctuation:
+        prediction, target = prediction.translate(_PUNCTUATION), target.translate(_PUNCTUATION)
+    if ignore_numbers:
+        prediction, target = prediction.translate(_DIGITS), target.translate(_DIGITS)
+    return prediction == target
+
+
+def final_number(text: str) -> float | None:
+    """The last number written in ``text`` (``-1,234.5`` -> -1234.5), or None."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def numeric_match(prediction: str, target: str | float | int, rel_tol: float = 1e-6, abs_tol: float = 0.0) -> bool:
+    """True when the last number in ``prediction`` is the target (a number, or the last number in
+    the target's text) within ``math.isclose(rel_tol, abs_tol)``; False when either has none."""
+    got = final_number(prediction)
+    want = float(target) if isinstance(target, (int, float)) and not isinstance(target, bool) else final_number(str(target))
+    if got is None or want is None:
+        return False
+    return math.isclose(got, want, rel_tol=rel_tol, abs_tol=abs_tol)
+
+
+def extract(text: str, regex: str | re.Pattern, group: int = 0, fallback: str | None = "[invalid]") -> str | None:
+    """The ``group``-th match of ``regex`` in ``text`` (negative counts from the end), as the
+    harness's ``regex`` filter picks it: a match of a pattern with several groups gives its
+    first non-empty group; the result is stripped. ``fallback`` when nothing matches."""
+    pattern = re.compile(regex) if isinstance(regex, str) else regex
+    found = pattern.findall(text)
+    if not found:
+        return fallback
+    match = found[group]
+    if isinstance(match, tuple):
+        match = next((m for m in match if m), fallback)
+    return match.strip() if match is not None else None

@@ -1,0 +1,109 @@
+"""Score a checkpoint on tasks in lm-evaluation-harness's YAML format: multiple choice
+(acc, acc_norm), log-likelihood (perplexity, acc, bits per byte of the target), rolling
+log-likelihood (word/byte perplexity, bits per byte) and generation (exact match, numeric
+match, pass@k), with the harness's prompts, few-shot sampling and standard errors.
+A JSONL (`text` field), Parquet or plain-text file in --tasks is scored for bits per byte.
+Writes results.json (one record per task, metric and filter: value, stderr, n, config hash)
+and results.md into --out. <checkpoint> is a checkpoint directory or a run directory (its
+newest valid checkpoint). The same tasks run in the harness itself with --model lmforge
+(lmforge.eval.harness).
+
+  lmforge eval runs/demo/sft --tasks data/eval/demo_answers.yaml --out runs/eval-sft
+  lmforge eval runs/demo/pretrain --tasks data/pretrain/milton.jsonl --limit 8 batch_size=32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from lmforge.core.config import at_least, load_config, positive, seed_field
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
+from lmforge.core.run import log, record_config, run_dir_lock, start_run
+from lmforge.eval.evaluate import EvalSettings, MetricResult, evaluate_task, results_table
+from lmforge.eval.scoring import load_checkpoint
+from lmforge.eval.tasks import DEFAULT_FEWSHOT_SEED, load_task
+
+
+@dataclass
+class EvalRecipe:
+    checkpoint: str = "runs/demo/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
+    tasks: list[str] = field(default_factory=list)  # task YAML files; any other file: bits per byte of its text
+    limit: float | None = positive(None)  # the first N documents of each task (below 1: that share); null = all
+    num_fewshot: int | None = at_least(0, None)  # overrides each task's num_fewshot, unless a task fixes 0
+    run_dir: str | None = None  # receives results.json, results.md and config.yaml
+    batch_size: int = positive(16)  # rows per forward / sequences decoding together
+    fewshot_seed: int | None = seed_field(DEFAULT_FEWSHOT_SEED)  # the harness's fewshot_random_seed
+    seed: int = seed_field(1234)  # sampled generation
+    bootstrap_iters: int = at_least(0, 100000)  # resamples for bootstrapped stderrs (perplexity, median); 0 = none
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # auto = cuda when available, else cpu
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint directory, or a run directory (uses its newest valid checkpoint)")
+    parser.add_argument("--tasks", nargs="+", required=True, metavar="FILE",
+                        help="task YAML files (lm-evaluation-harness format), or text files for bits per byte")
+    parser.add_argument("--limit", type=float, default=None, help="score the first N documents of each task")
+    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (overrides the tasks')")
+    parser.add_argument("--out", default=None, help="folder for results.json and results.md (recipe key run_dir)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> EvalRecipe:
+    # `--tasks a.yaml batch_size=32`: the key=value after the files is an override, not a task file
+    overrides = [t for t in args.tasks if "=" in t and not Path(t).exists()]
+    tasks = [t for t in args.tasks if t not in overrides]
+    recipe = load_config(EvalRecipe, None, [*overrides, *args.overrides])
+    recipe = dataclasses.replace(recipe, checkpoint=args.checkpoint, tasks=tasks)
+    for key, value in (("limit", args.limit), ("num_fewshot", args.num_fewshot), ("run_dir", args.out)):
+        if value is not None:
+            recipe = dataclasses.replace(recipe, **{key: value})
+    return recipe
+
+
+def run_eval(recipe: EvalRecipe) -> dict:
+    """Score every task; return what results.json holds."""
+    if not recipe.tasks:
+        raise InputError("no tasks: give task files with --tasks a.yaml b.yaml (or tasks='[...]')")
+    if recipe.limit is not None and recipe.limit <= 0:
+        raise InputError(f"limit must be positive, got {recipe.limit}")
+    tasks = [load_task(path) for path in recipe.tasks]  # every file checked before the model loads
+    names = [t.name for t in tasks]
+    if len(set(names)) < len(names):
+        raise InputError(f"two tasks are named the same ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
+                         "give each a distinct 'task:' name")
+    model, tok = load_checkpoint(recipe.checkpoint, recipe.device, recipe.dtype)
+    settings = EvalSettings(limit=recipe.limit, num_fewshot=recipe.num_fewshot, fewshot_seed=recipe.fewshot_seed,
+                            bootstrap_iters=recipe.bootstrap_iters, batch_size=recipe.batch_size, seed=recipe.seed)
+    results: list[MetricResult] = []
+    for task in tasks:
+        t0 = time.perf_counter()
+        figures = evaluate_task(task, model, tok, settings)
+        results += figures
+        log.info("eval: %s: %s (%.1fs)", task.name,
+                 ", ".join(f"{r.metric}{'' if r.filter == 'none' else '/' + r.filter}={r.value:.4f}" for r in figures),
+                 time.perf_counter() - t0)
+    table = results_table(results)
+    print(table, end="", flush=True)
+    out = {"checkpoint": str(recipe.checkpoint), "results": [asdict(r) for r in results]}
+    if recipe.run_dir is not None:
+        with run_dir_lock(recipe.run_dir):
+            run_dir = start_run(recipe, recipe.run_dir)
+            atomic_write_json(run_dir / "results.json", out)
+            atomic_write_text(run_dir / "results.md", table)
+            record_config(recipe, run_dir)
+        log.info("eval: wrote %s and results.md", Path(recipe.run_dir) / "results.json")
+    return out
+
+
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report: the results table."""
+    return results_table([MetricResult(**r) for r in res.get("results", [])]).splitlines()
+
+
+RECIPE = EvalRecipe
+run = run_eval

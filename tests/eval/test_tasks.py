@@ -1,0 +1,99 @@
+"""Task files: the harness's readings of doc_to_* and its prompts, and bad input named by file,
+key and line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmforge.core.io import InputError
+from lmforge.eval.evaluate import metric_specs
+from lmforge.eval.tasks import FewshotSampler, fewshot_context, load_task
+from tests.eval.conftest import MC_YAML, write_jsonl
+
+
+def mc_task(tmp_path: Path, yaml_text: str = MC_YAML):
+    rows = [{"word": w, "choices": [w, "b", "c"], "label": i % 3} for i, w in enumerate("pqrstuvw")]
+    write_jsonl(tmp_path / "mc_train.jsonl", rows[:4])
+    write_jsonl(tmp_path / "mc_test.jsonl", rows[4:])
+    path = tmp_path / "task.yaml"
+    path.write_text(yaml_text, encoding="utf-8")
+    return path
+
+
+def test_a_fewshot_prompt_is_text_delimiter_target_then_the_document(tmp_path):
+    task = load_task(mc_task(tmp_path))
+    pool = task.fewshot_pool()
+    doc = task.splits["test"][0]
+    prompt = fewshot_context(task, doc, 2, FewshotSampler(pool, 1234))
+    shots = FewshotSampler(pool, 1234).sample(2)
+    expected = "".join(f"Question: which word is {s['word']}?\nAnswer: {s['choices'][s['label']]}\n\n" for s in shots)
+    assert prompt == expected + f"Question: which word is {doc['word']}?\nAnswer:"
+
+
+def test_data_files_are_read_relative_to_the_task_file(tmp_path, monkeypatch):
+    path = mc_task(tmp_path)
+    monkeypatch.chdir(Path(path.anchor))
+    assert len(load_task(path).splits["test"]) == 4
+
+
+def test_a_missing_data_file_is_named(tmp_path):
+    path = mc_task(tmp_path)
+    (tmp_path / "mc_test.jsonl").unlink()
+    with pytest.raises(InputError, match=r"task\.yaml: dataset_kwargs\.data_files: .*mc_test\.jsonl not found"):
+        load_task(path)
+
+
+def test_a_document_missing_a_template_field_names_the_file_line_and_key(tmp_path):
+    path = mc_task(tmp_path)
+    with open(tmp_path / "mc_test.jsonl", "a") as f:
+        f.write('{"choices": ["x", "y"], "label": 0}\n')
+    task = load_task(path)
+    doc = task.splits["test"][-1]
+    with pytest.raises(InputError, match=r"task\.yaml:\d+: doc_to_text: .*mc_test\.jsonl:5: 'word' is undefined"):
+        fewshot_context(task, doc, 0, None)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("output_type: multiple_choice", "output_type: ranking"), r"task\.yaml:9: output_type: unknown 'ranking'"),
+    (("  - metric: acc_bytes", "  - metric: bleu"), r"task\.yaml:\d+: metric_list: unknown metric 'bleu'"),
+    (("num_fewshot: 2", "num_fewshots: 2"), r"task\.yaml:13: unknown key 'num_fewshots'; did you mean 'num_fewshot'"),
+    (("num_fewshot: 2", "process_docs: !function utils.process"), r"task\.yaml:13:\d+: '!function utils.process' runs Python"),
+    (("num_fewshot: 2", "num_fewshot: [2"), r"task\.yaml:\d+:\d+: "),
+    (("num_fewshot: 2", "gen_prefix: 'A:'"), r"task\.yaml:13: gen_prefix: a harness key that lmforge eval does not support"),
+    (("test_split: test", "test_split: dev"), r"task\.yaml:\d+: test_split: split 'dev' is not in the data files"),
+])
+def test_bad_task_files_are_named_with_key_and_line(tmp_path, edit, message):
+    path = mc_task(tmp_path, MC_YAML.replace(*edit))
+    with pytest.raises(InputError, match=message):
+        metric_specs(load_task(path))
+
+
+def test_doc_to_target_readings_follow_the_harness(tmp_path):
+    task = load_task(mc_task(tmp_path))
+    doc = task.splits["test"][0]
+    assert task.doc_to_target(doc) == doc["label"]  # a field: its value
+    task.config["doc_to_target"] = "{{ label }}"
+    assert task.doc_to_target(doc) == doc["label"]  # a template giving digits, with choices: an index
+    task.config["doc_to_target"] = "{{ choices }}"
+    assert task.doc_to_target(doc) == doc["choices"]  # a template giving a list literal: the list
+    task.config["doc_to_target"] = 1
+    assert task.doc_to_target(doc) == 1
+
+
+def test_a_raw_text_file_is_a_rolling_task(tmp_path):
+    (tmp_path / "notes.txt").write_text("Some plain text to score.\n", encoding="utf-8")
+    task = load_task(tmp_path / "notes.txt")
+    assert task.output_type == "loglikelihood_rolling" and task.splits["train"] == [{"text": "Some plain text to score.\n"}]
+
+
+def test_fewshot_override_and_limit_follow_simple_evaluate(tmp_path):
+    from lmforge.eval.tasks import effective_fewshot, limited
+
+    task = load_task(mc_task(tmp_path))
+    assert effective_fewshot(task, None) == 2 and effective_fewshot(task, 1) == 1
+    task.config["num_fewshot"] = 0
+    assert effective_fewshot(task, 3) == 0  # a task that fixes 0 keeps it
+    docs = list(range(10))
+    assert limited(docs, 3) == [0, 1, 2] and limited(docs, 0.25) == [0, 1, 2] and limited(docs, None) == docs
