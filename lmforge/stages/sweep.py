@@ -149,9 +149,9 @@ def model_sizes(sweep: SweepRecipe, base_model: dict) -> list[tuple[str, dict]]:
 
 
 def default_size_name(entry: dict) -> str:
-    """``tiny``, ``d64-l2``, ``tiny-d128``: the preset and the fields a size sets."""
+    """``tiny``, ``d64-l2``, ``tiny-d128``: the preset and the fields a size sets (not those it unsets)."""
     parts = [str(entry["preset"])] if entry.get("preset") else []
-    parts += [f"{SHORT_KEYS.get(k, k)}{v}" for k, v in entry.items() if k != "preset"]
+    parts += [f"{SHORT_KEYS.get(k, k)}{v}" for k, v in entry.items() if k != "preset" and v is not None]
     return "-".join(parts) or "base"
 
 
@@ -252,7 +252,7 @@ class Progress:
         self.lock = threading.Lock()
 
     def eta(self) -> str:
-        if not self.flops_done:
+        if not self.flops_done or self.flops_left <= 0:
             return ""
         rate = self.flops_done / (time.perf_counter() - self.started)
         return f", eta {format_eta(self.flops_left / rate)}"
@@ -305,7 +305,7 @@ def train_runs(sweep: SweepRecipe, todo: list[SweepRun], progress: Progress) -> 
     errors = []
     with ThreadPoolExecutor(sweep.max_parallel) as pool:
         futures = {}
-        for run in todo:
+        for run in sorted(todo, key=lambda r: (-r.flops, r.params)):  # the longest first, so the last ones are short
             recipe_path = save_config(run.recipe, root / "recipes", f"{run.name}.yaml")
             log_path = root / "logs" / f"{run.name}.log"
             futures[pool.submit(train_in_subprocess, run, recipe_path, log_path, threads, progress)] = run

@@ -125,3 +125,18 @@ def test_a_bad_grid_is_a_clear_error(tmp_path, pretrain_yaml, overrides, message
 def test_warmup_fraction_scales_warm_up_with_each_run(tmp_path, pretrain_yaml):
     runs = build_grid(sweep_recipe(tmp_path, pretrain_yaml, flops=[3e8], warmup_fraction=0.5))
     assert [r.recipe.train.warmup_steps for r in runs] == [round(r.steps / 2) for r in runs]
+
+
+def test_the_cpu_isoflop_recipe_is_three_budgets_by_five_sizes(monkeypatch):
+    from pathlib import Path
+
+    import lmforge.stages.sweep as sweep
+
+    monkeypatch.setattr(sweep, "check_validation_split", lambda recipe: None)  # the demo's shards are not built here
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    runs = build_grid(load_config(SweepRecipe, "recipes/scaling/cpu_isoflop.yaml"))
+    assert len(runs) == 15 and len({r.name for r in runs}) == 15
+    for run in runs:
+        assert run.flops == pytest.approx(run.budget["flops"], rel=0.02)
+        assert run.recipe.train.max_steps == run.steps and not run.recipe.train.compile
