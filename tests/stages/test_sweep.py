@@ -66,25 +66,26 @@ def test_an_isoflop_sweep_trains_each_point_for_its_budget_and_writes_the_csvs(t
 
 
 def test_a_rerun_skips_finished_runs_and_resumes_interrupted_ones(tmp_path, pretrain_yaml):
-    recipe = sweep_recipe(tmp_path, pretrain_yaml, grid="tokens", tokens=[2048], models=SIZES[:1])
-    full = sweep_recipe(tmp_path / "full", pretrain_yaml, grid="tokens", tokens=[2048], models=SIZES[:1])
+    recipe = sweep_recipe(tmp_path, pretrain_yaml, grid="tokens", tokens=[1024], models=SIZES[:1])
+    full = sweep_recipe(tmp_path / "full", pretrain_yaml, grid="tokens", tokens=[1024], models=SIZES[:1])
     run_sweep(full)
-    stopped = sweep_recipe(tmp_path, pretrain_yaml, grid="tokens", tokens=[2048], models=SIZES[:1],
-                           overrides=["train.stop_at_step=4"])
-    with pytest.raises(InputError, match="stopped before their last step.*d32-l1-D2048"):
-        run_sweep(stopped)  # the run stops at step 4 of 8, like a killed one
+    stopped = sweep_recipe(tmp_path, pretrain_yaml, grid="tokens", tokens=[1024], models=SIZES[:1],
+                           overrides=["train.stop_at_step=2"])
+    with pytest.raises(InputError, match="stopped before their last step.*d32-l1-D1024"):
+        run_sweep(stopped)  # the run stops at step 2 of 4, like a killed one
     assert read_csv(tmp_path / "sweep" / "runs.csv") == []
-    run_sweep(recipe)  # resumes from step 4
-    run_dir = tmp_path / "sweep" / "d32-l1-D2048"
-    assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 4
+    run_sweep(recipe)  # resumes from step 2
+    run_dir = tmp_path / "sweep" / "d32-l1-D1024"
+    assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 2
     assert [r["loss"] for r in read_metrics(run_dir)] == [r["loss"] for r in read_metrics(tmp_path / "full" / "sweep" / run_dir.name)]
     before = (run_dir / "metrics.jsonl").stat().st_mtime_ns
     run_sweep(recipe)  # finished: skipped
     assert (run_dir / "metrics.jsonl").stat().st_mtime_ns == before
     assert read_csv(tmp_path / "sweep" / "runs.csv") == read_csv(tmp_path / "full" / "sweep" / "runs.csv")
-    shutil.rmtree(run_dir / "checkpoints" / "step_00000008")  # the final checkpoint lost: trained again from step 6
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # the final checkpoint lost: trained again from step 2
     run_sweep(recipe)
-    assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 6
+    assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 2
+    assert read_csv(tmp_path / "sweep" / "runs.csv") == read_csv(tmp_path / "full" / "sweep" / "runs.csv")
 
 
 def test_a_run_directory_of_another_recipe_is_refused(tmp_path, pretrain_yaml):
