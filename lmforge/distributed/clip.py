@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def grad_norm(grads: list[torch.Tensor], ctx) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], ctx) -> torch.Tensor:
     """The global L2 norm of ``grads`` (every rank's, the whole unsharded gradients): a group of
     gradients on one mesh gives its norm as a DTensor whose ``full_tensor()`` is the norm of the
     whole; plain tensors are whole already (replicated over tensor-parallel ranks, so counted
@@ -30,9 +30,9 @@ def grad_norm(grads: list[torch.Tensor], ctx) -> torch.Tensor:
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, ctx) -> torch.Tensor:
     """Clip to a global L2 norm ``max_norm`` (0: no clipping); return the norm before clipping
-    (``grad_norm``)."""
+    (``total_grad_norm``)."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = grad_norm(grads, ctx)
+    total = total_grad_norm(grads, ctx)
     if max_norm > 0:
         # scale the gradients themselves (a DTensor's local shard on each rank) by torch's
         # coefficient; torch.nn.utils.clip_grads_with_norm_ takes parameters and reads their

@@ -1,5 +1,5 @@
 """The gradient noise scale B_simple (McCandlish et al. 2018, "An Empirical Model of Large-Batch
-Training", section 2.2 and appendix A.1), measured from gradients the step computes anyway.
+Training", section 2 and appendix A), measured from gradients the step computes anyway.
 
 The loss is a mean over examples, so a batch of B examples gives an unbiased gradient estimate
 G_B with covariance Σ/B, where Σ is the per-example covariance. Hence
@@ -7,14 +7,15 @@ G_B with covariance Σ/B, where Σ is the per-example covariance. Hence
     E|G_B|² = |G|² + tr(Σ)/B,
 
 and two batch sizes B_small < B_big with their gradients' squared norms give unbiased estimates
-of both parts (appendix A.1):
+of both parts (appendix A):
 
     |G|²  ≈ (B_big·|G_big|² − B_small·|G_small|²) / (B_big − B_small)
     tr(Σ) ≈ (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)
 
 and the simple noise scale B_simple = tr(Σ)/|G|², the batch size at which the noise of a
-step's gradient is as large as the gradient itself: about where larger batches stop paying
-(the critical batch size B_crit ≈ B_simple).
+step's gradient is as large as the gradient itself. It equals the paper's B_noise when the
+Hessian is a multiple of the identity, and the critical batch size, beyond which larger
+batches stop paying, is about B_noise.
 
 Each measurement is noisy (the |G|² estimate is often negative alone), so, as the paper does,
 the two estimates are smoothed by exponential moving averages *separately* and only their

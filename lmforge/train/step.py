@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lmforge.distributed.clip import clip_grad_norm_, grad_norm
+from lmforge.distributed.clip import clip_grad_norm_, total_grad_norm
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
@@ -104,7 +104,8 @@ class StepRunner:
         """One optimizer step over ``micro_batches``. ``accept(loss)`` false (a loss spike, see
         ``train.spikes``) drops the update. ``measure_noise`` (at least two micro-batches): the
         result carries the first micro-batch's and the step's gradients (``StepResult.noise``)."""
-        loss, n_targets, metric_sums, small = self.backward(micro_batches, measure_noise)
+        small: list[tuple[int, float]] = []
+        loss, n_targets, metric_sums = self.backward(micro_batches, small.append if measure_noise else None)
         scaler = self.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -120,7 +121,7 @@ class StepRunner:
         elif apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        noise = None if small is None else NoiseSample(small[0], n_targets, small[1], float(grad_norm) ** 2)
+        noise = NoiseSample(small[0][0], n_targets, small[0][1], float(grad_norm) ** 2) if small else None
         return StepResult(loss, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped,
                           noise)
 
@@ -134,15 +135,14 @@ class StepRunner:
         norm = float(self.gradient_norm()) / scale
         return n_first, (norm * n_targets / n_first) ** 2
 
-    def backward(self, micro_batches: list, measure_noise: bool = False
-                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], tuple[int, float] | None]:
+    def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
+                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         """Forward and backward of the step's micro-batches: the mean loss per target of the
-        global batch, its target count, the objective's metric sums (on every rank) and, with
-        ``measure_noise``, the first micro-batch's ``first_batch_gradient``."""
+        global batch, its target count and the objective's metric sums (on every rank).
+        ``first_gradient`` receives the first micro-batch's ``first_batch_gradient``."""
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
-        small = None
         for i, batch in enumerate(micro_batches):
             with self.loss_layout():
                 with autocast_context(self.device, self.precision):
@@ -153,10 +153,9 @@ class StepRunner:
             loss_total += local_value(loss.detach()).float()
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + local_value(value.detach()).float()
-            if measure_noise and i == 0:
-                small = self.first_batch_gradient(batch, n_targets)
-        return (self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()},
-                small)
+            if first_gradient is not None and i == 0:
+                first_gradient(self.first_batch_gradient(batch, n_targets))
+        return self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()}
 
     def evaluate(self, batches: Iterator, max_batches: int | None) -> dict:
         """``train.evaluate.evaluate`` of the eager objective, on this runner's layout."""
@@ -194,7 +193,7 @@ class DataParallelStepRunner(StepRunner):
         return clip_grad_norm_(self.params, self.grad_clip, self.parallel)
 
     def gradient_norm(self) -> torch.Tensor:
-        return grad_norm([p.grad for p in self.params if p.grad is not None], self.parallel)
+        return total_grad_norm([p.grad for p in self.params if p.grad is not None], self.parallel)
 
 
 class PipelineStepRunner(DataParallelStepRunner):
@@ -206,19 +205,18 @@ class PipelineStepRunner(DataParallelStepRunner):
         self.pipeline = pipeline
         super().__init__(model, objective, optimizer, precision, grad_clip, parallel)
 
-    def backward(self, micro_batches: list, measure_noise: bool = False
-                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], tuple[int, float] | None]:
+    def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
+                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # a host sync: once a step
-        small = None
         for i, batch in enumerate(micro_batches):
             with autocast_context(self.device, self.precision):
                 loss_total += self.pipeline.train_batch(batch, divisor=n_targets / self.dp, scale=scale) / self.dp
-            if measure_noise and i == 0:
-                small = self.first_batch_gradient(batch, n_targets)
+            if first_gradient is not None and i == 0:
+                first_gradient(self.first_batch_gradient(batch, n_targets))
         self.parallel.all_reduce_pp(loss_total)  # a pipeline's loss is known on its last stage
-        return self.sum_over_ranks(loss_total), n_targets, {}, small
+        return self.sum_over_ranks(loss_total), n_targets, {}
 
 
 def build_step_runner(model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
