@@ -11,15 +11,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, ctx) -> torch.Tensor:
-    """Clip to a global L2 norm ``max_norm`` (0: no clipping); return the norm before clipping.
-
-    Each group of gradients on the same mesh gives its norm as a DTensor whose
-    ``full_tensor()`` is the norm of the whole (unsharded) gradients; plain tensors are
-    whole already (replicated over tensor-parallel ranks, so counted once). Pipeline
-    stages add their squared norms.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
+def total_grad_norm(grads: list[torch.Tensor], ctx) -> torch.Tensor:
+    """The global L2 norm of ``grads`` (every rank's, the whole unsharded gradients): a group of
+    gradients on one mesh gives its norm as a DTensor whose ``full_tensor()`` is the norm of the
+    whole; plain tensors are whole already (replicated over tensor-parallel ranks, so counted
+    once); pipeline stages add their squared norms."""
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
@@ -29,7 +25,14 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, ctx) -> torch.T
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq += norm.float() ** 2
-    total = ctx.all_reduce_pp(total_sq).sqrt()
+    return ctx.all_reduce_pp(total_sq).sqrt()
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, ctx) -> torch.Tensor:
+    """Clip to a global L2 norm ``max_norm`` (0: no clipping); return the norm before clipping
+    (``total_grad_norm``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = total_grad_norm(grads, ctx)
     if max_norm > 0:
         # scale the gradients themselves (a DTensor's local shard on each rank) by torch's
         # coefficient; torch.nn.utils.clip_grads_with_norm_ takes parameters and reads their

@@ -45,6 +45,8 @@ VERBS = [
          "lmforge.stages.eval"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
+    Verb("sweep", "a grid of pre-training runs (model sizes x tokens, or IsoFLOP) -> runs.csv for scaling fits",
+         "lmforge.stages.sweep"),
     Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),
     Verb("bench", "measure this machine (bench peak: matmul FLOP/s per dtype, for MFU)", "lmforge.stages.bench"),
     Verb("plan", "plan a run (plan memory: bytes per device under a parallel layout)", "lmforge.stages.plan"),

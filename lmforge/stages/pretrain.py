@@ -272,6 +272,9 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if res.get("tokens_per_s"):
         mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
         out.append(f"- throughput {res['tokens_per_s']:.0f} tokens/s{mfu}")
+    if res.get("noise_scale") is not None:
+        out.append(f"- gradient noise scale B_simple {res['noise_scale']:.3g} tokens (McCandlish et al. 2018; "
+                   f"{res.get('noise_scale_measurements')} measurements), against {res.get('tokens_per_step')} tokens a step")
     return out + precision_line(res) + loss_curve_lines(stage_dir, plot_path, res.get("unigram_entropy"))
 
 

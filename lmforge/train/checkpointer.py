@@ -38,6 +38,7 @@ from lmforge.train.checkpoint import (
     set_aside_later_checkpoints,
 )
 from lmforge.train.guards import NonFiniteGuard
+from lmforge.train.noise_scale import NoiseScale
 from lmforge.train.spikes import SpikeEvent, SpikeGuard
 from lmforge.train.step_log import StepLog
 
@@ -74,11 +75,15 @@ class TrainerState:
     spikes: SpikeGuard
     nonfinite: NonFiniteGuard
     tokens_seen: int = 0
+    noise: NoiseScale | None = None  # the gradient noise scale's averages, when it is measured
 
     def state_dict(self) -> dict:
-        return {"tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(), "precision": self.precision,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "spikes": self.spikes.state_dict(), "nonfinite_steps": self.nonfinite.total}
+        state = {"tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(), "precision": self.precision,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                 "spikes": self.spikes.state_dict(), "nonfinite_steps": self.nonfinite.total}
+        if self.noise is not None:
+            state["noise_scale"] = self.noise.state_dict()
+        return state
 
     def load_state_dict(self, state: dict, rollback: bool = False) -> None:
         """A checkpoint's state (keys missing from older checkpoints take their start values); a
@@ -88,6 +93,8 @@ class TrainerState:
             self.scaler.load_state_dict(state["scaler"])
         self.spikes.load_state_dict(state.get("spikes"), rollback=rollback)
         self.tokens_seen = state.get("tokens_seen", 0)
+        if self.noise is not None:
+            self.noise.load_state_dict(state.get("noise_scale"))
         if not rollback:
             self.nonfinite.total = state.get("nonfinite_steps", 0)
 

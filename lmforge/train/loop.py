@@ -9,7 +9,8 @@
 - the evaluator (``train.evaluate``): when to validate, and the validation loss, bits per
   byte and metrics (per dataset of a mixture, and their weighted mean);
 - the step log (``train.step_log``): ``metrics.jsonl``/TensorBoard on rank 0, the console, MFU;
-- the guards: non-finite steps and time limits (``train.guards``), loss spikes (``train.spikes``).
+- the guards: non-finite steps and time limits (``train.guards``), loss spikes (``train.spikes``);
+- the gradient noise scale (``train.noise_scale``), every ``noise_scale_every`` steps when on.
 
 Each optimizer step draws ``grad_accum`` micro-batches; the step runner divides every
 micro-batch's summed loss by the target count of the whole step (so each token weighs the
@@ -45,6 +46,7 @@ from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the
 from lmforge.train.forward import DTYPES, autocast_context  # noqa: F401 (autocast_context: the stages' import)
 from lmforge.train.guards import NonFiniteGuard, TimeLimit
 from lmforge.train.metrics import peak_source
+from lmforge.train.noise_scale import NoiseScale
 from lmforge.train.optim import build_adamw, lr_at
 from lmforge.train.spikes import SpikeConfig, SpikeGuard, StepRange
 from lmforge.train.step import build_step_runner
@@ -85,6 +87,10 @@ class TrainConfig:
     stop_at_step: int | None = positive(None)  # stop (with a checkpoint) at this step; the schedule still spans max_steps
     max_nonfinite_steps: int = positive(3)  # stop after this many steps in a row with a NaN/inf loss or gradient norm (each skipped)
     spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection: warn, skip or roll back
+    # steps between measurements of the gradient noise scale B_simple in tokens (train.noise_scale;
+    # first micro-batch vs the whole step, so it needs >= 2 micro-batches per step); 0: off
+    noise_scale_every: int = at_least(0, 0)
+    noise_scale_decay: float = unit_interval(0.9, high_open=True)  # moving-average decay per measurement of |G|² and tr(Σ)
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.micro_batch_size < 1:
@@ -174,7 +180,9 @@ def train(
     runner = build_step_runner(model, objective, optimizer, precision, cfg.grad_clip, cfg.compile, parallel, pipeline)
     spikes = SpikeGuard(cfg.spikes)
     spikes.check_loader(train_batches)
-    state = TrainerState(train_batches, precision, runner.scaler, spikes, NonFiniteGuard(cfg.max_nonfinite_steps))
+    noise = noise_scale_tracker(cfg, grad_accum)
+    state = TrainerState(train_batches, precision, runner.scaler, spikes, NonFiniteGuard(cfg.max_nonfinite_steps),
+                         noise=noise)
     start_step = checkpointer.resume(found, state)
     step_log = StepLog(run_dir, cfg.tensorboard, checkpointer.is_first_rank, start_step if found else None,
                        cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token)
@@ -198,7 +206,8 @@ def train(
             lr = scheduled_lr(optimizer, step, cfg)
             micro_batches = [next(train_batches) for _ in range(grad_accum)]
             n_tokens = runner.tokens(micro_batches)
-            result = runner.run_step(micro_batches, accept=spikes.accept(step))
+            measure = noise is not None and (step + 1) % cfg.noise_scale_every == 0
+            result = runner.run_step(micro_batches, accept=spikes.accept(step), measure_noise=measure)
             loss = result.loss.item()
             state.nonfinite.observe(step + 1, result.skipped, loss, result.grad_norm)
             if (spike := spikes.take_event()) is not None:
@@ -210,6 +219,8 @@ def train(
                 step_log.event(spike.record())
             state.tokens_seen += n_tokens
             record = step_log.record(step, result, loss, lr, started, n_tokens, state.tokens_seen, state.nonfinite.total)
+            if result.noise is not None and not result.skipped:
+                record.update(noise.observe(result.noise))
             done = step + 1
             is_last, stopping = done == cfg.max_steps, limit.reached(done)
             if evaluator.due(done, final=is_last or stopping):
@@ -227,7 +238,19 @@ def train(
     checkpointer.commit_pending()
     return {**summary, "step": step + 1, "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
-            **{k: v for k, v in record.items() if is_validation_metric(k)}}
+            **{k: v for k, v in record.items() if is_validation_metric(k)}, **(noise.summary() if noise else {})}
+
+
+def noise_scale_tracker(cfg: TrainConfig, grad_accum: int) -> NoiseScale | None:
+    """The moving averages of the gradient noise scale, when ``train.noise_scale_every`` asks for them."""
+    if cfg.noise_scale_every == 0:
+        return None
+    if grad_accum < 2:
+        raise InputError(f"train.noise_scale_every = {cfg.noise_scale_every} compares the first micro-batch's gradient "
+                         "with the whole step's, so it needs at least 2 micro-batches per step, but a step has 1: "
+                         "raise train.batch_tokens to at least twice the tokens of a micro-batch (or set "
+                         "train.noise_scale_every=0)")
+    return NoiseScale(cfg.noise_scale_decay)
 
 
 def training_device(model: nn.Module, parallel: ParallelContext | None) -> torch.device:

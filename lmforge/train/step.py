@@ -11,6 +11,8 @@ once per run for the way the model is laid out.
 Each micro-batch's summed loss is divided by the target count of the whole step, so
 accumulating k micro-batches gives the same update as one batch k times larger. A step whose
 loss or gradient norm is not finite never reaches the weights (``StepResult.skipped``).
+A step asked to (``measure_noise``) also reports the squared norm of its first micro-batch's
+gradient beside the whole step's, for the gradient noise scale (``train.noise_scale``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lmforge.distributed.clip import clip_grad_norm_
+from lmforge.distributed.clip import clip_grad_norm_, total_grad_norm
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.objectives.base import Objective
 from lmforge.train.evaluate import evaluate
 from lmforge.train.forward import autocast_context, local_value, loss_context, to_device
+from lmforge.train.noise_scale import NoiseSample
 
 
 class StepResult(NamedTuple):
@@ -37,6 +40,7 @@ class StepResult(NamedTuple):
     n_targets: int
     metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer step was not taken
+    noise: NoiseSample | None = None  # the small- and big-batch gradients, when the step measured them
 
 
 def compile_objective(objective: Objective) -> Callable:
@@ -86,15 +90,22 @@ class StepRunner:
         """Clip to ``grad_clip`` (0: no clipping); the global norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
 
+    def gradient_norm(self) -> torch.Tensor:
+        """The global norm of the gradients accumulated so far (not clipped)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], 2.0, foreach=True)
+
     # the same for every runner
     def tokens(self, micro_batches: list) -> int:
         """Tokens the step processes over every data-parallel rank (for tokens/s and MFU)."""
         return self.dp * sum(self.objective.num_tokens(b) for b in micro_batches)
 
-    def run_step(self, micro_batches: list, accept: Callable[[torch.Tensor], bool] | None = None) -> StepResult:
+    def run_step(self, micro_batches: list, accept: Callable[[torch.Tensor], bool] | None = None,
+                 measure_noise: bool = False) -> StepResult:
         """One optimizer step over ``micro_batches``. ``accept(loss)`` false (a loss spike, see
-        ``train.spikes``) drops the update."""
-        loss, n_targets, metric_sums = self.backward(micro_batches)
+        ``train.spikes``) drops the update. ``measure_noise`` (at least two micro-batches): the
+        result carries the first micro-batch's and the step's gradients (``StepResult.noise``)."""
+        small: list[tuple[int, float]] = []
+        loss, n_targets, metric_sums = self.backward(micro_batches, small.append if measure_noise else None)
         scaler = self.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -110,15 +121,29 @@ class StepRunner:
         elif apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped)
+        noise = NoiseSample(small[0][0], n_targets, small[0][1], float(grad_norm) ** 2) if small else None
+        return StepResult(loss, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped,
+                          noise)
 
-    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    def first_batch_gradient(self, first_batch, n_targets: int) -> tuple[int, float]:
+        """After the first micro-batch's backward: its target count over every data-parallel rank
+        and the squared norm of its mean gradient per target. The gradients hold its summed loss
+        over the step's ``n_targets`` (FSDP's mean over ranks already scaled to a sum), times the
+        fp16 loss scale."""
+        n_first = self.total(self.objective.num_targets(first_batch))
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        norm = float(self.gradient_norm()) / scale
+        return n_first, (norm * n_targets / n_first) ** 2
+
+    def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
+                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         """Forward and backward of the step's micro-batches: the mean loss per target of the
-        global batch, its target count and the objective's metric sums (on every rank)."""
+        global batch, its target count and the objective's metric sums (on every rank).
+        ``first_gradient`` receives the first micro-batch's ``first_batch_gradient``."""
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             with self.loss_layout():
                 with autocast_context(self.device, self.precision):
                     out = self.forward_loss(self.model, to_device(batch, self.device))
@@ -128,6 +153,8 @@ class StepRunner:
             loss_total += local_value(loss.detach()).float()
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + local_value(value.detach()).float()
+            if first_gradient is not None and i == 0:
+                first_gradient(self.first_batch_gradient(batch, n_targets))
         return self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()}
 
     def evaluate(self, batches: Iterator, max_batches: int | None) -> dict:
@@ -165,6 +192,9 @@ class DataParallelStepRunner(StepRunner):
     def clip_gradients(self) -> torch.Tensor:
         return clip_grad_norm_(self.params, self.grad_clip, self.parallel)
 
+    def gradient_norm(self) -> torch.Tensor:
+        return total_grad_norm([p.grad for p in self.params if p.grad is not None], self.parallel)
+
 
 class PipelineStepRunner(DataParallelStepRunner):
     """A pipeline rank: ``pipeline`` (this rank's stage and schedule) owns the micro-batches of
@@ -175,13 +205,16 @@ class PipelineStepRunner(DataParallelStepRunner):
         self.pipeline = pipeline
         super().__init__(model, objective, optimizer, precision, grad_clip, parallel)
 
-    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
+                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # a host sync: once a step
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             with autocast_context(self.device, self.precision):
                 loss_total += self.pipeline.train_batch(batch, divisor=n_targets / self.dp, scale=scale) / self.dp
+            if first_gradient is not None and i == 0:
+                first_gradient(self.first_batch_gradient(batch, n_targets))
         self.parallel.all_reduce_pp(loss_total)  # a pipeline's loss is known on its last stage
         return self.sum_over_ranks(loss_total), n_targets, {}
 

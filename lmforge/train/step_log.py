@@ -151,6 +151,8 @@ def format_step(r: dict, max_steps: int, eta_s: float | None = None) -> str:
     if "mfu" in r:
         text += f" mfu {100 * r['mfu']:.1f}%"
     text += "".join(f" {k} {v:.3f}" for k, v in r.items() if k in CONSOLE_METRICS)
+    if "noise_scale" in r:
+        text += f" noise scale {r['noise_scale']:.3g} tok"
     if "val_loss" in r:
         text += f" | val loss {r['val_loss']:.4f}"
     if "val_bpb" in r:
