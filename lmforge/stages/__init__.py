@@ -41,6 +41,8 @@ VERBS = [
     Verb("kto", "KTO on unpaired desirable/undesirable examples",
          "lmforge.stages.kto", distributed=True),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
+    Verb("serve", "serve a checkpoint with OpenAI's HTTP API (chat, completions, streaming) and a chat page",
+         "lmforge.stages.serve"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
     Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),
