@@ -104,9 +104,10 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")
-    param = ".".join(p for p in loc if not p.isdigit() and p not in ("function-after", "list[int]", "str")) or None
-    where = ".".join(loc) or "body"
-    return APIError(400, f"{where}: {first['msg']}", param=param, code="invalid_value")
+    if not loc:
+        return APIError(400, f"the body must be a JSON object of the request's parameters: {first['msg']}",
+                        code="invalid_value")
+    return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=loc[0], code="invalid_value")
 
 
 # -------------------------------------------------------------------------- log-probabilities
