@@ -262,7 +262,7 @@ def gated(served) -> threading.Semaphore:
     """Make the engine wait for a permit before each forward pass, so a test decides how far
     a request gets (no race against a fast tiny model)."""
     gate = threading.Semaphore(0)
-    served.worker.engine.net.layers[0].register_forward_pre_hook(lambda module, args: gate.acquire() and None)
+    gate.hook = served.worker.engine.net.layers[0].register_forward_pre_hook(lambda module, args: gate.acquire() and None)
     return gate
 
 
