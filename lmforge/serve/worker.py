@@ -44,12 +44,11 @@ class Ticket:
     engine_id: int | None = None
     closed: bool = False  # finished, failed or cancelled: no more events
 
-    def put(self, *event: Any) -> None:
-        """Hand an event to the handler's loop (called on the engine thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.tag, *event))
-        except RuntimeError:  # the loop has closed: the server is shutting down
-            pass
+
+def deliver(events: list[tuple[Ticket, tuple]]) -> None:
+    """Put a step's events on their tickets' queues (on the handlers' loop)."""
+    for ticket, event in events:
+        ticket.events.put_nowait((ticket.tag, *event))
 
 
 class EngineWorker:
@@ -62,6 +61,7 @@ class EngineWorker:
         self.pending = 0  # submitted, not yet finished or cancelled
         self.tickets: dict[int, Ticket] = {}  # engine id -> ticket (engine thread only)
         self.stats = {"waiting": 0, "decoding": 0, "finished": 0, "cancelled": 0}
+        self.outbox: list[tuple[Ticket, tuple]] = []  # this step's events, handed over together
         self.thread = threading.Thread(target=self.loop, name="lmforge-engine", daemon=True)
         self.stopping = False
 
@@ -84,7 +84,7 @@ class EngineWorker:
             self.pending += 1
         ticket = Ticket(request, asyncio.get_running_loop(), events, tag)
         if stream:
-            request.on_token = lambda sample, token, logprob, top: ticket.put("token", sample, token, logprob, top)
+            request.on_token = lambda sample, token, logprob, top: self.emit(ticket, "token", sample, token, logprob, top)
         self.commands.put(("submit", ticket))
         return ticket
 
@@ -107,6 +107,22 @@ class EngineWorker:
                 if self.engine.queue or self.engine.rows:
                     self.step()
                 self.stats.update(waiting=len(self.engine.queue), decoding=len(self.engine.rows))
+                self.flush()
+
+    def emit(self, ticket: Ticket, *event: Any) -> None:
+        self.outbox.append((ticket, event))
+
+    def flush(self) -> None:
+        """Hand the step's events to the handlers' loops, one wake-up per loop and step, not per token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, tuple]]] = {}
+        for ticket, event in self.outbox:
+            by_loop.setdefault(ticket.loop, []).append((ticket, event))
+        self.outbox = []
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(deliver, events)
+            except RuntimeError:  # the loop has closed: the server is shutting down
+                pass
 
     def run_command(self, command: tuple[str, Ticket | None]) -> None:
         kind, ticket = command
@@ -145,4 +161,4 @@ class EngineWorker:
         with self.lock:
             self.pending -= 1
         if event:
-            ticket.put(*event)
+            self.emit(ticket, *event)

@@ -11,9 +11,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-import requests
 import openai
 import pytest
+import requests
 import torch
 
 from lmforge.data.chat import IM_END, chat_prompt_ids
