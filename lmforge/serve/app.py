@@ -356,7 +356,7 @@ async def chat(served: Served, body: ChatRequest):
     if max_tokens < 1:
         raise APIError(400, "max_tokens must be at least 1 for a chat completion", param="max_tokens")
     served.check_length(prompt, max_tokens, "messages")
-    top = body.top_logprobs or 0 if body.logprobs else 0
+    top = (body.top_logprobs or 0) if body.logprobs else 0
     request = EngineRequest(prompt, generation_config(body, max_tokens, [chat_end(tok), tok.eos_id], top))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": served.name}

@@ -30,11 +30,15 @@ from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine
-from lmforge.serve.app import Served, create_app
-from lmforge.serve.server import bind, url_of, uvicorn_server
-from lmforge.serve.worker import EngineWorker
 from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import resolve_device
+
+try:
+    from lmforge.serve.app import Served, create_app
+    from lmforge.serve.server import bind, url_of, uvicorn_server
+    from lmforge.serve.worker import EngineWorker
+except ModuleNotFoundError as exc:  # fastapi, uvicorn, sse-starlette
+    raise ModuleNotFoundError(f"lmforge serve needs the serve extra: pip install 'lmforge[serve]' ({exc})") from exc
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

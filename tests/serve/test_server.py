@@ -79,6 +79,10 @@ def test_a_stop_string_ends_the_answer_with_finish_reason_stop(client):
     cut = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0,
                                          stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == free.message.content[: free.message.content.find(stop)]
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0,
+                                                 stop=[stop], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut.message.content  # nothing past the stop
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_chat_streaming_sends_the_same_text_in_chunks_then_usage_and_done(client, server):
@@ -354,3 +358,59 @@ def probe(url: str) -> bool:
         return requests.get(url + "/health", timeout=2).status_code == 200
     except requests.ConnectionError:
         return False
+
+
+# -------------------------------------------------------------------------- stop tokens
+
+
+def ender_checkpoint(directory, tokenizer_dir, token: int):
+    """A model that answers every context with ``token``: its final LayerNorm's gain is zero and
+    its bias a unit vector, so only ``token``'s row of the head sees it (logit 10, others 0)."""
+    from lmforge.model.checkpoint import write_checksums, write_model_files
+    from lmforge.model.config import ModelConfig
+    from lmforge.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=4, max_seq_len=128,
+                                    norm="layernorm", tie_embeddings=False))
+    with torch.no_grad():
+        model.norm.weight.zero_()
+        model.norm.bias.zero_()
+        model.norm.bias[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token, 0] = 10.0
+    write_model_files(directory, model, tokenizer_dir)
+    write_checksums(directory)
+    return directory
+
+
+def test_a_chat_answer_ends_at_im_end_with_finish_reason_stop(tmp_path, small_tokenizer_dir, small_tokenizer):
+    im_end = small_tokenizer.token_to_id(IM_END)
+    background, _ = start_server(ender_checkpoint(tmp_path, small_tokenizer_dir, im_end))
+    try:
+        client = openai.OpenAI(base_url=background.url + "/v1", api_key="x", max_retries=0)
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, logprobs=True)
+        assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content == ""
+        assert answer.choices[0].logprobs.content == []  # <|im_end|> ends the turn; it is not content
+        assert answer.usage.completion_tokens == 1  # but it was generated
+        plain = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3)  # not a stop token here
+        assert plain.choices[0].finish_reason == "length" and plain.choices[0].text == IM_END * 3
+    finally:
+        background.stop()
+
+
+def test_an_echo_that_generates_the_stop_token_lists_it_last_for_the_scorer_to_drop(tmp_path, small_tokenizer_dir,
+                                                                                   small_tokenizer):
+    tok = small_tokenizer
+    background, _ = start_server(ender_checkpoint(tmp_path, small_tokenizer_dir, tok.eos_id))
+    try:
+        client = openai.OpenAI(base_url=background.url + "/v1", api_key="x", max_retries=0)
+        ids = [tok.bos_id, *tok.encode("To be, or not")]
+        answer = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=1, echo=True, logprobs=1)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop" and choice.text == tok.decode(ids)  # end of text is not text
+        assert choice.logprobs.tokens == [tok.decode([t]) for t in ids] + [tok.config["eos_token"]]
+        assert len(choice.logprobs.token_logprobs) == len(ids) + 1
+        assert choice.logprobs.token_logprobs[-1] == pytest.approx(max(choice.logprobs.top_logprobs[-1].values()))
+    finally:
+        background.stop()
