@@ -108,7 +108,8 @@ TokenCallback = Callable[[int, int, float, "list[tuple[int, float]] | None"], No
 class Request:
     """A prompt (token ids) and how to continue it; ``generator`` overrides ``config.seed``.
     ``on_token(sample, token, logprob, top)`` is called, on the thread running the engine, with
-    each token a sample keeps (not a stop token), as it is chosen: what streaming sends."""
+    each token a sample keeps as it is chosen (not a stop token, nor the token that completes a
+    stop string: the final text is cut before that string): what streaming sends."""
 
     prompt: Sequence[int]
     config: GenerationConfig
@@ -451,8 +452,6 @@ class Engine:
         row.logprobs.append(logprob)
         if row.top_logprobs is not None:
             row.top_logprobs.append(alternatives)
-        if row.on_token is not None:
-            row.on_token(row.sample, token, logprob, alternatives)
         if cfg.stop:
             # Look for a stop string in the last few tokens only (a token is at least one byte,
             # a character at most four), then cut the whole text at the first one.
@@ -463,6 +462,8 @@ class Engine:
                 if cut >= 0:
                     row.text, row.finish = text[:cut], "stop"
                     return
+        if row.on_token is not None:
+            row.on_token(row.sample, token, logprob, alternatives)
         if len(row.tokens) >= cfg.max_new_tokens:
             row.finish = "length"
 
