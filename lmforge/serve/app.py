@@ -401,8 +401,7 @@ async def chat(served: Served, body: ChatRequest):
 # -------------------------------------------------------------------------- completions
 
 
-def completion_choice_logprobs(served: Served, prompt: list[int], g: Generation, body: CompletionRequest,
-                               offset: int) -> dict:
+def completion_choice_logprobs(served: Served, prompt: list[int], g: Generation, body: CompletionRequest) -> dict:
     """The ``logprobs`` of one choice: the echoed prompt's (its first token has none), the
     generated tokens', and the stop token's that ended it."""
     k = body.logprobs or 0
@@ -418,7 +417,7 @@ def completion_choice_logprobs(served: Served, prompt: list[int], g: Generation,
         if g.stop_token is not None:
             token, logprob, alts = g.stop_token
             tokens, logprobs, tops = tokens + [token], logprobs + [logprob], tops + [alts]
-    return completion_logprobs(served.tokenizer, tokens, logprobs, tops, k, offset)
+    return completion_logprobs(served.tokenizer, tokens, logprobs, tops, k)
 
 
 async def complete(served: Served, body: CompletionRequest):
@@ -473,7 +472,7 @@ async def complete(served: Served, body: CompletionRequest):
             choice = {"index": p * n + s, "text": (text if body.echo else "") + generated, "logprobs": None,
                       "finish_reason": finish}
             if body.logprobs is not None:
-                choice["logprobs"] = completion_choice_logprobs(served, ids, g, body, 0)
+                choice["logprobs"] = completion_choice_logprobs(served, ids, g, body)
             choices.append(choice)
             all_generations.append(g if body.max_tokens > 0 else Generation(g.prompt_tokens, [], "length"))
     return {**head, "choices": choices, "usage": usage(sum(len(ids) for _, ids in prompts), all_generations)}

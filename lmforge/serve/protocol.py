@@ -129,11 +129,11 @@ def alternatives(tokenizer: Tokenizer, top: list[tuple[int, float]] | None, chos
 
 
 def completion_logprobs(tokenizer: Tokenizer, tokens: list[int], logprobs: list[float | None],
-                        tops: list[list[tuple[int, float]] | None], k: int, offset: int = 0) -> dict:
+                        tops: list[list[tuple[int, float]] | None], k: int) -> dict:
     """The completions API's ``logprobs`` object: tokens, their log-probabilities (None for an
     echoed first token, which nothing predicts), the ``k`` alternatives and character offsets."""
     texts = [token_text(tokenizer, t) for t in tokens]
-    offsets, position = [], offset
+    offsets, position = [], 0
     for text in texts:
         offsets.append(position)
         position += len(text)
