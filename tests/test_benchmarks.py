@@ -201,3 +201,15 @@ def test_curate_read_reads_every_shard_of_each_input_kind(tmp_path):
     for r in rows:
         assert r["shards"] == 3 and r["records"] == (20 if r["input"].startswith("warc") else 200)
         assert positive(r["sharded_s"], r["one_piece_s"], r["ratio"])
+
+
+def test_serve_answers_every_request_over_http_and_in_process(tmp_path):
+    out = tmp_path / "serve.json"
+    run("serve.py", "--model", *TINY_LLAMA, "--requests", 3, "--max-tokens", 4, "--repeats", 1, "--out", out)
+    result = read_json(out)
+    assert result["benchmark"] == "serve" and result["requests"] == 3 and result["max_tokens"] == 4
+    for side in ("server", "engine_in_process"):
+        r = result[side]
+        assert r["generated_tokens"] == 12  # exactly max_tokens per request on both sides (ignore_eos)
+        assert positive(r["requests_per_s"], r["tokens_per_s"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["wall_s"])
+    assert positive(result["http_overhead_ratio"]) and {"cpu", "torch"} <= set(result["machine"])

@@ -17,7 +17,12 @@ position tables).
 Each generated token comes with its log-probability under the model (log-softmax of the
 raw logits in float32, temperature 1, before any penalty or truncation), and optionally the
 ``top_logprobs`` most likely alternatives: what a training forward of prompt + completion
-gives for the same tokens, so an RL sampler and its trainer agree.
+gives for the same tokens, so an RL sampler and its trainer agree. With ``prompt_logprobs`` the
+prefill's forward also gives every prompt token's log-probability (the head over all of its
+positions, not only the last), which is what scoring a text needs (an ``echo`` completion).
+
+A server streams and cancels through the same engine: a request's ``on_token`` is called with
+each token as it is chosen, and ``cancel`` drops a request from the queue or the batch.
 
     results = generate(model, [[bos, *tok.encode("Once upon")]], GenerationConfig(temperature=0), tok)
 """
@@ -27,7 +32,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +63,7 @@ class GenerationConfig:
     seed: int | None = seed_field(None)  # None = torch's global generator
     n: int = positive(1)  # samples per prompt, sharing the prompt's prefill
     top_logprobs: int = in_range(0, 0, 20)  # alternatives returned with each token's log-probability
+    prompt_logprobs: bool = False  # also each prompt token's log-probability (and top_logprobs alternatives)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.n < 1:
@@ -78,7 +84,10 @@ class Generation:
     ``tokens`` excludes a stop token and includes the token that completed a stop string;
     ``text`` (when a tokenizer was given) is cut before the stop string. ``logprobs[i]`` is
     the model's log-probability of ``tokens[i]``; ``top_logprobs[i]`` the most likely
-    (token, log-probability) pairs at that step when asked for.
+    (token, log-probability) pairs at that step when asked for. ``stop_token`` is the stop
+    token that ended it, with its log-probability and alternatives (None otherwise).
+    ``prompt_logprobs[i]`` (when asked for) is that of ``prompt_tokens[i + 1]`` given those
+    before it, ``prompt_top_logprobs[i]`` the alternatives at that position.
     """
 
     prompt_tokens: list[int]
@@ -87,15 +96,25 @@ class Generation:
     text: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_token: tuple[int, float, list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+TokenCallback = Callable[[int, int, float, "list[tuple[int, float]] | None"], None]
 
 
 @dataclass
 class Request:
-    """A prompt (token ids) and how to continue it; ``generator`` overrides ``config.seed``."""
+    """A prompt (token ids) and how to continue it; ``generator`` overrides ``config.seed``.
+    ``on_token(sample, token, logprob, top)`` is called, on the thread running the engine, with
+    each token a sample keeps as it is chosen (not a stop token, nor the token that completes a
+    stop string: the final text is cut before that string): what streaming sends."""
 
     prompt: Sequence[int]
     config: GenerationConfig
     generator: torch.Generator | None = None
+    on_token: TokenCallback | None = None
 
 
 # --------------------------------------------------------------------------- the decoding layout
@@ -170,8 +189,18 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return tokens.to(device), torch.tensor([len(p) for p in prompts], device=device)
 
 
+PromptScores = tuple[list[float], list[list[tuple[int, float]]] | None]
+
+
 def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int) -> Batch:
     """Run the prompts through the model into a fresh cache with room for ``extra`` more tokens."""
+    return scored_prefill(model, prompts, extra)[0]
+
+
+def scored_prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int,
+                   score: dict[int, int] | None = None) -> tuple[Batch, dict[int, PromptScores]]:
+    """``prefill``, and for each prompt numbered in ``score`` (prompt index -> alternatives wanted)
+    each prompt token's log-probability, from the head over every position of the same forward."""
     param = model.embed.weight
     tokens, lengths = left_pad(prompts, 0, param.device)
     B, T = tokens.shape
@@ -185,7 +214,19 @@ def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int) -> B
         positions, mask = positions_and_mask(key_mask[:, :T])
         hidden = model.hidden_states(tokens, positions=positions, attn_mask=mask, kv_cache=cache)
     # The head over the last position only: the model's forward is hidden_states then lm_head.
-    return Batch(cache, key_mask, lengths[:, None].clone(), model.lm_head(hidden[:, -1]))
+    batch = Batch(cache, key_mask, lengths[:, None].clone(), model.lm_head(hidden[:, -1]))
+    return batch, {i: prompt_scores(model, hidden[i, T - len(prompts[i]) : -1], tokens[i, T - len(prompts[i]) + 1 :], top)
+                   for i, top in (score or {}).items()}
+
+
+def prompt_scores(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> PromptScores:
+    """log p(targets[t] | the tokens up to t) from the hidden states (T-1, D) before each target."""
+    logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    if not top:
+        return chosen, None
+    values, ids = logprobs.topk(top, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def merge(a: Batch, b: Batch, extra: int) -> Batch:
@@ -243,6 +284,9 @@ class Row:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     text: str | None = None
     finish: FinishReason | None = None
+    on_token: TokenCallback | None = None
+    stop_token: tuple[int, float, list[tuple[int, float]] | None] | None = None
+    prompt_scores: PromptScores | None = None
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:
@@ -264,6 +308,7 @@ class Engine:
         self.batch: Batch | None = None
         self.done: dict[int, list[Row]] = {}
         self.ids = itertools.count()
+        self.cancelled: set[int] = set()  # requests with rows still in the batch, to drop at the next step
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its id. Bad requests are refused here, before any work."""
@@ -282,6 +327,20 @@ class Engine:
         self.queue.append((request_id, request))
         return request_id
 
+    def cancel(self, request_id: int) -> None:
+        """Forget a request: out of the queue now, or its rows out of the batch at the next step
+        (their slots free for waiting requests); it is never returned. Unknown or finished ids are ignored."""
+        waiting = len(self.queue)
+        self.queue = deque((i, r) for i, r in self.queue if i != request_id)
+        if len(self.queue) == waiting and any(row.request == request_id for row in self.rows):
+            self.cancelled.add(request_id)
+        self.done.pop(request_id, None)
+
+    @property
+    def active(self) -> int:
+        """Requests waiting or decoding."""
+        return len(self.queue) + len({row.request for row in self.rows} - self.cancelled)
+
     def run(self) -> Iterator[tuple[int, list[Generation]]]:
         """Decode until the queue and the batch are empty, yielding each request as it finishes."""
         with torch.inference_mode():
@@ -291,7 +350,10 @@ class Engine:
     def step(self) -> list[tuple[int, list[Generation]]]:
         """Admit waiting requests into free slots, choose every row's next token, let finished rows
         leave, and run one decode step for the rest; returns the requests that finished."""
+        self.drop_cancelled()
         self.admit()
+        if not self.rows:
+            return []
         tokens = self.choose_tokens()
         keep = [i for i, row in enumerate(self.rows) if row.finish is None]
         finished = [row for row in self.rows if row.finish is not None]
@@ -303,6 +365,17 @@ class Engine:
         if self.rows:
             decode_step(self.net, tokens, self.batch)
         return self.collect(finished)
+
+    def drop_cancelled(self) -> None:
+        """Take the rows of cancelled requests out of the batch."""
+        if not self.cancelled:
+            return
+        keep = [i for i, row in enumerate(self.rows) if row.request not in self.cancelled]
+        self.cancelled.clear()
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            device = self.batch.logits.device
+            self.batch = self.batch.select(torch.tensor(keep, dtype=torch.long, device=device)) if keep else None
 
     def admit(self) -> None:
         """Move waiting requests into the batch while their rows fit (a request always fits an empty batch)."""
@@ -316,7 +389,10 @@ class Engine:
             return
         device = self.model.embed.weight.device
         new_rows = []
-        for request_id, request in taken:
+        score = {i: r.config.top_logprobs for i, (_, r) in enumerate(taken) if r.config.prompt_logprobs}
+        extra = max([r.config.max_new_tokens for _, r in taken] + [r.config.max_new_tokens for r in self.rows]) - 1
+        fresh, scores = scored_prefill(self.net, [r.prompt for _, r in taken], 0 if self.rows else extra, score)
+        for index, (request_id, request) in enumerate(taken):
             cfg = request.config
             generator = request.generator
             if generator is None and cfg.seed is not None:
@@ -326,9 +402,8 @@ class Engine:
                 stop_ids = [self.tokenizer.eos_id] if self.tokenizer is not None else []
             for sample in range(cfg.n):
                 new_rows.append(Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
-                                    top_logprobs=[] if cfg.top_logprobs else None))
-        extra = max(r.config.max_new_tokens for r in new_rows + self.rows) - 1
-        fresh = prefill(self.net, [r.prompt for _, r in taken], 0 if self.rows else extra)
+                                    top_logprobs=[] if cfg.top_logprobs else None, on_token=request.on_token,
+                                    prompt_scores=scores.get(index)))
         copies = torch.tensor([r.config.n for _, r in taken], device=device)
         if bool((copies > 1).any()):  # n samples of a prompt: copies of its one prefill
             fresh = fresh.select(torch.arange(len(taken), device=device).repeat_interleave(copies))
@@ -367,13 +442,16 @@ class Engine:
     def record(self, row: Row, token: int, logprob: float, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Append the token to the row, or finish the row at a stop token, stop string or its length."""
         cfg = row.config
+        alternatives = None
+        if cfg.top_logprobs:
+            alternatives = list(zip(top[0][: cfg.top_logprobs].tolist(), top[1][: cfg.top_logprobs].tolist()))
         if token in row.stop_ids:
-            row.finish = "stop"
+            row.finish, row.stop_token = "stop", (token, logprob, alternatives)
             return
         row.tokens.append(token)
         row.logprobs.append(logprob)
         if row.top_logprobs is not None:
-            row.top_logprobs.append(list(zip(top[0][: cfg.top_logprobs].tolist(), top[1][: cfg.top_logprobs].tolist())))
+            row.top_logprobs.append(alternatives)
         if cfg.stop:
             # Look for a stop string in the last few tokens only (a token is at least one byte,
             # a character at most four), then cut the whole text at the first one.
@@ -384,6 +462,8 @@ class Engine:
                 if cut >= 0:
                     row.text, row.finish = text[:cut], "stop"
                     return
+        if row.on_token is not None:
+            row.on_token(row.sample, token, logprob, alternatives)
         if len(row.tokens) >= cfg.max_new_tokens:
             row.finish = "length"
 
@@ -402,7 +482,9 @@ class Engine:
         text = row.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(row.tokens)
-        return Generation(row.prompt, row.tokens, row.finish, text, row.logprobs, row.top_logprobs)
+        prompt_logprobs, prompt_top = row.prompt_scores if row.prompt_scores is not None else (None, None)
+        return Generation(row.prompt, row.tokens, row.finish, text, row.logprobs, row.top_logprobs, row.stop_token,
+                          prompt_logprobs, prompt_top)
 
 
 def generate(

@@ -43,6 +43,8 @@ VERBS = [
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
     Verb("eval", "score a checkpoint on lm-evaluation-harness tasks (multiple choice, perplexity, generation)",
          "lmforge.stages.eval"),
+    Verb("serve", "serve a checkpoint with OpenAI's HTTP API (chat, completions, streaming) and a chat page",
+         "lmforge.stages.serve"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
     Verb("sweep", "a grid of pre-training runs (model sizes x tokens, or IsoFLOP) -> runs.csv for scaling fits",

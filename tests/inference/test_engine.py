@@ -428,3 +428,77 @@ def test_per_row_settings_filter_each_row_by_its_own():
     assert torch.isfinite(kept).tolist() == [[False, True, False, False, False], [True] * 5]
     greedy_row = sample_next_token(logits, torch.tensor([0.0, 1.0]), generator=torch.Generator().manual_seed(0))
     assert int(greedy_row[0]) == 1
+
+
+# --------------------------------------------------------------------------- serving: per-token callback, cancel, prompt scores
+
+
+def test_on_token_sees_every_kept_token_in_order_and_never_a_stop_token(model):
+    full = generate(model, PROMPTS, greedy(10))
+    stop = full[0].tokens[4]
+    seen: dict[int, list[tuple[int, int, float]]] = {}
+    engine = Engine(model)
+    ids = [engine.submit(Request(p, greedy(10, stop_token_ids=[stop], n=2),
+                                 on_token=lambda s, t, lp, top, i=i: seen.setdefault(i, []).append((s, t, lp))))
+           for i, p in enumerate(PROMPTS)]
+    results = dict(engine.run())
+    for i, request_id in enumerate(ids):
+        for sample, gen in enumerate(results[request_id]):
+            assert [(t, lp) for s, t, lp in seen[i] if s == sample] == list(zip(gen.tokens, gen.logprobs))
+    first = results[ids[0]][0]
+    assert first.finish_reason == "stop" and first.stop_token[0] == stop and stop not in first.tokens
+    assert first.stop_token[1] == pytest.approx(float(training_logprobs(model, PROMPTS[0], first.tokens + [stop])[-1]),
+                                                abs=1e-5)
+
+
+@pytest.mark.parametrize("where", ["queued", "decoding"])
+def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(model, where):
+    engine = Engine(model, max_batch=1)
+    long = engine.submit(Request(PROMPTS[0], greedy(60)))
+    short = engine.submit(Request(PROMPTS[1], greedy(5)))
+    if where == "decoding":
+        engine.step()
+        engine.step()
+        assert [r.request for r in engine.rows] == [long]
+        assert engine.active == 2
+    engine.cancel(long)
+    assert engine.active == 1
+    engine.step()
+    assert {r.request for r in engine.rows} == {short}  # the freed slot took the waiting request
+    results = dict(engine.run())
+    assert list(results) == [short] and results[short][0].tokens == generate(model, [PROMPTS[1]], greedy(5))[0].tokens
+    assert engine.active == 0 and not engine.rows and not engine.cancelled
+
+
+def test_prompt_logprobs_come_from_the_prefill_and_equal_the_training_forward(model):
+    engine = Engine(model)
+    scored = [engine.submit(Request(p, greedy(3, prompt_logprobs=True, top_logprobs=k))) for p, k in zip(PROMPTS, [0, 2, 5])]
+    plain = engine.submit(Request(PROMPTS[0], greedy(3)))
+    results = dict(engine.run())
+    for request_id, prompt, k in zip(scored, PROMPTS, [0, 2, 5]):
+        (gen,) = results[request_id]
+        expected = training_logprobs(model, prompt[:1], prompt[1:])
+        torch.testing.assert_close(torch.tensor(gen.prompt_logprobs), expected, atol=1e-5, rtol=0)
+        if k == 0:
+            assert gen.prompt_top_logprobs is None
+        else:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt]))[0, :-1].float()
+            top = torch.log_softmax(logits, -1).topk(k, -1)
+            assert [[t for t, _ in alts] for alts in gen.prompt_top_logprobs] == top.indices.tolist()
+    assert results[plain][0].prompt_logprobs is None
+    assert results[scored[0]][0].tokens == results[plain][0].tokens
+
+
+def test_scoring_prompts_adds_no_forward_pass(model):
+    def block_calls(prompt_logprobs: bool) -> int:
+        engine = Engine(model)
+        calls = []
+        hook = engine.net.layers[0].register_forward_hook(lambda m, args, out: calls.append(1))
+        for p in PROMPTS:
+            engine.submit(Request(p, greedy(3, prompt_logprobs=prompt_logprobs)))
+        list(engine.run())
+        hook.remove()
+        return len(calls)
+
+    assert block_calls(True) == block_calls(False) == 3  # one prefill of all prompts + two decode steps

@@ -1,0 +1,105 @@
+"""Serve a checkpoint over HTTP with OpenAI's API, and a chat page at the root URL.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions (the ChatML template, stops at
+<|im_end|>), POST /v1/completions (text or token-id prompts; echo + logprobs scores a text,
+as lm-evaluation-harness's local-completions model asks), both with stream: true as
+server-sent events; POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's), GET
+/health. Requests decode together in the engine's continuous batch (max_batch rows); past
+max_pending requests held at once a new one gets 429. Binds to 127.0.0.1 unless host says
+otherwise; port=0 (or --port 0) takes a free port. The first line printed is the URL.
+With api_key set (or --api-key, or the LMFORGE_API_KEY environment variable) the API needs
+the header `Authorization: Bearer <key>`.
+
+  lmforge serve checkpoint=runs/demo/sft --port 0
+  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "runs/demo/sft", "messages": [{"role": "user", "content": "What is 12 + 30?"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lmforge.core.config import in_range, load_config, positive
+from lmforge.core.io import InputError
+from lmforge.core.run import log
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.inference.engine import Engine
+from lmforge.train.checkpoint import load_model
+from lmforge.train.loop import resolve_device
+
+try:
+    from lmforge.serve.app import Served, create_app
+    from lmforge.serve.server import bind, url_of, uvicorn_server
+    from lmforge.serve.worker import EngineWorker
+except ModuleNotFoundError as exc:  # fastapi, uvicorn, sse-starlette
+    raise ModuleNotFoundError(f"lmforge serve needs the serve extra: pip install 'lmforge[serve]' ({exc})") from exc
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ServeRecipe:
+    checkpoint: str = "runs/demo/sft"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
+    host: str = "127.0.0.1"  # the address to listen on (0.0.0.0: every interface)
+    port: int = in_range(8000, 0, 65535)  # 0 = a free port, printed
+    model_name: str | None = None  # the model id clients send; null = the checkpoint as given
+    api_key: str | None = None  # clients must send 'Authorization: Bearer <key>'; null = LMFORGE_API_KEY or none
+    max_batch: int = positive(16)  # rows decoding together in the engine's batch
+    max_pending: int = positive(64)  # requests held at once (decoding or waiting); one more gets 429
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # auto = cuda when available, else cpu
+    log_level: Literal["warning", "info", "debug"] = "info"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", help="YAML recipe (optional: defaults plus overrides also work)")
+    parser.add_argument("--host", help="address to listen on (recipe key host; default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (recipe key port; 0 = a free one, printed)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (recipe key api_key)")
+
+
+def recipe_from_args(args: argparse.Namespace) -> ServeRecipe:
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not recipe.endswith((".yaml", ".yml")):
+        recipe, overrides = None, [recipe, *overrides]
+    cfg = load_config(ServeRecipe, recipe, overrides)
+    flags = {"host": args.host, "port": args.port, "api_key": args.api_key}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
+    if not 0 <= cfg.port <= 65535:
+        raise InputError(f"--port {cfg.port}: must be in [0, 65535]")
+    return cfg
+
+
+def build_served(recipe: ServeRecipe) -> Served:
+    """The model, its tokenizer and the engine's worker (not yet started) for ``create_app``."""
+    model, ckpt = load_model(recipe.checkpoint, device=resolve_device(recipe.device))
+    model.to(DTYPES[recipe.dtype]).eval()
+    tokenizer = Tokenizer.load(ckpt)
+    worker = EngineWorker(Engine(model, tokenizer, max_batch=recipe.max_batch), max_pending=recipe.max_pending)
+    api_key = recipe.api_key if recipe.api_key is not None else os.environ.get("LMFORGE_API_KEY") or None
+    return Served(worker, tokenizer, recipe.model_name or recipe.checkpoint, model.cfg.max_seq_len,
+                  model.cfg.vocab_size, api_key)
+
+
+def run_serve(recipe: ServeRecipe) -> None:
+    """Serve until interrupted (Ctrl-C)."""
+    served = build_served(recipe)
+    try:
+        sock = bind(recipe.host, recipe.port)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {recipe.host}:{recipe.port}: {exc.strerror or exc}") from exc
+    url = url_of(sock)
+    print(f"lmforge serve: {served.name!r} on {url} (chat page {url}/, API {url}/v1)", flush=True)
+    log.info("serve: max_batch %d, max_pending %d, %s on %s, API key %s", recipe.max_batch, recipe.max_pending,
+             recipe.dtype, served.worker.engine.model.embed.weight.device, "required" if served.api_key else "off")
+    uvicorn_server(create_app(served), recipe.log_level).run(sockets=[sock])
+
+
+RECIPE = ServeRecipe
+run = run_serve
