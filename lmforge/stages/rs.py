@@ -63,11 +63,20 @@ class RSDataConfig:
 
 
 @dataclass
+class RSRolloutConfig(RolloutConfig):
+    """The rollout settings with rs's defaults: the prompts in file order, so the output follows them."""
+
+    n: int = positive(8)  # K, samples per prompt
+    max_new_tokens: int = positive(64)
+    shuffle: bool = False
+
+
+@dataclass
 class RSRecipe:
     run_dir: str = "runs/rs"
     checkpoint: str = "runs/sft"  # the policy that samples: a checkpoint or a run directory
     data: RSDataConfig = field(default_factory=RSDataConfig)
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8, max_new_tokens=64, shuffle=False))
+    rollout: RSRolloutConfig = field(default_factory=RSRolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     output: Literal["sft", "pairs"] = "sft"  # the best as SFT data, or best vs worst as preference pairs
     threshold: float | None = in_range(None)  # keep a prompt only when its best reward is >= this; null = always
