@@ -5,6 +5,7 @@ why, resuming without sampling scored prompts again, and bad input refused befor
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,9 +16,10 @@ from lmforge.core.io import InputError
 from lmforge.data.chat import read_sft_examples
 from lmforge.data.preference import read_preference_pairs
 from lmforge.data.sft_demo import make_examples
+from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
 from lmforge.stages.rs import RSRecipe, run_rs, select
-from tests.conftest import write_jsonl
+from tests.conftest import REPO, write_jsonl
 
 # a random model's responses differ in length, so a length penalty ranks them; \S refuses blank ones
 REWARD = ["reward.components=[{kind: regex, pattern: '\\S'}]", "reward.length_penalty=1.0"]
@@ -175,3 +177,16 @@ def test_a_lifecycle_runs_rs_then_sft_and_rs_pairs_then_dpo(tmp_path, base_check
     assert results[3]["result"]["train_examples"] == results[2]["result"]["kept"] > 0
     report = (tmp_path / "run" / "report.md").read_text()
     assert "6 prompts x 4 samples: **6 kept**" in report
+
+
+def test_the_demo_recipe_and_its_lifecycle_stages_load():
+    path = REPO / "recipes" / "demo" / "rs.yaml"
+    assert load_config(RSRecipe, path).reward.components[0].kind == "demo_exact_match"
+    text = path.read_text().split("# lifecycle:\n", 1)[1]
+    block = "\n".join(line[2:] for line in text.splitlines() if line.startswith("#   "))
+    stages = yaml.safe_load(block)
+    assert [s["verb"] for s in stages] == ["rs", "sft", "rs", "dpo"]
+    configs = [load_config(VERBS_BY_NAME[s["verb"]].load().RECIPE, REPO / s["recipe"], s.get("overrides", []))
+               for s in stages]
+    assert configs[1].data.train == [str(Path(configs[0].run_dir) / "sft.jsonl")]
+    assert configs[3].data.train == [str(Path(configs[2].run_dir) / "pairs.jsonl")] and configs[2].output == "pairs"
