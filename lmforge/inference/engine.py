@@ -78,7 +78,9 @@ class Generation:
     ``tokens`` excludes a stop token and includes the token that completed a stop string;
     ``text`` (when a tokenizer was given) is cut before the stop string. ``logprobs[i]`` is
     the model's log-probability of ``tokens[i]``; ``top_logprobs[i]`` the most likely
-    (token, log-probability) pairs at that step when asked for.
+    (token, log-probability) pairs at that step when asked for. A sample ended by a stop token
+    keeps that token and its log-probability in ``stop_token``/``stop_logprob`` (an RL trainer
+    trains the choice to stop too); None otherwise.
     """
 
     prompt_tokens: list[int]
@@ -87,6 +89,8 @@ class Generation:
     text: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_token: int | None = None
+    stop_logprob: float | None = None
 
 
 @dataclass
@@ -243,6 +247,8 @@ class Row:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     text: str | None = None
     finish: FinishReason | None = None
+    stop_token: int | None = None
+    stop_logprob: float | None = None
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:
@@ -368,7 +374,7 @@ class Engine:
         """Append the token to the row, or finish the row at a stop token, stop string or its length."""
         cfg = row.config
         if token in row.stop_ids:
-            row.finish = "stop"
+            row.finish, row.stop_token, row.stop_logprob = "stop", token, logprob
             return
         row.tokens.append(token)
         row.logprobs.append(logprob)
@@ -402,7 +408,8 @@ class Engine:
         text = row.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(row.tokens)
-        return Generation(row.prompt, row.tokens, row.finish, text, row.logprobs, row.top_logprobs)
+        return Generation(row.prompt, row.tokens, row.finish, text, row.logprobs, row.top_logprobs, row.stop_token,
+                          row.stop_logprob)
 
 
 def generate(

@@ -40,6 +40,8 @@ VERBS = [
          "lmforge.stages.dpo", distributed=True),
     Verb("kto", "KTO on unpaired desirable/undesirable examples",
          "lmforge.stages.kto", distributed=True),
+    Verb("rs", "rejection sampling: best of K samples per prompt by a reward, as SFT data or preference pairs",
+         "lmforge.stages.rs"),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face Llama/Mistral/Qwen2 folder as an lmforge checkpoint", "lmforge.stages.import_hf"),
