@@ -40,6 +40,8 @@ VERBS = [
          "lmforge.stages.dpo", distributed=True),
     Verb("kto", "KTO on unpaired desirable/undesirable examples",
          "lmforge.stages.kto", distributed=True),
+    Verb("grpo", "RL with verifiable rewards: GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO's dynamic sampling",
+         "lmforge.stages.grpo"),
     Verb("rs", "rejection sampling: best of K samples per prompt by a reward, as SFT data or preference pairs",
          "lmforge.stages.rs"),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),

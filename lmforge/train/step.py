@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lmforge.distributed.clip import clip_grad_norm_
@@ -35,7 +36,7 @@ class StepResult(NamedTuple):
     loss: torch.Tensor  # mean loss per target over the step
     grad_norm: torch.Tensor  # before clipping
     n_targets: int
-    metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target
+    metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target (and its maxima, the largest)
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer step was not taken
 
 
@@ -79,6 +80,9 @@ class StepRunner:
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
     def loss_layout(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -94,7 +98,7 @@ class StepRunner:
     def run_step(self, micro_batches: list, accept: Callable[[torch.Tensor], bool] | None = None) -> StepResult:
         """One optimizer step over ``micro_batches``. ``accept(loss)`` false (a loss spike, see
         ``train.spikes``) drops the update."""
-        loss, n_targets, metric_sums = self.backward(micro_batches)
+        loss, n_targets, metric_sums, maxima = self.backward(micro_batches)
         scaler = self.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -110,14 +114,16 @@ class StepRunner:
         elif apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped)
+        metrics = {k: v / n_targets for k, v in metric_sums.items()} | maxima
+        return StepResult(loss, grad_norm, n_targets, metrics, skipped)
 
-    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Forward and backward of the step's micro-batches: the mean loss per target of the
-        global batch, its target count and the objective's metric sums (on every rank)."""
+        global batch, its target count, the objective's metric sums and its maxima (on every rank)."""
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
+        maxima: dict[str, torch.Tensor] = {}
         for batch in micro_batches:
             with self.loss_layout():
                 with autocast_context(self.device, self.precision):
@@ -128,7 +134,11 @@ class StepRunner:
             loss_total += local_value(loss.detach()).float()
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + local_value(value.detach()).float()
-        return self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()}
+            for name, value in out.maxima.items():
+                value = local_value(value.detach()).float()
+                maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
+        return (self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()},
+                {k: self.max_over_ranks(v) for k, v in maxima.items()})
 
     def evaluate(self, batches: Iterator, max_batches: int | None) -> dict:
         """``train.evaluate.evaluate`` of the eager objective, on this runner's layout."""
@@ -159,6 +169,11 @@ class DataParallelStepRunner(StepRunner):
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return self.parallel.all_reduce_dp(value)
 
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.parallel.dp_flat.get_group())
+        return value
+
     def loss_layout(self) -> contextlib.AbstractContextManager:
         return loss_context(self.parallel)
 
@@ -175,7 +190,7 @@ class PipelineStepRunner(DataParallelStepRunner):
         self.pipeline = pipeline
         super().__init__(model, objective, optimizer, precision, grad_clip, parallel)
 
-    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    def backward(self, micro_batches: list) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # a host sync: once a step
@@ -183,7 +198,7 @@ class PipelineStepRunner(DataParallelStepRunner):
             with autocast_context(self.device, self.precision):
                 loss_total += self.pipeline.train_batch(batch, divisor=n_targets / self.dp, scale=scale) / self.dp
         self.parallel.all_reduce_pp(loss_total)  # a pipeline's loss is known on its last stage
-        return self.sum_over_ranks(loss_total), n_targets, {}
+        return self.sum_over_ranks(loss_total), n_targets, {}, {}
 
 
 def build_step_runner(model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
