@@ -39,13 +39,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmforge.core.config import ConfigError, at_least, positive
-from lmforge.core.io import atomic_write_text
+from lmforge.core.io import InputError, atomic_write_text
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.inference.engine import release_decoding_view
-from lmforge.peft.lora import disable_adapters, lora_modules
+from lmforge.model.checkpoint import load_weights
+from lmforge.model.transformer import Transformer
+from lmforge.peft.lora import LoraConfig, apply_lora, disable_adapters, lora_modules
 from lmforge.rl.advantages import grpo_advantages, per_token, reinforce_pp_advantages, rloo_advantages
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import STAT_PREFIX, token_logprobs
@@ -95,17 +100,41 @@ class ScoredGroup:
 TokenLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def reference_policy(model: nn.Module) -> TokenLogprobs:
+def reference_policy(model: nn.Module, frozen: nn.Module | None = None) -> TokenLogprobs:
     """The KL reference as a function of (input_ids, attention_mask) -> token log-probs (B, T-1):
-    the policy with its LoRA adapters disabled (no second copy), else a frozen copy of the policy
-    taken now, before any update (DPO's references, ``objectives.reference``)."""
+    the policy with its LoRA adapters disabled (no second copy), else ``frozen``, the base
+    prepared as the policy but never trained (sharded like it under torchrun), or, without one,
+    a frozen copy of the policy taken now, before any update (DPO's references, ``objectives.reference``)."""
     if lora_modules(model):
         def adapters_off(ids, mask):
             with disable_adapters(model):
                 return _scored(model, ids, mask)
         return adapters_off
-    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    frozen = frozen if frozen is not None else copy.deepcopy(model)
+    frozen.eval().requires_grad_(False)
     return lambda ids, mask: _scored(frozen, ids, mask)
+
+
+class SamplingCopy:
+    """What a data-parallel rank samples with: a plain copy of the whole sharded policy (LoRA
+    layers included), its weights gathered from the shards before each rollout batch. The
+    engine's continuous batching runs a different number of forwards on each rank, which a
+    sharded model (every forward a collective) cannot; the copy costs one model per rank."""
+
+    def __init__(self, model: nn.Module, lora: LoraConfig | None, device: torch.device):
+        self.model, self.lora, self.device = model, lora, device
+        self.copy: Transformer | None = None
+
+    def __call__(self) -> Transformer:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        if self.copy is None:
+            with torch.device("meta"):
+                plain = Transformer(self.model.cfg)
+                if self.lora is not None:
+                    apply_lora(plain, self.lora)
+            self.copy = plain.to_empty(device=self.device).requires_grad_(False)
+        load_weights(self.copy, state, where="the gathered shards of the policy")
+        return self.copy.eval()
 
 
 def _scored(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -144,19 +173,35 @@ def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor]) -> torch
 
 class RolloutBatches:
     """The loop's ``train_batches`` for RL (module docstring). ``reference`` is None without a KL
-    term; ``precision`` the loop's (a forward in another than fp32 recomputes the old log-probs)."""
+    term; ``precision`` the loop's (a forward in another than fp32 recomputes the old log-probs).
+
+    Under ``parallel`` (a data-parallel torchrun rank) each rank samples, scores and trains its
+    share of every rollout batch, whole groups (``prompts_per_step / dp`` prompts), from the one
+    global prompt order: the ranks agree on each round's counts, and each takes its slice of
+    the prompts every rank's ``RolloutState`` steps over, so the state is the same on all. It
+    samples with ``sampler()`` (``SamplingCopy``); the logged figures and the token counts are
+    over every rank's rollouts."""
 
     def __init__(self, model: nn.Module, tok: Tokenizer, prompts: Sequence[Prompt], rollout: RolloutConfig,
                  cfg: GRPOConfig, loss: PolicyLossConfig, reward: Reward, micro_batch_size: int, *,
                  precision: str = "fp32", reference: TokenLogprobs | None = None, mask_truncated: bool = False,
-                 run_dir: Path | None = None):
+                 run_dir: Path | None = None, parallel: ParallelContext | None = None,
+                 sampler: Callable[[], nn.Module] | None = None):
         cfg.check(rollout)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef {loss.kl_coef} needs a reference policy")
+        self.rank, self.dp = data_parallel_rank(parallel)
+        if cfg.prompts_per_step % self.dp:
+            raise ConfigError(f"grpo.prompts_per_step {cfg.prompts_per_step} must be a multiple of the {self.dp} "
+                              f"data-parallel ranks: each samples whole groups")
+        if self.dp > 1 and cfg.advantage == "reinforce_pp":
+            raise ConfigError("grpo.advantage=reinforce_pp whitens over the whole batch: one process only so far")
         self.model, self.tok, self.prompts, self.rollout, self.cfg = model, tok, list(prompts), rollout, cfg
         self.loss, self.reward, self.micro_batch_size = loss, reward, micro_batch_size
         self.precision, self.reference, self.mask_truncated, self.run_dir = precision, reference, mask_truncated, run_dir
-        self.rows = cfg.prompts_per_step * rollout.n
+        self.parallel, self.sampler = parallel, sampler or (lambda: model)
+        self.per_rank = cfg.prompts_per_step // self.dp
+        self.rows = self.per_rank * rollout.n
         self.grad_accum = math.ceil(self.rows / micro_batch_size)  # micro-batches per optimizer step
         self.state = RolloutState(rollout.seed, len(self.prompts), rollout.shuffle)
         self.buffer: list[dict[str, torch.Tensor]] = []
@@ -179,12 +224,33 @@ class RolloutBatches:
 
     # ------------------------------------------------------------------ sampling and scoring
 
+    def gather(self, value):
+        """``value`` of every data-parallel rank, in rank order (``[value]`` in one process)."""
+        if self.dp == 1:
+            return [value]
+        out = [None] * self.dp
+        dist.all_gather_object(out, value, group=self.parallel.dp_flat.get_group())
+        return out
+
+    def sample_share(self, model: nn.Module, needs: list[int]) -> list[list[Rollout]]:
+        """This rank's ``needs[rank]`` next prompts of the global order, which the ranks before it
+        take first; the state moves past every rank's."""
+        before, mine = sum(needs[: self.rank]), needs[self.rank]
+        self.state.take(before)
+        groups = sample_rollouts(model, self.tok, self.prompts, self.rollout, self.state, mine) if mine else []
+        self.state.take(sum(needs) - before - mine)
+        return groups
+
     def draw_groups(self) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
-        """(the groups to train on, every group sampled), per ``zero_variance`` (module docstring)."""
-        target, kept, dropped, sampled = self.cfg.prompts_per_step, [], [], []
+        """(this rank's groups to train on, every group it sampled), per ``zero_variance`` (module docstring)."""
+        target, kept, dropped, sampled = self.per_rank, [], [], []
+        model = self.sampler()
         for _ in range(1 + (self.cfg.max_refills if self.cfg.zero_variance == "drop" else 0)):
-            groups = sample_rollouts(self.model, self.tok, self.prompts, self.rollout, self.state, target - len(kept))
-            scores = self.reward([r for g in groups for r in g])
+            needs = self.gather(target - len(kept))
+            if not sum(needs):
+                break
+            groups = self.sample_share(model, needs)
+            scores = self.reward([r for g in groups for r in g]) if groups else None
             start = 0
             for g in groups:
                 cut = slice(start, start + len(g))
@@ -192,9 +258,7 @@ class RolloutBatches:
                 start += len(g)
                 sampled.append(scored)
                 (dropped if self.cfg.zero_variance == "drop" and scored.zero_variance else kept).append(scored)
-            if len(kept) == target:
-                break
-        release_decoding_view(self.model)  # the engine's fused copy of the weights: not needed while training
+        release_decoding_view(model)  # the engine's fused copy of the weights: not needed while training
         return kept + dropped[: target - len(kept)], sampled
 
     def next_rollout_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
@@ -207,8 +271,9 @@ class RolloutBatches:
         if self.run_dir is not None and self.cfg.samples_every and step % self.cfg.samples_every == 0:
             self.write_samples(step + 1, sampled, groups)
         per_token_mode = self.loss.aggregation == "token-mean"
-        n_tokens = int(batch["loss_mask"].sum())
-        n_targets = n_tokens if per_token_mode else int(batch["loss_mask"].any(-1).sum())
+        counts = self.gather((int(batch["loss_mask"].sum()), int(batch["loss_mask"].any(-1).sum())))
+        n_tokens = sum(c[0] for c in counts)
+        n_targets = n_tokens if per_token_mode else sum(c[1] for c in counts)
         micro = []
         for start in range(0, self.rows, self.micro_batch_size):
             rows = slice(start, start + self.micro_batch_size)
@@ -225,7 +290,7 @@ class RolloutBatches:
     @torch.no_grad()
     def add_logprobs(self, mb: dict[str, torch.Tensor]) -> None:
         """The reference's log-probs (with a KL term) and, off fp32, the old log-probs by the trainer's forward."""
-        device = self.model.embed.weight.device if hasattr(self.model, "embed") else torch.device("cpu")
+        device = self.parallel.device if self.parallel is not None else self.model.embed.weight.device
         ids, mask = mb["input_ids"].to(device), mb["attention_mask"].to(device)
         with autocast_context(device, self.precision):
             if self.reference is not None and self.loss.kl_coef > 0:
@@ -234,17 +299,24 @@ class RolloutBatches:
                 mb["old_logprobs"] = aligned(_scored(self.model, ids, mask)).cpu() * mb["loss_mask"]
 
     def statistics(self, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> dict[str, float]:
-        """The figures logged with every step this batch serves, over every response sampled for it."""
-        totals = torch.tensor([t for g in sampled for t in g.totals])
-        lengths = torch.tensor([len(r.response_ids) for g in sampled for r in g.rollouts], dtype=torch.float32)
+        """The figures logged with every step this batch serves, over every response sampled for it (on every rank)."""
+        mine = {"totals": [t for g in sampled for t in g.totals],
+                "lengths": [len(r.response_ids) for g in sampled for r in g.rollouts],
+                "truncated": sum(r.truncated for g in sampled for r in g.rollouts),
+                "zero": sum(g.zero_variance for g in sampled), "groups": len(sampled),
+                "zero_trained": sum(g.zero_variance for g in trained),
+                "terms": {k: [v for g in sampled for v in g.terms[k]] for k in (sampled[0].terms if sampled else {})}}
+        ranks = self.gather(mine)
+        totals = torch.tensor([t for r in ranks for t in r["totals"]])
+        lengths = torch.tensor([n for r in ranks for n in r["lengths"]], dtype=torch.float32)
         stats = {"reward_mean": float(totals.mean()), "reward_std": float(totals.std()) if len(totals) > 1 else 0.0,
                  "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
-                 "truncated_share": sum(r.truncated for g in sampled for r in g.rollouts) / len(lengths),
-                 "zero_variance_share": sum(g.zero_variance for g in sampled) / len(sampled),
-                 "zero_variance_trained": float(sum(g.zero_variance for g in trained)),
-                 "groups_sampled": float(len(sampled))}
-        for name in sampled[0].terms:
-            stats[f"score_{name}"] = sum(sum(g.terms[name]) for g in sampled) / len(totals)
+                 "truncated_share": sum(r["truncated"] for r in ranks) / len(lengths),
+                 "zero_variance_share": sum(r["zero"] for r in ranks) / sum(r["groups"] for r in ranks),
+                 "zero_variance_trained": float(sum(r["zero_trained"] for r in ranks)),
+                 "groups_sampled": float(sum(r["groups"] for r in ranks))}
+        for name in ranks[0]["terms"]:
+            stats[f"score_{name}"] = float(torch.tensor([v for r in ranks for v in r["terms"][name]]).mean())
         return stats
 
     def write_samples(self, step: int, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> None:
@@ -257,20 +329,29 @@ class RolloutBatches:
                                          "terms": {k: v[i] for k, v in g.terms.items()},
                                          "tokens": len(r.response_ids), "finish_reason": r.finish_reason,
                                          "trained": id(g) in keep}, ensure_ascii=False) + "\n")
-        atomic_write_text(self.run_dir / SAMPLES / f"step-{step:06d}.jsonl", "".join(lines))
+        every = self.gather(lines)
+        if self.rank == 0:
+            atomic_write_text(self.run_dir / SAMPLES / f"step-{step:06d}.jsonl", "".join(x for r in every for x in r))
 
     # ------------------------------------------------------------------ resuming
 
     def state_dict(self) -> dict:
-        """The rollout state and the counters, plus the batch being reused inside its μ steps."""
+        """The rollout state and the counters, plus the batch being reused inside its μ steps: every
+        rank's share of it (called on every rank; the checkpoint keeps the first rank's dict)."""
         reusing = self.uses_left > 0 or self.position > 0
+        shares = self.gather([encode(mb) for mb in self.buffer] if reusing else None)
         return {"rollout": self.state.state_dict(), "drawn": self.drawn, "position": self.position,
-                "uses_left": self.uses_left, "buffer": [encode(mb) for mb in self.buffer] if reusing else None}
+                "uses_left": self.uses_left, "buffer": shares if reusing else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state["rollout"])
         self.drawn, self.position, self.uses_left = int(state["drawn"]), int(state["position"]), int(state["uses_left"])
-        self.buffer = [decode(mb) for mb in state["buffer"]] if state.get("buffer") else []
+        shares = state.get("buffer")
+        if shares and len(shares) != self.dp:
+            raise InputError(f"the checkpoint stopped inside a rollout batch sampled by {len(shares)} data-parallel "
+                             f"ranks, this run has {self.dp}: resume it with {len(shares)}, or from a checkpoint at "
+                             f"the end of a batch (grpo.updates_per_batch steps)")
+        self.buffer = [decode(mb) for mb in shares[self.rank]] if shares else []
 
 
 def encode(batch: dict[str, torch.Tensor]) -> dict:

@@ -41,7 +41,7 @@ VERBS = [
     Verb("kto", "KTO on unpaired desirable/undesirable examples",
          "lmforge.stages.kto", distributed=True),
     Verb("grpo", "RL with verifiable rewards: GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO's dynamic sampling",
-         "lmforge.stages.grpo"),
+         "lmforge.stages.grpo", distributed=True),
     Verb("rs", "rejection sampling: best of K samples per prompt by a reward, as SFT data or preference pairs",
          "lmforge.stages.rs"),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),

@@ -23,8 +23,13 @@ With `score.name: exact_match`, greedy exact match on held-out tasks before and 
   lmforge grpo recipes/demo/grpo.yaml
   lmforge grpo recipes/demo/grpo.yaml grpo.advantage=dr_grpo grpo.zero_variance=drop objective.clip_high=0.28
 
-One process only so far: sampling a sharded (FSDP) policy needs every rank in the same
-forward, which the engine's continuous batching does not keep.
+Under torchrun it trains data-parallel with FSDP2 (full fine-tuning or LoRA), laid out by its
+`parallel:` section: each rank samples its share of every rollout batch, whole groups
+(`grpo.prompts_per_step` a multiple of the ranks), from a plain copy of the gathered policy
+(the engine's forwards differ in number between ranks, which a sharded model cannot run);
+the loss is the token mean over every rank's tokens:
+
+  torchrun --standalone --nproc_per_node=2 -m lmforge grpo recipes/demo/grpo.yaml train.device=cpu
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ from lmforge.rl.objective import PolicyObjective
 from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
-from lmforge.rl.trainer import GRPOConfig, RolloutBatches, reference_policy
+from lmforge.rl.trainer import GRPOConfig, RolloutBatches, SamplingCopy, reference_policy
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.scoring import ScoreConfig, named_scorer
+from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
+from lmforge.train.prepare import prepare_model
 
 
 @dataclass
@@ -105,10 +112,16 @@ def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> F
     def batches(run, model, cfg: TrainConfig):
         loss = recipe.objective
         reward = Reward(recipe.reward, run.tok, recipe.rollout.max_new_tokens, run.device)
+        reference = None
+        if loss.kl_coef > 0:  # full fine-tuning: the base again, prepared (sharded) as the policy, never trained
+            frozen = None if recipe.lora is not None else prepare_model(
+                load_model(run.base_dir, device=run.device)[0], cfg, parallel, frozen=True)
+            reference = reference_policy(model, frozen)
+        sampler = SamplingCopy(model, recipe.lora, run.device) if parallel is not None else None
         source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.grpo, loss, reward,
-                                cfg.micro_batch_size, precision=cfg.precision,
-                                reference=reference_policy(model) if loss.kl_coef > 0 else None,
-                                mask_truncated=recipe.reward.mask_truncated, run_dir=run.run_dir)
+                                cfg.micro_batch_size, precision=cfg.precision, reference=reference,
+                                mask_truncated=recipe.reward.mask_truncated, run_dir=run.run_dir, parallel=parallel,
+                                sampler=sampler)
         return source, source.grad_accum
 
     return FinetuneStage(

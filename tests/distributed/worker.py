@@ -3,7 +3,7 @@
 A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe; with
 ``"poison": [[start, stop], ...]`` the loader corrupts those global samples, as in
 tests/train/test_spikes.py),
-``{"kind": "sft" | "dpo" | "kto" | "reward", "recipe": <yaml>}`` (that fine-tuning stage on
+``{"kind": "sft" | "dpo" | "kto" | "reward" | "grpo", "recipe": <yaml>}`` (that fine-tuning stage on
 its recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
 parallelized model against the same model unsharded (fp32) in this process, written by
@@ -32,6 +32,7 @@ from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.dpo import DPORecipe, run_dpo
+from lmforge.stages.grpo import GRPORecipe, run_grpo
 from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.reward import RewardRecipe, run_reward
@@ -41,7 +42,7 @@ from lmforge.train.step import build_step_runner
 from tests.train.test_spikes import poisoned_next
 
 STAGES = {"sft": (SFTRecipe, run_sft), "dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto),
-          "reward": (RewardRecipe, run_reward)}
+          "reward": (RewardRecipe, run_reward), "grpo": (GRPORecipe, run_grpo)}
 
 
 def gradients(recipe: PretrainRecipe, out: str) -> None:

@@ -190,7 +190,7 @@ def test_the_state_round_trips_inside_the_mu_steps_of_a_batch(model, small_token
     state = batches.state_dict()
     assert state["buffer"] is not None and state["uses_left"] == 1
     restored = source(model, small_tokenizer, prompts, updates_per_batch=2)
-    restored.load_state_dict(json.loads(json.dumps(state)))
+    restored.load_state_dict(json.loads(json.dumps(state)))  # the JSON of trainer_state.json
     again = step_batches(restored)
     for a, b in zip(first, again):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
