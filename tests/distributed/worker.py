@@ -69,8 +69,8 @@ def gradients(recipe: PretrainRecipe, out: str) -> None:
                                   split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss)
     objective = CausalLMObjective()
     optimizer = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)  # not stepped: the gradients are compared
-    loss, _, _ = build_step_runner(model, objective, optimizer, precision, 1.0, parallel=ctx,
-                                   pipeline=pipeline).backward(mine)
+    loss = build_step_runner(model, objective, optimizer, precision, 1.0, parallel=ctx,
+                             pipeline=pipeline).backward(mine)[0]
 
     n = sum(objective.num_targets(w) for w in windows)
     ref_loss = sum(objective(reference, w).loss_sum for w in windows) / n
