@@ -111,6 +111,17 @@ def test_generate_decodes_the_same_greedy_rows_as_transformers_in_fp32(tmp_path)
     assert positive(result["sampled"][0]["ratio"]) and result["sampling"]["top_k"] == 0
 
 
+def test_rollout_smoke_measures_lmforge_rollouts_and_transformers_sampling(tmp_path):
+    out = tmp_path / "rollout.json"
+    stdout = run("rollout.py", "--smoke", "--out", out)
+    result = read_json(out)
+    assert result["benchmark"] == "rollout" and result["shape"] == {"prompts": 2, "samples": 2, "new_tokens": 4,
+                                                                    "prompt_len": 4}
+    assert set(result["tokens_per_s"]) == {"lmforge_max_batch_4", "transformers"}
+    assert positive(*result["tokens_per_s"].values(), *result["ratio"].values())
+    assert set(result["load_average_1m"]) == {"before", "after"} and "load average" in stdout
+
+
 def test_attention_times_both_routes_for_each_shape_and_dtype(tmp_path):
     out = tmp_path / "attention.json"
     run("attention.py", "--shapes", "2x4x2x16x8", "1x2x2x8x8", "--steps", 1, "--repeats", 1, "--out", out)

@@ -27,6 +27,9 @@ class LossOutput:
     # Extra quantities summed over the same targets (e.g. DPO's chosen rewards); the loop logs
     # each as its mean per target, like the loss. Detached: they never reach the gradient.
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Quantities the loop logs as their maximum over the step's micro-batches and ranks (an RL
+    # step's largest importance ratio, its longest response), detached like ``metrics``.
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Objective(ABC):

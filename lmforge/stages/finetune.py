@@ -93,6 +93,9 @@ class FinetuneStage:
     check_examples: Callable[[list], None] | None = None  # on rank 0, once the training examples are read
     data_paths: dict[str, list[str]] = field(default_factory=dict)  # more recipe keys naming files (kto's `pairs`)
     summary: dict = field(default_factory=dict)  # fixed entries of the summary (dpo's `loss`)
+    # a batch source in place of the RowLoader over ``rows`` (RL: rollouts of the policy being trained),
+    # built from the prepared model: ``batches(run, model, cfg)`` -> (loader, micro-batches per step)
+    batches: Callable[[FinetuneRun, nn.Module, TrainConfig], tuple[Any, int]] | None = None
 
 
 @dataclass
@@ -182,11 +185,15 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
     if logging_rank:
         log.info("%s: before training: %s", stage.name, format_results(before))
-    grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
+    if stage.batches is not None:
+        train_batches, grad_accum = stage.batches(run, model, cfg)
+    else:
+        grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
+        train_batches = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp)
     summary = train(
         model=model,
         objective=objective,
-        train_batches=RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp),
+        train_batches=train_batches,
         cfg=cfg,
         run_dir=run.run_dir,
         recipe=recipe,

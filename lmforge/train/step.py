@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lmforge.distributed.clip import clip_grad_norm_, total_grad_norm
@@ -38,7 +39,7 @@ class StepResult(NamedTuple):
     loss: torch.Tensor  # mean loss per target over the step
     grad_norm: torch.Tensor  # before clipping
     n_targets: int
-    metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target
+    metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target (and its maxima, the largest)
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer step was not taken
     noise: NoiseSample | None = None  # the small- and big-batch gradients, when the step measured them
 
@@ -83,6 +84,9 @@ class StepRunner:
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
     def loss_layout(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -105,7 +109,7 @@ class StepRunner:
         ``train.spikes``) drops the update. ``measure_noise`` (at least two micro-batches): the
         result carries the first micro-batch's and the step's gradients (``StepResult.noise``)."""
         small: list[tuple[int, float]] = []
-        loss, n_targets, metric_sums = self.backward(micro_batches, small.append if measure_noise else None)
+        loss, n_targets, metric_sums, maxima = self.backward(micro_batches, small.append if measure_noise else None)
         scaler = self.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -122,8 +126,8 @@ class StepRunner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         noise = NoiseSample(small[0][0], n_targets, small[0][1], float(grad_norm) ** 2) if small else None
-        return StepResult(loss, grad_norm, n_targets, {k: v / n_targets for k, v in metric_sums.items()}, skipped,
-                          noise)
+        metrics = {k: v / n_targets for k, v in metric_sums.items()} | maxima
+        return StepResult(loss, grad_norm, n_targets, metrics, skipped, noise)
 
     def first_batch_gradient(self, first_batch, n_targets: int) -> tuple[int, float]:
         """After the first micro-batch's backward: its target count over every data-parallel rank
@@ -136,13 +140,14 @@ class StepRunner:
         return n_first, (norm * n_targets / n_first) ** 2
 
     def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
-                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Forward and backward of the step's micro-batches: the mean loss per target of the
-        global batch, its target count and the objective's metric sums (on every rank).
+        global batch, its target count, the objective's metric sums and its maxima (on every rank).
         ``first_gradient`` receives the first micro-batch's ``first_batch_gradient``."""
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
+        maxima: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(micro_batches):
             with self.loss_layout():
                 with autocast_context(self.device, self.precision):
@@ -153,9 +158,13 @@ class StepRunner:
             loss_total += local_value(loss.detach()).float()
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + local_value(value.detach()).float()
+            for name, value in out.maxima.items():
+                value = local_value(value.detach()).float()
+                maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
             if first_gradient is not None and i == 0:
                 first_gradient(self.first_batch_gradient(batch, n_targets))
-        return self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()}
+        return (self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()},
+                {k: self.max_over_ranks(v) for k, v in maxima.items()})
 
     def evaluate(self, batches: Iterator, max_batches: int | None) -> dict:
         """``train.evaluate.evaluate`` of the eager objective, on this runner's layout."""
@@ -186,6 +195,11 @@ class DataParallelStepRunner(StepRunner):
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return self.parallel.all_reduce_dp(value)
 
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.parallel.dp_flat.get_group())
+        return value
+
     def loss_layout(self) -> contextlib.AbstractContextManager:
         return loss_context(self.parallel)
 
@@ -206,7 +220,7 @@ class PipelineStepRunner(DataParallelStepRunner):
         super().__init__(model, objective, optimizer, precision, grad_clip, parallel)
 
     def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
-                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         n_targets = self.total(sum(self.objective.num_targets(b) for b in micro_batches))
         loss_total = torch.zeros((), device=self.device)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # a host sync: once a step
@@ -216,7 +230,7 @@ class PipelineStepRunner(DataParallelStepRunner):
             if first_gradient is not None and i == 0:
                 first_gradient(self.first_batch_gradient(batch, n_targets))
         self.parallel.all_reduce_pp(loss_total)  # a pipeline's loss is known on its last stage
-        return self.sum_over_ranks(loss_total), n_targets, {}
+        return self.sum_over_ranks(loss_total), n_targets, {}, {}
 
 
 def build_step_runner(model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,

@@ -3,7 +3,7 @@
 A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe; with
 ``"poison": [[start, stop], ...]`` the loader corrupts those global samples, as in
 tests/train/test_spikes.py),
-``{"kind": "sft" | "dpo" | "kto" | "reward", "recipe": <yaml>}`` (that fine-tuning stage on
+``{"kind": "sft" | "dpo" | "kto" | "reward" | "grpo", "recipe": <yaml>}`` (that fine-tuning stage on
 its recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
 parallelized model against the same model unsharded (fp32) in this process, written by
@@ -32,6 +32,7 @@ from lmforge.distributed.scaler import DistributedGradScaler
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.dpo import DPORecipe, run_dpo
+from lmforge.stages.grpo import GRPORecipe, run_grpo
 from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.reward import RewardRecipe, run_reward
@@ -41,7 +42,7 @@ from lmforge.train.step import build_step_runner
 from tests.train.test_spikes import poisoned_next
 
 STAGES = {"sft": (SFTRecipe, run_sft), "dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto),
-          "reward": (RewardRecipe, run_reward)}
+          "reward": (RewardRecipe, run_reward), "grpo": (GRPORecipe, run_grpo)}
 
 
 def gradients(recipe: PretrainRecipe, out: str) -> None:
@@ -68,8 +69,8 @@ def gradients(recipe: PretrainRecipe, out: str) -> None:
                                   split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss)
     objective = CausalLMObjective()
     optimizer = build_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)  # not stepped: the gradients are compared
-    loss, _, _ = build_step_runner(model, objective, optimizer, precision, 1.0, parallel=ctx,
-                                   pipeline=pipeline).backward(mine)
+    loss = build_step_runner(model, objective, optimizer, precision, 1.0, parallel=ctx,
+                             pipeline=pipeline).backward(mine)[0]
 
     n = sum(objective.num_targets(w) for w in windows)
     ref_loss = sum(objective(reference, w).loss_sum for w in windows) / n

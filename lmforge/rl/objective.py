@@ -1,0 +1,86 @@
+"""The policy-gradient objective: ``rl.losses.policy_loss`` on micro-batches of rollouts, as an
+``Objective`` of the one training loop.
+
+A micro-batch is what ``rl.trainer.RolloutBatches`` serves: prompt + response rows
+(``input_ids``, ``attention_mask``), per-token ``loss_mask``, ``old_logprobs`` (the sampling
+policy's), ``advantages`` and, with a KL term, ``ref_logprobs``, all aligned with ``input_ids``
+(position t holds the log-prob of token t given the tokens before it). The loss is recomputed
+from the policy's forward at positions 1..T-1 (``token_logprobs``).
+
+The loop divides each micro-batch's summed loss by the targets of the whole step, so
+``policy_loss``'s aggregation is done in two halves: here the sum (``n_tokens=1`` /
+``n_sequences=1``), there the division. With ``token-mean`` the targets are the loss tokens of
+the whole optimizer step (DAPO's global token mean, the default); with the ``seq-mean-*`` modes
+they are its sequences. Either way the result equals ``policy_loss`` on the whole batch at once
+(``tests/rl/test_objective.py``).
+
+Metrics come back as sums over the step's targets (the loop logs their means): the token
+metrics of ``policy_loss`` (clip fractions, approx KL, ratio mean, KL to the reference, entropy)
+are token sums scaled by ``targets_per_token`` (the step's targets per loss token, from the batch
+source), so they are exact token means over the step in every mode; the rollout batch's own
+figures (``stat_*`` columns: reward mean/std, each reward term, response lengths, the share of
+zero-variance groups) are constants of the batch and logged as they are. ``ratio_max`` and
+``response_length_max`` are maxima (``LossOutput.maxima``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmforge.model.reward import model_inputs
+from lmforge.objectives.base import LossOutput, Objective
+from lmforge.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss
+
+STAT_PREFIX = "stat_"  # batch columns holding the rollout batch's figures (one value, repeated per row)
+STAT_MAXIMA = ("response_length_max",)  # of those, the ones logged as a maximum
+TOKEN_METRICS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean",
+                 "kl_ref", "entropy")
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(input_ids[:, t] | input_ids[:, :t]) for t = 1..T-1 in float32 (B, T-1), the logits (B, T-1, V))."""
+    logits = model(input_ids, **model_inputs(input_ids, attention_mask))[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logp, logits
+
+
+class PolicyObjective(Objective):
+    """GRPO / Dr. GRPO / RLOO / REINFORCE++ / DAPO's clipped policy loss (they differ in the
+    advantages the batch source computes and in ``cfg``)."""
+
+    def __init__(self, cfg: PolicyLossConfig):
+        self.cfg = cfg
+        self.per_token = cfg.aggregation == "token-mean"
+
+    def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
+        """Loss tokens (token-mean) or sequences with a loss token (the seq-mean modes)."""
+        mask = batch["loss_mask"]
+        return int(mask.sum()) if self.per_token else int(mask.any(-1).sum())
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        cfg = self.cfg
+        logp, logits = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        mask = batch["loss_mask"][:, 1:]
+        with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
+        ref = batch["ref_logprobs"][:, 1:] if "ref_logprobs" in batch else None
+        loss, metrics = policy_loss(logp, batch["old_logprobs"][:, 1:], batch["advantages"][:, 1:], mask, cfg,
+                                    ref_logp=ref, entropy=entropy, n_tokens=1, n_sequences=1)
+        n_tokens = mask.sum()
+        n_targets = self.num_targets(batch)
+        scale = batch["targets_per_token"][0] if "targets_per_token" in batch else 1.0
+        sums = {k: metrics[k].detach() * n_tokens * scale for k in TOKEN_METRICS if k in metrics}
+        maxima = {"ratio_max": metrics["ratio_max"].detach()}
+        for key, column in batch.items():
+            if key.startswith(STAT_PREFIX):
+                name = key[len(STAT_PREFIX):]
+                if name in STAT_MAXIMA:
+                    maxima[name] = column[0].float()
+                else:
+                    sums[name] = column[0].float() * n_targets
+        return LossOutput(loss, n_targets, metrics=sums, maxima=maxima)

@@ -1,0 +1,363 @@
+"""RL's batch source: rollouts of the policy being trained, scored and turned into the
+micro-batches ``rl.objective.PolicyObjective`` trains on, served to the one training loop.
+
+There is no second training loop. The loop asks its ``train_batches`` for ``grad_accum``
+micro-batches per optimizer step; ``RolloutBatches`` answers with a *rollout batch*:
+
+1. sample ``prompts_per_step`` prompts x G (``rollout.n``) responses from the current policy
+   through the inference engine (``rl.rollout.sample_rollouts``: its state, ``RolloutState``,
+   says which prompts come next and seeds every request);
+2. score them (``rl.rewards.Reward``); with ``zero_variance: drop`` (DAPO's dynamic sampling),
+   leave out the groups whose G rewards are all equal (their group-relative advantage is 0),
+   count them and sample more prompts for the shortfall, up to ``max_refills`` more rounds;
+   a batch still short after that is topped up with zero-variance groups (advantage 0), so
+   every optimizer step has the same number of rows (the loop's ``grad_accum`` is fixed);
+3. compute the advantages over the batch (``advantage``: ``grpo``, ``dr_grpo``, ``rloo``,
+   ``reinforce_pp``; ``rl.advantages``), the reference's log-probs when the loss has a KL term
+   (``kl_coef`` 0: no reference forward at all) and, in a precision other than fp32, the old
+   log-probs recomputed by the trainer's own forward (so the first ratio is exactly 1 there too;
+   in fp32 the engine's log-probs already are the trainer's, ``tests/rl/test_trainer.py``);
+4. serve its micro-batches to ``updates_per_batch`` (μ) optimizer steps in a row, each a full
+   pass over the batch: the first on-policy (ratio 1), the next ones off-policy and clipped.
+
+Its ``state_dict`` is the rollout state, the micro-batches drawn, and the rollout batch being
+reused when a checkpoint falls inside its μ steps (so a resumed run trains on the very same
+rows): an interrupted and resumed run equals the uninterrupted one.
+
+Every ``samples_every`` steps the batch's prompts, responses, rewards and reward terms go to
+``run_dir/samples/step-NNNNNN.jsonl`` (rewritten whole by a resumed run, so never duplicated).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from lmforge.core.config import ConfigError, at_least, positive
+from lmforge.core.io import InputError, atomic_write_text
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
+from lmforge.inference.engine import release_decoding_view
+from lmforge.model.checkpoint import load_weights
+from lmforge.model.transformer import Transformer
+from lmforge.peft.lora import LoraConfig, apply_lora, disable_adapters, lora_modules
+from lmforge.rl.advantages import grpo_advantages, per_token, reinforce_pp_advantages, rloo_advantages
+from lmforge.rl.losses import PolicyLossConfig
+from lmforge.rl.objective import STAT_PREFIX, token_logprobs
+from lmforge.rl.prompts import Prompt
+from lmforge.rl.rewards import Reward
+from lmforge.rl.rollout import Rollout, RolloutConfig, RolloutState, rollout_batch, sample_rollouts
+from lmforge.train.forward import autocast_context
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+SAMPLES = "samples"
+
+
+@dataclass
+class GRPOConfig:
+    """The ``grpo:`` section: how rollout batches are drawn and turned into advantages."""
+
+    prompts_per_step: int = positive(8)  # prompts (groups of rollout.n responses) per rollout batch
+    # grpo: (r - mean) / std of the group; dr_grpo: r - mean (no std); rloo: leave-one-out mean;
+    # reinforce_pp: the score at the last token, whitened over every response token of the batch
+    advantage: Estimator = "grpo"
+    updates_per_batch: int = positive(1)  # μ: optimizer steps on each rollout batch (TRL's num_iterations)
+    zero_variance: Literal["keep", "drop"] = "keep"  # drop: DAPO's dynamic sampling (refilled, see max_refills)
+    max_refills: int = at_least(0, 3)  # drop: extra rounds of sampling that replace the dropped groups
+    samples_every: int = at_least(0, 10)  # steps between samples/step-N.jsonl dumps (0: none)
+
+    def check(self, rollout: RolloutConfig) -> None:
+        if rollout.n < 2:
+            raise ConfigError(f"rollout.n (the group size G) is {rollout.n}: group-relative advantages compare the "
+                              f"responses to one prompt, so GRPO needs at least 2 per prompt (e.g. rollout.n=8)")
+        if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+            raise ConfigError(f"grpo.advantage must be grpo, dr_grpo, rloo or reinforce_pp, got {self.advantage!r}")
+
+
+@dataclass
+class ScoredGroup:
+    """The G rollouts of one prompt with their rewards."""
+
+    rollouts: list[Rollout]
+    totals: list[float]
+    terms: dict[str, list[float]]
+
+    @property
+    def zero_variance(self) -> bool:
+        return max(self.totals) - min(self.totals) <= 1e-6 * max(1.0, max(abs(t) for t in self.totals))
+
+
+TokenLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def reference_policy(model: nn.Module, frozen: nn.Module | None = None) -> TokenLogprobs:
+    """The KL reference as a function of (input_ids, attention_mask) -> token log-probs (B, T-1):
+    the policy with its LoRA adapters disabled (no second copy), else ``frozen``, the base
+    prepared as the policy but never trained (sharded like it under torchrun), or, without one,
+    a frozen copy of the policy taken now, before any update (DPO's references, ``objectives.reference``)."""
+    if lora_modules(model):
+        def adapters_off(ids, mask):
+            with disable_adapters(model):
+                return _scored(model, ids, mask)
+        return adapters_off
+    frozen = frozen if frozen is not None else copy.deepcopy(model)
+    frozen.eval().requires_grad_(False)
+    return lambda ids, mask: _scored(frozen, ids, mask)
+
+
+class SamplingCopy:
+    """What a data-parallel rank samples with: a plain copy of the whole sharded policy (LoRA
+    layers included), its weights gathered from the shards before each rollout batch. The
+    engine's continuous batching runs a different number of forwards on each rank, which a
+    sharded model (every forward a collective) cannot; the copy costs one model per rank."""
+
+    def __init__(self, model: nn.Module, lora: LoraConfig | None, device: torch.device):
+        self.model, self.lora, self.device = model, lora, device
+        self.copy: Transformer | None = None
+
+    def __call__(self) -> Transformer:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        if self.copy is None:
+            with torch.device("meta"):
+                plain = Transformer(self.model.cfg)
+                if self.lora is not None:
+                    apply_lora(plain, self.lora)
+            self.copy = plain.to_empty(device=self.device).requires_grad_(False)
+        load_weights(self.copy, state, where="the gathered shards of the policy")
+        return self.copy.eval()
+
+
+def _scored(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return token_logprobs(model, ids, mask)[0]
+    finally:
+        model.train(was_training)
+
+
+def aligned(logp: torch.Tensor) -> torch.Tensor:
+    """Token log-probs of positions 1..T-1 laid out like ``input_ids`` (position 0: 0)."""
+    return torch.cat([logp.new_zeros(logp.shape[0], 1), logp.float()], 1)
+
+
+def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token advantages (B, T) aligned with ``input_ids``, 0 off the response."""
+    scores, groups, mask = batch["rewards"], batch["group_ids"], batch["response_mask"]
+    if estimator == "reinforce_pp":
+        loss_mask = batch["loss_mask"]
+        token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+        positions = torch.arange(mask.shape[1]).expand_as(mask)
+        last = torch.where(mask, positions, -1).amax(-1)
+        token_rewards[torch.arange(len(scores)), last] = scores
+        if not bool(loss_mask.any()):
+            return torch.zeros_like(token_rewards)
+        return reinforce_pp_advantages(token_rewards, loss_mask)[0]
+    if estimator == "rloo":
+        adv = rloo_advantages(scores, groups)
+    else:
+        adv = grpo_advantages(scores, groups, scale="group" if estimator == "grpo" else "none")
+    return per_token(adv, mask)
+
+
+class RolloutBatches:
+    """The loop's ``train_batches`` for RL (module docstring). ``reference`` is None without a KL
+    term; ``precision`` the loop's (a forward in another than fp32 recomputes the old log-probs).
+
+    Under ``parallel`` (a data-parallel torchrun rank) each rank samples, scores and trains its
+    share of every rollout batch, whole groups (``prompts_per_step / dp`` prompts), from the one
+    global prompt order: the ranks agree on each round's counts, and each takes its slice of
+    the prompts every rank's ``RolloutState`` steps over, so the state is the same on all. It
+    samples with ``sampler()`` (``SamplingCopy``); the logged figures and the token counts are
+    over every rank's rollouts."""
+
+    def __init__(self, model: nn.Module, tok: Tokenizer, prompts: Sequence[Prompt], rollout: RolloutConfig,
+                 cfg: GRPOConfig, loss: PolicyLossConfig, reward: Reward, micro_batch_size: int, *,
+                 precision: str = "fp32", reference: TokenLogprobs | None = None, mask_truncated: bool = False,
+                 run_dir: Path | None = None, parallel: ParallelContext | None = None,
+                 sampler: Callable[[], nn.Module] | None = None):
+        cfg.check(rollout)
+        if loss.kl_coef > 0 and reference is None:
+            raise ValueError(f"kl_coef {loss.kl_coef} needs a reference policy")
+        self.rank, self.dp = data_parallel_rank(parallel)
+        if cfg.prompts_per_step % self.dp:
+            raise ConfigError(f"grpo.prompts_per_step {cfg.prompts_per_step} must be a multiple of the {self.dp} "
+                              f"data-parallel ranks: each samples whole groups")
+        if self.dp > 1 and cfg.advantage == "reinforce_pp":
+            raise ConfigError("grpo.advantage=reinforce_pp whitens over the whole batch: one process only so far")
+        self.model, self.tok, self.prompts, self.rollout, self.cfg = model, tok, list(prompts), rollout, cfg
+        self.loss, self.reward, self.micro_batch_size = loss, reward, micro_batch_size
+        self.precision, self.reference, self.mask_truncated, self.run_dir = precision, reference, mask_truncated, run_dir
+        self.parallel, self.sampler = parallel, sampler or (lambda: model)
+        self.per_rank = cfg.prompts_per_step // self.dp
+        self.rows = self.per_rank * rollout.n
+        self.grad_accum = math.ceil(self.rows / micro_batch_size)  # micro-batches per optimizer step
+        self.state = RolloutState(rollout.seed, len(self.prompts), rollout.shuffle)
+        self.buffer: list[dict[str, torch.Tensor]] = []
+        self.position = 0  # next micro-batch of the buffer
+        self.uses_left = 0  # optimizer steps the buffer still serves
+        self.drawn = 0  # micro-batches served so far: drawn // grad_accum is the step
+
+    def __iter__(self) -> RolloutBatches:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.position == 0 and self.uses_left == 0:
+            self.buffer = self.next_rollout_batch(step=self.drawn // self.grad_accum)
+            self.uses_left = self.cfg.updates_per_batch
+        batch = self.buffer[self.position]
+        self.position, self.drawn = self.position + 1, self.drawn + 1
+        if self.position == len(self.buffer):
+            self.position, self.uses_left = 0, self.uses_left - 1
+        return batch
+
+    # ------------------------------------------------------------------ sampling and scoring
+
+    def gather(self, value):
+        """``value`` of every data-parallel rank, in rank order (``[value]`` in one process)."""
+        if self.dp == 1:
+            return [value]
+        out = [None] * self.dp
+        dist.all_gather_object(out, value, group=self.parallel.dp_flat.get_group())
+        return out
+
+    def sample_share(self, model: nn.Module, needs: list[int]) -> list[list[Rollout]]:
+        """This rank's ``needs[rank]`` next prompts of the global order, which the ranks before it
+        take first; the state moves past every rank's."""
+        before, mine = sum(needs[: self.rank]), needs[self.rank]
+        self.state.take(before)
+        groups = sample_rollouts(model, self.tok, self.prompts, self.rollout, self.state, mine) if mine else []
+        self.state.take(sum(needs) - before - mine)
+        return groups
+
+    def draw_groups(self) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
+        """(this rank's groups to train on, every group it sampled), per ``zero_variance`` (module docstring)."""
+        target, kept, dropped, sampled = self.per_rank, [], [], []
+        model = self.sampler()
+        for _ in range(1 + (self.cfg.max_refills if self.cfg.zero_variance == "drop" else 0)):
+            needs = self.gather(target - len(kept))
+            if not sum(needs):
+                break
+            groups = self.sample_share(model, needs)
+            scores = self.reward([r for g in groups for r in g]) if groups else None
+            start = 0
+            for g in groups:
+                cut = slice(start, start + len(g))
+                scored = ScoredGroup(g, scores.total[cut], {k: v[cut] for k, v in scores.terms.items()})
+                start += len(g)
+                sampled.append(scored)
+                (dropped if self.cfg.zero_variance == "drop" and scored.zero_variance else kept).append(scored)
+        release_decoding_view(model)  # the engine's fused copy of the weights: not needed while training
+        return kept + dropped[: target - len(kept)], sampled
+
+    def next_rollout_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """Sample, score and lay out the next rollout batch as ``grad_accum`` micro-batches."""
+        groups, sampled = self.draw_groups()
+        rollouts = [r for g in groups for r in g.rollouts]
+        batch = rollout_batch(rollouts, self.tok.pad_id, [t for g in groups for t in g.totals], self.mask_truncated)
+        batch["advantages"] = advantages_of(self.cfg.advantage, batch)
+        stats = self.statistics(sampled, groups)
+        if self.run_dir is not None and self.cfg.samples_every and step % self.cfg.samples_every == 0:
+            self.write_samples(step + 1, sampled, groups)
+        per_token_mode = self.loss.aggregation == "token-mean"
+        counts = self.gather((int(batch["loss_mask"].sum()), int(batch["loss_mask"].any(-1).sum())))
+        n_tokens = sum(c[0] for c in counts)
+        n_targets = n_tokens if per_token_mode else sum(c[1] for c in counts)
+        micro = []
+        for start in range(0, self.rows, self.micro_batch_size):
+            rows = slice(start, start + self.micro_batch_size)
+            width = int(batch["attention_mask"][rows].sum(-1).max())
+            mb = {key: batch[key][rows, :width] for key in ("input_ids", "attention_mask", "loss_mask",
+                                                             "old_logprobs", "advantages")}
+            n = len(mb["input_ids"])
+            self.add_logprobs(mb)
+            mb["targets_per_token"] = torch.full((n,), n_targets / max(n_tokens, 1), dtype=torch.float32)
+            mb |= {STAT_PREFIX + k: torch.full((n,), v, dtype=torch.float32) for k, v in stats.items()}
+            micro.append(mb)
+        return micro
+
+    @torch.no_grad()
+    def add_logprobs(self, mb: dict[str, torch.Tensor]) -> None:
+        """The reference's log-probs (with a KL term) and, off fp32, the old log-probs by the trainer's forward."""
+        device = self.parallel.device if self.parallel is not None else self.model.embed.weight.device
+        ids, mask = mb["input_ids"].to(device), mb["attention_mask"].to(device)
+        with autocast_context(device, self.precision):
+            if self.reference is not None and self.loss.kl_coef > 0:
+                mb["ref_logprobs"] = aligned(self.reference(ids, mask)).cpu() * mb["loss_mask"]
+            if self.precision != "fp32":
+                mb["old_logprobs"] = aligned(_scored(self.model, ids, mask)).cpu() * mb["loss_mask"]
+
+    def statistics(self, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> dict[str, float]:
+        """The figures logged with every step this batch serves, over every response sampled for it (on every rank)."""
+        mine = {"totals": [t for g in sampled for t in g.totals],
+                "lengths": [len(r.response_ids) for g in sampled for r in g.rollouts],
+                "truncated": sum(r.truncated for g in sampled for r in g.rollouts),
+                "zero": sum(g.zero_variance for g in sampled), "groups": len(sampled),
+                "zero_trained": sum(g.zero_variance for g in trained),
+                "terms": {k: [v for g in sampled for v in g.terms[k]] for k in (sampled[0].terms if sampled else {})}}
+        ranks = self.gather(mine)
+        totals = torch.tensor([t for r in ranks for t in r["totals"]])
+        lengths = torch.tensor([n for r in ranks for n in r["lengths"]], dtype=torch.float32)
+        stats = {"reward_mean": float(totals.mean()), "reward_std": float(totals.std()) if len(totals) > 1 else 0.0,
+                 "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
+                 "truncated_share": sum(r["truncated"] for r in ranks) / len(lengths),
+                 "zero_variance_share": sum(r["zero"] for r in ranks) / sum(r["groups"] for r in ranks),
+                 "zero_variance_trained": float(sum(r["zero_trained"] for r in ranks)),
+                 "groups_sampled": float(sum(r["groups"] for r in ranks))}
+        for name in ranks[0]["terms"]:
+            stats[f"score_{name}"] = float(torch.tensor([v for r in ranks for v in r["terms"][name]]).mean())
+        return stats
+
+    def write_samples(self, step: int, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> None:
+        keep = {id(g) for g in trained}
+        lines = []
+        for g in sampled:
+            for i, r in enumerate(g.rollouts):
+                lines.append(json.dumps({"step": step, "group": r.group, "sample": r.sample, "source": r.prompt.source,
+                                         "prompt": r.prompt.prompt, "response": r.text, "reward": g.totals[i],
+                                         "terms": {k: v[i] for k, v in g.terms.items()},
+                                         "tokens": len(r.response_ids), "finish_reason": r.finish_reason,
+                                         "trained": id(g) in keep}, ensure_ascii=False) + "\n")
+        every = self.gather(lines)
+        if self.rank == 0:
+            atomic_write_text(self.run_dir / SAMPLES / f"step-{step:06d}.jsonl", "".join(x for r in every for x in r))
+
+    # ------------------------------------------------------------------ resuming
+
+    def state_dict(self) -> dict:
+        """The rollout state and the counters, plus the batch being reused inside its μ steps: every
+        rank's share of it (called on every rank; the checkpoint keeps the first rank's dict)."""
+        reusing = self.uses_left > 0 or self.position > 0
+        shares = self.gather([encode(mb) for mb in self.buffer] if reusing else None)
+        return {"rollout": self.state.state_dict(), "drawn": self.drawn, "position": self.position,
+                "uses_left": self.uses_left, "buffer": shares if reusing else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state["rollout"])
+        self.drawn, self.position, self.uses_left = int(state["drawn"]), int(state["position"]), int(state["uses_left"])
+        shares = state.get("buffer")
+        if shares and len(shares) != self.dp:
+            raise InputError(f"the checkpoint stopped inside a rollout batch sampled by {len(shares)} data-parallel "
+                             f"ranks, this run has {self.dp}: resume it with {len(shares)}, or from a checkpoint at "
+                             f"the end of a batch (grpo.updates_per_batch steps)")
+        self.buffer = [decode(mb) for mb in shares[self.rank]] if shares else []
+
+
+def encode(batch: dict[str, torch.Tensor]) -> dict:
+    """A micro-batch as JSON (float32 values survive the round trip through Python floats exactly)."""
+    return {k: [str(v.dtype).removeprefix("torch."), v.tolist()] for k, v in batch.items()}
+
+
+def decode(batch: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(values, dtype=getattr(torch, dtype)) for k, (dtype, values) in batch.items()}
