@@ -48,30 +48,31 @@ def measure(args: argparse.Namespace) -> dict:
     prompts = [Prompt(row, f"bench:{i}", "", {}) for i, row in enumerate(ids.tolist())]
     rows, n = args.prompts * args.samples, args.new_tokens
 
-    def run_lmforge(max_batch: int):
-        cfg = RolloutConfig(n=args.samples, max_new_tokens=n, stop_token_ids=[], max_batch=max_batch)
+    def run_lmforge(max_batch: int, new_tokens: int = n):
+        cfg = RolloutConfig(n=args.samples, max_new_tokens=new_tokens, stop_token_ids=[], max_batch=max_batch)
         groups = sample_rollouts(ours, None, prompts, cfg, RolloutState(cfg.seed, len(prompts)), len(prompts))
         flat = [r for g in groups for r in g]
-        assert len(flat) == rows and all(len(r.response_ids) == n for r in flat)
+        assert len(flat) == rows and all(len(r.response_ids) == new_tokens for r in flat)
         rollout_batch(flat, 0)
 
     @torch.inference_mode()
-    def run_transformers():
-        out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              eos_token_id=None, pad_token_id=0, do_sample=True, num_return_sequences=args.samples,
-                              temperature=1.0, top_k=0, top_p=1.0)
-        assert out.shape == (rows, args.prompt_len + n)
+    def run_transformers(new_tokens: int = n):
+        out = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, do_sample=True,
+                              num_return_sequences=args.samples, temperature=1.0, top_k=0, top_p=1.0)
+        assert out.shape == (rows, args.prompt_len + new_tokens)
 
     sides = {f"lmforge_max_batch_{b}": (lambda b=b: run_lmforge(b)) for b in args.max_batch}
     sides["transformers"] = run_transformers
-    for fn in sides.values():  # warm-up: lmforge builds its decoding layout on the first call
-        fn()
+    run_lmforge(args.max_batch[0], new_tokens=2)  # warm-ups: lmforge builds its decoding layout on its first call
+    run_transformers(new_tokens=2)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.repeats):
         for name, fn in sides.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            print(f"  {name}: {rows * n / times[name][-1]:.1f} tokens/s ({times[name][-1]:.1f} s)", flush=True)
     tps = {name: rows * n / min(t) for name, t in times.items()}
     peer = tps["transformers"]
     return {"tokens_per_s": {k: round(v, 1) for k, v in tps.items()},

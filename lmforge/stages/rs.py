@@ -131,9 +131,10 @@ def select(group: dict, recipe: RSRecipe) -> tuple[dict | None, str]:
 # --------------------------------------------------------------------------- chunks
 
 
-def fingerprint(recipe: RSRecipe, prompts: list[Prompt]) -> str:
-    """What the samples and scores depend on: the checkpoint, the prompts, the rollout and the reward."""
-    what = {"checkpoint": str(Path(recipe.checkpoint).resolve()), "rollout": asdict(recipe.rollout),
+def fingerprint(recipe: RSRecipe, checkpoint: Path, prompts: list[Prompt]) -> str:
+    """What the samples and scores depend on: the checkpoint (the one a run directory resolved to),
+    the prompts, the rollout and the reward."""
+    what = {"checkpoint": str(checkpoint.resolve()), "rollout": asdict(recipe.rollout),
             "reward": asdict(recipe.reward), "prompts": [(p.source, p.ids, p.fields) for p in prompts]}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -199,7 +200,7 @@ def run_rs(recipe: RSRecipe) -> dict:
                                max_tokens=model.cfg.max_seq_len - cfg.max_new_tokens, on_bad=recipe.data.on_bad,
                                skipped=skipped)[: recipe.data.max_prompts]
         reward = Reward(recipe.reward, tok, cfg.max_new_tokens, device)  # a reward model's tokenizer checked here
-        digest = fingerprint(recipe, prompts)
+        digest = fingerprint(recipe, ckpt, prompts)
         chunks = read_chunks(run_dir, digest)
         state = RolloutState(cfg.seed, len(prompts), cfg.shuffle)
         if chunks:

@@ -373,6 +373,20 @@ def test_logprobs_equal_the_training_forward_for_padded_batches_n_samples_and_jo
         assert len(set(samples)) == 3  # n samples of one prompt are drawn independently
 
 
+def test_a_sample_ended_by_a_stop_token_keeps_it_and_its_logprob(model):
+    stops = list(range(5, 60))  # a tenth of the vocabulary: most samples stop within 12 tokens
+    config = GenerationConfig(max_new_tokens=12, temperature=1.0, seed=2, stop_token_ids=stops, n=4)
+    results = generate(model, PROMPTS, config)
+    assert {r.finish_reason for r in results} == {"stop", "length"}
+    for i, r in enumerate(results):
+        if r.finish_reason == "length":
+            assert r.stop_token is None and r.stop_logprob is None
+            continue
+        assert r.stop_token in stops and r.stop_token not in r.tokens
+        expected = training_logprobs(model, PROMPTS[i // 4], r.tokens + [r.stop_token])[-1]
+        assert abs(r.stop_logprob - float(expected)) < 1e-5
+
+
 def test_n_samples_share_one_prefill_of_their_prompt(model):
     engine = Engine(model)
     embedded = []  # the shape of every batch of tokens embedded: one prefill, then one row per sample per step
