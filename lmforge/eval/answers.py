@@ -6,7 +6,9 @@
   digits dropped as asked); ``strip_answer`` first applies the demo tasks' ``normalize_answer``
   (end-of-turn marker, surrounding whitespace, one trailing period).
 - ``numeric_match``: the last number in the prediction equals the target's last number, within
-  ``rel_tol`` (``math.isclose``); thousands separators are ignored.
+  ``rel_tol`` (``math.isclose``); thousands separators, a leading ``$`` and exponents are read.
+- ``final_answer``: the final answer of a worked response (GSM8K's ``####``, ``\\boxed{}``,
+  ``answer:``), which the RL verifiers compare.
 - ``extract``: the harness's ``regex`` filter on one text (``findall``, the ``group``-th match,
   the first non-empty group of a match with several, stripped; ``fallback`` when none).
 """
@@ -18,11 +20,12 @@ import re
 import string
 from collections.abc import Sequence
 
+from lmforge.data.chat import IM_END
 from lmforge.data.sft_demo import normalize_answer
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 _DIGITS = str.maketrans("", "", string.digits)
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 
 
 def exact_match(prediction: str, target: str, *, ignore_case: bool = False, ignore_punctuation: bool = False,
@@ -45,8 +48,8 @@ def exact_match(prediction: str, target: str, *, ignore_case: bool = False, igno
 
 
 def final_number(text: str) -> float | None:
-    """The last number written in ``text`` (``-1,234.5`` -> -1234.5), or None."""
-    found = NUMBER.findall(text)
+    """The last number written in ``text`` (``-1,234.5`` -> -1234.5, ``$3`` -> 3, ``1e3`` -> 1000), or None."""
+    found = NUMBER.findall(text.replace("$", ""))
     return float(found[-1].replace(",", "")) if found else None
 
 
@@ -72,3 +75,17 @@ def extract(text: str, regex: str | re.Pattern, group: int = 0, fallback: str | 
     if isinstance(match, tuple):
         match = next((m for m in match if m), fallback)
     return match.strip() if match is not None else None
+
+
+def final_answer(text: str) -> str:
+    """The final answer of a response: what follows the last ``####`` (GSM8K), else the content
+    of the last ``\\boxed{...}``, else what follows the last ``answer:`` / ``answer is``, else
+    the whole text; stripped, and cut at ``<|im_end|>``."""
+    text = text.split(IM_END, 1)[0]
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return boxed[-1].strip()
+    marked = re.split(r"(?i)\banswer(?:\s+is|:)", text)
+    return (marked[-1] if len(marked) > 1 else text).strip()

@@ -4,7 +4,7 @@ weighted sum, and the length terms.
 Components (``reward.components``, each with a ``weight``; the reward is their weighted sum,
 and each component's score is kept for logging):
 
-- ``exact_match``: 1 when the response's final answer (``extract``) is the prompt's ``field``
+- ``exact_match``: 1 when the response's final answer (``eval.answers.final_answer``) is the prompt's ``field``
   (``answer``) up to whitespace and a trailing period, else 0;
 - ``numeric_match``: 1 when the final answer's number equals the field's within ``rel_tol``;
 - ``regex``: 1 when ``pattern`` is found in the response (a format reward: anchor it with ``^…$``);
@@ -43,61 +43,13 @@ from lmforge.core.config import ConfigError, at_least, in_range, positive
 from lmforge.core.io import InputError
 from lmforge.data.chat import IM_END, tokenize_segments
 from lmforge.data.sft_demo import exact_match as demo_exact_match
-from lmforge.data.sft_demo import normalize_answer
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.eval.answers import exact_match, final_answer, numeric_match
 from lmforge.rl.rollout import Rollout
 from lmforge.train.checkpoint import load_reward_model, resolve_checkpoint
 
 Kind = Literal["exact_match", "numeric_match", "regex", "demo_exact_match", "reward_model", "callable"]
 FIELD_KINDS = ("exact_match", "numeric_match", "demo_exact_match")  # the kinds that read a prompt field
-
-# --------------------------------------------------------------------------- answer checks
-
-NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
-
-
-# merged with lmforge.eval.answers by the lead
-def extract(text: str) -> str:
-    """The final answer of a response: what follows the last ``####`` (GSM8K), else the content
-    of the last ``\\boxed{...}``, else what follows the last ``answer:`` / ``answer is``, else
-    the whole text; stripped, and cut at ``<|im_end|>``."""
-    text = text.split(IM_END, 1)[0]
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip()
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    if boxed:
-        return boxed[-1].strip()
-    marked = re.split(r"(?i)\banswer(?:\s+is|:)", text)
-    return (marked[-1] if len(marked) > 1 else text).strip()
-
-
-# merged with lmforge.eval.answers by the lead
-def exact_match(prediction: str, answer: str) -> bool:
-    """Whether the prediction is the answer, up to whitespace, one trailing period and ``<|im_end|>``."""
-    return normalize_answer(prediction) == normalize_answer(answer)
-
-
-def parse_number(text: str) -> float | None:
-    """The last number written in ``text`` (thousands commas and a leading ``$`` allowed), or None."""
-    found = NUMBER.findall(text.replace("$", ""))
-    if not found:
-        return None
-    try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
-
-
-# merged with lmforge.eval.answers by the lead
-def numeric_match(prediction: str, answer: str | float, rel_tol: float = 1e-6) -> bool:
-    """Whether the last number of the prediction equals the answer's number within ``rel_tol``
-    (absolute ``rel_tol`` near zero)."""
-    predicted = parse_number(prediction)
-    expected = float(answer) if isinstance(answer, int | float) else parse_number(str(answer))
-    if predicted is None or expected is None:
-        return False
-    return math.isclose(predicted, expected, rel_tol=rel_tol, abs_tol=rel_tol)
-
 
 # --------------------------------------------------------------------------- configuration
 
@@ -245,9 +197,9 @@ def call_reward(fn: Callable, spec: str, r: Rollout) -> float:
 def verifier(c: RewardComponentConfig) -> Callable[[Rollout], float]:
     """The per-rollout score of a verifier kind."""
     if c.kind == "exact_match":
-        return lambda r: float(exact_match(extract(r.text), str(r.prompt.fields[c.field])))
+        return lambda r: float(exact_match(final_answer(r.text), str(r.prompt.fields[c.field]), strip_answer=True))
     if c.kind == "numeric_match":
-        return lambda r: float(numeric_match(extract(r.text), r.prompt.fields[c.field], c.rel_tol))
+        return lambda r: float(numeric_match(final_answer(r.text), r.prompt.fields[c.field], c.rel_tol, abs_tol=c.rel_tol))
     if c.kind == "demo_exact_match":
         return lambda r: float(demo_exact_match(r.text, str(r.prompt.fields[c.field])))
     if c.kind == "regex":

@@ -380,11 +380,12 @@ def test_a_sample_ended_by_a_stop_token_keeps_it_and_its_logprob(model):
     assert {r.finish_reason for r in results} == {"stop", "length"}
     for i, r in enumerate(results):
         if r.finish_reason == "length":
-            assert r.stop_token is None and r.stop_logprob is None
+            assert r.stop_token is None
             continue
-        assert r.stop_token in stops and r.stop_token not in r.tokens
-        expected = training_logprobs(model, PROMPTS[i // 4], r.tokens + [r.stop_token])[-1]
-        assert abs(r.stop_logprob - float(expected)) < 1e-5
+        token, logprob, _ = r.stop_token
+        assert token in stops and token not in r.tokens
+        expected = training_logprobs(model, PROMPTS[i // 4], r.tokens + [token])[-1]
+        assert abs(logprob - float(expected)) < 1e-5
 
 
 def test_n_samples_share_one_prefill_of_their_prompt(model):

@@ -12,6 +12,7 @@ from lmforge.core.io import InputError
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.preference import tokenize_completion
 from lmforge.data.tokenizer import TokenizerConfig, train_tokenizer
+from lmforge.eval.answers import exact_match, final_answer, numeric_match
 from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import RewardModel
@@ -20,9 +21,6 @@ from lmforge.rl.prompts import Prompt
 from lmforge.rl.rewards import (
     Reward,
     RewardConfig,
-    exact_match,
-    extract,
-    numeric_match,
     overlong_punishment,
     reward_model_ids,
 )
@@ -44,7 +42,7 @@ def reward(tok, *overrides: str, max_new_tokens: int = 10) -> Reward:
 @pytest.mark.parametrize("text, answer", [("The answer is 42.", "42"), ("#### 7", "7"), ("so \\boxed{x+1}", "x+1"),
                                           ("  hello  world<|im_end|>", "hello world"), ("Answer: Paris", "Paris")])
 def test_the_final_answer_is_extracted_and_matched(text, answer):
-    assert exact_match(extract(text), answer)
+    assert exact_match(final_answer(text), answer, strip_answer=True)
 
 
 def test_numeric_match_reads_the_last_number_with_commas_and_tolerance():
