@@ -91,6 +91,9 @@ def parse_metrics(path: Path) -> list[dict]:
     return records
 
 
+PERPLEXITIES = ("word_perplexity", "byte_perplexity")  # of rolling tasks: byte_perplexity = 2 ** bits_per_byte
+
+
 def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None,
                      ylabel: str = "loss (nats/token)") -> list[str]:
     """The lifecycle report's lines for a stage's loss curve (plotted into ``out``, its y-axis
@@ -102,12 +105,12 @@ def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None =
 
 def scored_lines(stage_dir: Path, out: Path, max_columns: int = 6) -> list[str]:
     """The report's table of the in-loop task figures (``eval/<task>/<metric>``, from
-    ``train.eval_tasks``) at up to ``max_columns`` of the steps they were scored at (the first and
+    ``train.eval_tasks``; perplexities left out, as bits per byte carries them) at up to ``max_columns`` of the steps they were scored at (the first and
     the last among them), and their plot against step into ``out``; none when nothing was scored."""
     records = [r for r in read_metrics(stage_dir) if any(k.startswith("eval/") for k in r)]
     if not records:
         return []
-    keys = sorted({k for r in records for k in r if k.startswith("eval/")})
+    keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.rsplit("/", 1)[1] not in PERPLEXITIES})
     picks = sorted({round(i * (len(records) - 1) / max(1, max_columns - 1)) for i in range(max_columns)})
     shown = [records[i] for i in picks]
     lines = ["", "| task | metric | " + " | ".join(f"step {r['step']}" for r in shown) + " |",
@@ -133,10 +136,7 @@ def plot_scored(records: list[dict], keys: list[str], out: Path) -> Path | None:
     rows = -(-len(tasks) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
-        mine = [k for k in keys if k.split("/")[1] == task]
-        if any(k.endswith("/bits_per_byte") for k in mine):  # perplexities in the millions would flatten it
-            mine = [k for k in mine if not k.endswith("perplexity")]
-        for key in mine:
+        for key in (k for k in keys if k.split("/")[1] == task):
             points = [(r["step"], r[key]) for r in records if key in r]
             ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=key.split("/", 2)[2])
         ax.set_title(task)
