@@ -37,9 +37,12 @@ class ReportCardConfig:
 
 def stage_checkpoint(entry: dict) -> str | None:
     """The model a stage's result leaves: a fine-tuning stage's ``final_checkpoint``, pre-training's
-    last ``checkpoint``; None for a stage that trains no model (curate, prepare, generate...)."""
-    result = entry.get("result") or {}
-    found = result.get("final_checkpoint") or result.get("checkpoint") if isinstance(result, dict) else None
+    last ``checkpoint``; None for a stage that trains no model (curate, prepare, generate, and eval,
+    whose result names the checkpoint it read: a trained model's summary has the loop's ``step``)."""
+    result = entry.get("result")
+    if not isinstance(result, dict) or "step" not in result:
+        return None
+    found = result.get("final_checkpoint") or result.get("checkpoint")
     return str(found) if found else None
 
 

@@ -122,3 +122,12 @@ def test_report_card_scores_every_stage_model_and_matches_the_in_loop_figures(li
     lifecycle.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=r"report_card.stages: pretrian not among the stages"):
         run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+
+
+def test_the_report_card_scores_only_stages_that_trained_a_model():
+    from lmforge.stages.report_card import stage_checkpoint
+
+    assert stage_checkpoint({"result": {"step": 300, "checkpoint": "p/checkpoints/step_300"}}) == "p/checkpoints/step_300"
+    assert stage_checkpoint({"result": {"step": 150, "checkpoint": "s/c", "final_checkpoint": "s/final"}}) == "s/final"
+    assert stage_checkpoint({"result": {"checkpoint": "s/final", "results": []}}) is None  # an eval stage's result
+    assert stage_checkpoint({"result": [{"text": "..."}]}) is None and stage_checkpoint({"result": None}) is None
