@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,3 +115,71 @@ def normalize_answer(text: str) -> str:
 def exact_match(prediction: str, answer: str) -> bool:
     """True when the prediction is the answer, up to whitespace, a trailing period and ``<|im_end|>``."""
     return normalize_answer(prediction) == normalize_answer(answer)
+
+
+# --------------------------------------------------------------------------- multiple-choice versions
+
+
+def distractors(task: str, question: str, answer: str, n: int = 3) -> list[str]:
+    """``n`` wrong answers to one of the tasks' questions, made by the task's own rules so that
+    each is a near miss: arithmetic, the other operations on the same numbers and the answer off by
+    1 or 10; counting, off by one or two (never negative); unit conversion, the amount times another
+    of the tasks' factors, or off by one unit; reversal, the word as given, and two letters swapped;
+    sorting, descending, as given, and two neighbours swapped. The same question always gives the
+    same list (a ``random.Random`` seeded by the question only draws which near misses are used)."""
+    rng = random.Random(f"distractors:{question}")
+    candidates = _near_misses(task, question, answer, rng)
+    out: list[str] = []
+    for c in candidates:
+        if c != answer and c not in out:
+            out.append(c)
+    if len(out) < n:
+        raise ValueError(f"{task}: only {len(out)} distinct distractors for {question!r} (answer {answer!r})")
+    return out[:n]
+
+
+def _near_misses(task: str, question: str, answer: str, rng: random.Random) -> list[str]:
+    if task == "arithmetic":
+        a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", question).groups()
+        a, b = int(a), int(b)
+        others = [str(v) for o, v in (("+", a + b), ("-", a - b), ("*", a * b)) if o != op]
+        offsets = [str(int(answer) + d) for d in rng.sample([-10, -1, 1, 10], 4)]
+        return [*others, *offsets]
+    if task == "counting":
+        count = int(answer)
+        return [str(count + d) for d in rng.sample([-2, -1, 1, 2], 4) if count + d >= 0] + [str(count + 3)]
+    if task == "unit_conversion":
+        amount = int(re.fullmatch(r"How many \w+ are in (\d+) \w+\?", question).group(1))
+        factors = sorted({f for _, _, f in UNITS})
+        rng.shuffle(factors)
+        factor = int(answer) // amount
+        return [str(amount * f) for f in factors] + [str(int(answer) + factor), str(int(answer) - factor)]
+    if task == "reversal":
+        word = re.fullmatch(r"Reverse the string '(\w+)'\.", question).group(1)
+        swaps = [_swapped(answer, i) for i in rng.sample(range(len(answer) - 1), len(answer) - 1)]
+        return [word, *swaps]
+    if task == "sorting":
+        numbers = [int(x) for x in re.fullmatch(r"Sort in ascending order: ([\d, ]+)\.", question).group(1).split(", ")]
+        ordered = sorted(numbers)
+        swaps = [_swapped(ordered, i) for i in rng.sample(range(len(ordered) - 1), len(ordered) - 1)]
+        return [", ".join(map(str, x)) for x in (sorted(numbers, reverse=True), numbers, *swaps)]
+    raise ValueError(f"unknown demo task {task!r}; choose from {list(TASKS)}")
+
+
+def _swapped(items, i: int):
+    """``items`` (a string or list) with positions ``i`` and ``i + 1`` exchanged."""
+    out = list(items)
+    out[i], out[i + 1] = out[i + 1], out[i]
+    return "".join(out) if isinstance(items, str) else out
+
+
+def choice_example(example: dict, n_choices: int = 4, end: str = "<|im_end|>") -> dict:
+    """A multiple-choice version of a demo example: its answer among ``n_choices - 1`` distractors
+    at a position drawn from the question, each choice followed by ``end`` (so that a choice that
+    is a prefix of another, 12 and 123, is not favoured: each must end the turn)."""
+    question = example["messages"][1]["content"]
+    options = distractors(example["task"], question, example["answer"], n_choices - 1)
+    label = random.Random(f"label:{question}").randrange(n_choices)
+    options.insert(label, example["answer"])
+    return {"task": example["task"], "system": example["messages"][0]["content"], "question": question,
+            "answers": options, "choices": [o + end for o in options], "label": label}

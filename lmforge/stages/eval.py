@@ -2,13 +2,16 @@
 (acc, acc_norm), log-likelihood (perplexity, acc, bits per byte of the target), rolling
 log-likelihood (word/byte perplexity, bits per byte) and generation (exact match, numeric
 match, pass@k), with the harness's prompts, few-shot sampling and standard errors.
-A JSONL (`text` field), Parquet or plain-text file in --tasks is scored for bits per byte.
+A JSONL (`text` field), Parquet or plain-text file in --tasks is scored for bits per byte; a
+suite (data/eval/demo_suite.yaml: a group of tasks) adds its CORE aggregate (accuracies centred
+on chance, averaged).
 Writes results.json (one record per task, metric and filter: value, stderr, n, config hash)
 and results.md into --out. <checkpoint> is a checkpoint directory or a run directory (its
 newest valid checkpoint). The same tasks run in the harness itself with --model lmforge
 (lmforge.eval.harness).
 
-  lmforge eval runs/demo/sft --tasks data/eval/demo_answers.yaml --out runs/eval-sft
+  lmforge eval runs/demo/sft --tasks data/eval/demo_suite.yaml --out runs/eval-sft
+  lmforge eval runs/demo/sft --tasks data/eval/demo_answers.yaml
   lmforge eval runs/demo/pretrain --tasks data/pretrain/milton.jsonl --limit 8 batch_size=32
 """
 
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -24,15 +26,18 @@ from typing import Literal
 from lmforge.core.config import at_least, load_config, positive, seed_field
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
-from lmforge.eval.evaluate import EvalSettings, MetricResult, evaluate_task, results_table
+from lmforge.eval.evaluate import EvalSettings, MetricResult, results_table
 from lmforge.eval.scoring import load_checkpoint
-from lmforge.eval.tasks import DEFAULT_FEWSHOT_SEED, load_task
+from lmforge.eval.suite import evaluate_all, load_tasks
+from lmforge.eval.tasks import DEFAULT_FEWSHOT_SEED
 
 
 @dataclass
 class EvalRecipe:
     checkpoint: str = "runs/demo/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
-    tasks: list[str] = field(default_factory=list)  # task YAML files; any other file: bits per byte of its text
+    # task YAML files, suites (a group of tasks and its CORE aggregate) or bundled names (data/eval/<name>.yaml);
+    # any other file: bits per byte of its text
+    tasks: list[str] = field(default_factory=list)
     limit: float | None = positive(None)  # the first N documents of each task (below 1: that share); null = all
     num_fewshot: int | None = at_least(0, None)  # overrides each task's num_fewshot, unless a task fixes 0
     run_dir: str | None = None  # receives results.json, results.md and config.yaml
@@ -71,22 +76,11 @@ def run_eval(recipe: EvalRecipe) -> dict:
         raise InputError("no tasks: give task files with --tasks a.yaml b.yaml (or tasks='[...]')")
     if recipe.limit is not None and recipe.limit <= 0:
         raise InputError(f"limit must be positive, got {recipe.limit}")
-    tasks = [load_task(path) for path in recipe.tasks]  # every file checked before the model loads
-    names = [t.name for t in tasks]
-    if len(set(names)) < len(names):
-        raise InputError(f"two tasks are named the same ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
-                         "give each a distinct 'task:' name")
+    tasks, suites = load_tasks(recipe.tasks)  # every file checked before the model loads
     model, tok = load_checkpoint(recipe.checkpoint, recipe.device, recipe.dtype)
     settings = EvalSettings(limit=recipe.limit, num_fewshot=recipe.num_fewshot, fewshot_seed=recipe.fewshot_seed,
                             bootstrap_iters=recipe.bootstrap_iters, batch_size=recipe.batch_size, seed=recipe.seed)
-    results: list[MetricResult] = []
-    for task in tasks:
-        t0 = time.perf_counter()
-        figures = evaluate_task(task, model, tok, settings)
-        results += figures
-        log.info("eval: %s: %s (%.1fs)", task.name,
-                 ", ".join(f"{r.metric}{'' if r.filter == 'none' else '/' + r.filter}={r.value:.4f}" for r in figures),
-                 time.perf_counter() - t0)
+    results = evaluate_all(tasks, suites, model, tok, settings)
     table = results_table(results)
     print(table, end="", flush=True)
     out = {"checkpoint": str(recipe.checkpoint), "results": [asdict(r) for r in results]}

@@ -46,7 +46,7 @@ from lmforge.model.checkpoint import TOKENIZER_FILES, load_model_config
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.reference import Reference, precompute_logprobs
 from lmforge.stages.export import ExportRecipe, run_export
-from lmforge.stages.scoring import Scorer
+from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.checkpoint import load_model, resolve_checkpoint
 from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
 from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, run_precision, train
@@ -131,6 +131,9 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
     if layout.tp > 1 or layout.pp > 1:
         problems.append(f"parallel.tp={layout.tp} and parallel.pp={layout.pp}: {stage} shards data-parallel only "
                         f"(parallel.dp_shard, parallel.dp_replicate); set parallel.tp=1 and parallel.pp=1")
+    if recipe.train.eval_tasks:
+        problems.append("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
+                        "train.eval_tasks=[]")
     if recipe.lora is not None and recipe.lora.quantize_base:
         problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
                         "or set lora.quantize_base=false")
@@ -166,6 +169,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
     train_rows = stage.rows(run.train_examples, run.tok)
     val_rows = stage.rows(run.val_examples, run.tok) if run.val_examples else None
     scorer = stage.scorer(run, val_rows) if stage.scorer is not None else None
+    in_loop = in_loop_scorer(cfg, run.tok, stage)
     before = scorer(run.model) if scorer is not None and logging_rank else {}
 
     model, run.model = run.model, None
@@ -204,6 +208,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         tokenizer_dir=run.tok_dir,
         parallel=parallel,
         precision_reason=run.precision_reason,
+        scorer=in_loop,
     )
     if (stored := completed_summary(run.run_dir, summary)) is not None:  # a rerun: the run's own summary stands
         return {**stored, **summary}
@@ -225,6 +230,15 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
     atomic_write_json(run.run_dir / "summary.json", summary)
     log.info("%s: after training: %s; model in %s", stage.name, format_results(after), final)
     return summary
+
+
+def in_loop_scorer(cfg: TrainConfig, tok: Tokenizer, stage: FinetuneStage) -> Scorer | None:
+    """The scorer of ``train.eval_tasks`` the loop runs every ``eval_every`` steps (None without
+    tasks); a stage that trains a head (the reward model) has no language model to score."""
+    if cfg.eval_tasks and stage.head is not None:
+        raise ConfigError(f"train.eval_tasks: {stage.name} trains a {stage.name} head, not a language model that tasks "
+                          "could score; set train.eval_tasks=[]")
+    return eval_tasks_scorer(cfg.eval_tasks, tok, 2 * cfg.micro_batch_size)
 
 
 def format_results(results: dict) -> str:

@@ -1,6 +1,7 @@
 """Run a lifecycle: a list of stages (verb + recipe + overrides) in order, each reading what
 the previous ones wrote, then write report.md with every stage's results and the loss
-curve. A stage is skipped when its marker says it completed with the same resolved config,
+curve (and, with ``report_card: {tasks: [...]}``, the same tasks scored on every stage's final
+model, side by side: ``stages.report_card``). A stage is skipped when its marker says it completed with the same resolved config,
 the files its config names (inputs, walked when folders) have the same sizes and times, and
 its own outputs are still as it left them (and pass the stage's ``verify_outputs``, where it
 has one: prepare hashes its shards); so a rerun after an interruption continues where
@@ -24,6 +25,7 @@ from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.stages import VERBS_BY_NAME
+from lmforge.stages.report_card import ReportCardConfig, card_lines, check_stages, score_stages
 
 MARKER = ".lmforge-complete.json"
 
@@ -41,6 +43,8 @@ class LifecycleRecipe:
     run_dir: str = "runs/lifecycle"  # receives report.md, its figures (<stage>-loss.png; curate: <stage>-stats.png), lifecycle.json
     stages: list[StageSpec] = field(default_factory=list)
     force: bool = False  # rerun stages even when their outputs are complete
+    # tasks scored on each stage's final model after the run, compared in report.md (stages.report_card)
+    report_card: ReportCardConfig = field(default_factory=ReportCardConfig)
 
 
 def _jsonable(value: Any) -> Any:
@@ -72,6 +76,7 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
         except ConfigError as exc:
             raise ConfigError(f"stage {name!r}: {exc}") from exc
         plans.append((name, spec, module, cfg))
+    check_stages(recipe.report_card, names)
 
     with run_dir_lock(recipe.run_dir):  # a second lifecycle into it fails at once, naming this one
         results = run_stages(recipe, plans)
@@ -125,8 +130,9 @@ def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
             atomic_write_json(marker, entry)
         results.append({**entry, "status": "ran"})
         upstream_ran = True
+    card = score_stages(recipe.report_card, run_dir, results)
     atomic_write_json(run_dir / "lifecycle.json", results)
-    write_report(run_dir, results)
+    write_report(run_dir, results, card)
     record_config(recipe, run_dir)  # the lifecycle the report describes
     return results
 
@@ -188,12 +194,13 @@ def inventory_digest(paths: list[Path], exclude: list[Path]) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def write_report(run_dir: Path, results: list[dict]) -> None:
+def write_report(run_dir: Path, results: list[dict], card: dict | None = None) -> None:
     lines = ["# lmforge run report", ""]
     lines += ["| stage | verb | status | seconds | outputs |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['name']} | {r['verb']} | {r['status']} | {r['seconds']:.1f} | `{r['run_dir']}` |")
     lines.append("")
+    lines += card_lines(card or {})
     for r in results:
         lines += [f"## {r['name']} ({r['verb']})", ""]
         lines += stage_report(r, run_dir)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
 from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
@@ -44,6 +45,7 @@ from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
+from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.checkpoint import checkpoint_dirs
 from lmforge.train.loop import (
     TrainConfig,
@@ -150,6 +152,9 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds model.max_seq_len {recipe.model.max_seq_len}")
 
     if layout.world_size > 1:
+        if recipe.train.eval_tasks:
+            raise ConfigError("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
+                              "train.eval_tasks=[]")
         return run_pretrain_distributed(recipe, tok, manifests)
     with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
         return run_pretrain_local(recipe, tok, manifests)
@@ -169,7 +174,8 @@ def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[d
     model = prepare_model(model, cfg, stage="pretrain")
 
     token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
-    return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes)
+    scorer = eval_tasks_scorer(cfg.eval_tasks, tok, 2 * cfg.micro_batch_size)  # its tasks read before training
+    return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, scorer=scorer)
 
 
 def will_resume(cfg: TrainConfig, run_dir: Path) -> bool:
@@ -180,9 +186,11 @@ def will_resume(cfg: TrainConfig, run_dir: Path) -> bool:
 
 def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.nn.Module, cfg: TrainConfig,
                     run_dir: Path, token_bytes: torch.Tensor, ctx: ParallelContext | None = None,
-                    pipeline: PipelineRunner | None = None, precision_reason: str | None = None) -> dict:
+                    pipeline: PipelineRunner | None = None, precision_reason: str | None = None,
+                    scorer: Scorer | None = None) -> dict:
     """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``.
-    ``precision_reason``: why ``cfg.precision`` was chosen, when it was chosen before the loop."""
+    ``precision_reason``: why ``cfg.precision`` was chosen, when it was chosen before the loop;
+    ``scorer``: of ``train.eval_tasks``, run with each validation."""
     rank, dp = data_parallel_rank(ctx)
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     data = recipe.data
@@ -205,6 +213,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         parallel=ctx,
         pipeline=pipeline,
         precision_reason=precision_reason,
+        scorer=scorer,
     )
     if (stored := completed_summary(run_dir, summary)) is not None:  # a rerun: the run's own summary stands
         return {**stored, **summary}

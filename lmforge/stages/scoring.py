@@ -9,6 +9,8 @@ alike) and is then a function of the model alone: ``Scorer(model) -> dict`` of f
   off by default.
 - ``pairwise_preference``: how often the model itself gives the chosen completion the higher
   log-probability (dpo's validation pairs, kto's held-out ``pairs:``).
+- ``eval_tasks_scorer``: ``lmforge eval``'s tasks and suites (``train.eval_tasks``), which the
+  training loop scores every ``eval_every`` steps, as ``eval/<task>/<metric>``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from lmforge.core.config import Renamed, at_least, positive
 from lmforge.data.chat import chat_prompt_ids, read_sft_records
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.eval.evaluate import EvalSettings, MetricResult
+from lmforge.eval.suite import evaluate_all, load_tasks
 from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
 from lmforge.objectives.reference import completion_logprobs
 from lmforge.train.loop import autocast_context
@@ -149,3 +153,30 @@ def pairwise_preference(model: nn.Module, rows: dict[str, torch.Tensor], batch_s
     (c, nc), (r, nr) = scores["chosen"], scores["rejected"]
     return {"pairs": len(c), "logp_accuracy": float((c > r).float().mean()),
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
+
+
+def eval_tasks_scorer(specs: list[str], tok: Tokenizer, batch_size: int = 16) -> Scorer | None:
+    """A scorer of ``lmforge eval``'s tasks (files, suites, bundled names), read now so that a bad
+    task stops the stage before training; None without tasks. Scored in float32 without autocast
+    (as ``lmforge eval`` scores), in eval mode, without bootstrapped stderrs."""
+    if not specs:
+        return None
+    tasks, suites = load_tasks(specs)
+    settings = EvalSettings(bootstrap_iters=0, batch_size=batch_size)
+
+    def score(model: nn.Module) -> dict:
+        was_training = model.training
+        model.eval()
+        try:
+            results = evaluate_all(tasks, suites, model, tok, settings)
+        finally:
+            release_decoding_view(model)  # generation's view of the weights: not held through training
+            model.train(was_training)
+        return {metric_key(r): r.value for r in results}
+
+    return score
+
+
+def metric_key(r: MetricResult) -> str:
+    """``eval/<task>/<metric>``, and ``/<filter>`` for a named filter of a generation task."""
+    return f"eval/{r.task}/{r.metric}" + ("" if r.filter == "none" else f"/{r.filter}")

@@ -105,6 +105,11 @@ def is_validation_metric(key: str) -> bool:
     return key.startswith(("val_", "val/"))
 
 
+def is_scored_metric(key: str) -> bool:
+    """A record key that the stage's scorer wrote: ``eval/<task>/<metric>`` (``train.eval_tasks``)."""
+    return key.startswith("eval/")
+
+
 def combine_domains(results: list[tuple[ValidationSet, dict]]) -> dict:
     """Each set's ``val_<metric>`` as ``val/<name>/<metric>``, and ``val_<metric>`` the mean of the
     sets' figures weighted by their mixture weights (over the sets that have it): the loss on the
@@ -128,18 +133,25 @@ class Evaluator:
     ``val_batches`` a list of ``ValidationSet`` (a mixture) evaluates each set over up to
     ``max_batches`` micro-batches (the same rows of a dataset whatever else the mixture holds,
     so its figure compares across mixtures; an evaluation costs up to ``len(sets) * max_batches``
-    forwards) and logs ``combine_domains`` of them."""
+    forwards) and logs ``combine_domains`` of them. ``score()`` (the stage's scorer of the model,
+    e.g. its ``train.eval_tasks``) runs on the same steps, with or without validation batches."""
 
     def __init__(self, val_batches: Callable[[], Iterator] | list[ValidationSet] | None, every: int,
-                 max_batches: int | None, run: Callable[[Iterator, int | None], dict]):
+                 max_batches: int | None, run: Callable[[Iterator, int | None], dict],
+                 score: Callable[[], dict] | None = None):
         self.val_batches = val_batches or None  # no set at all: no validation
-        self.every, self.max_batches, self.run = every, max_batches, run
+        self.every, self.max_batches, self.run, self.score = every, max_batches, run, score
 
     def due(self, done: int, final: bool) -> bool:
         """Whether to validate after ``done`` steps; ``final``: the last step, or the run stops there."""
-        return self.val_batches is not None and ((self.every > 0 and done % self.every == 0) or final)
+        something = self.val_batches is not None or self.score is not None
+        return something and ((self.every > 0 and done % self.every == 0) or final)
 
     def __call__(self) -> dict:
-        if isinstance(self.val_batches, list):
-            return combine_domains([(s, self.run(s.batches(), self.max_batches)) for s in self.val_batches])
-        return self.run(self.val_batches(), self.max_batches)
+        if self.val_batches is None:
+            out = {}
+        elif isinstance(self.val_batches, list):
+            out = combine_domains([(s, self.run(s.batches(), self.max_batches)) for s in self.val_batches])
+        else:
+            out = self.run(self.val_batches(), self.max_batches)
+        return {**out, **(self.score() if self.score is not None else {})}

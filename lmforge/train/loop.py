@@ -41,6 +41,7 @@ from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the
     Evaluator,
     ValidationSet,
     evaluate,
+    is_scored_metric,
     is_validation_metric,
 )
 from lmforge.train.forward import DTYPES, autocast_context  # noqa: F401 (autocast_context: the stages' import)
@@ -77,6 +78,9 @@ class TrainConfig:
     seed: int = seed_field(0)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = at_least(0, 100)  # steps between validations (0: only at the end)
+    # task files, suites or bundled task names (`lmforge eval`'s --tasks) scored every eval_every steps and at
+    # the end, as eval/<task>/<metric>: the stage builds the scorer (lmforge.stages.scoring.eval_tasks_scorer)
+    eval_tasks: list[str] = field(default_factory=list)
     eval_batches: int | None = positive(20)  # validation micro-batches per evaluation (per dataset of a mixture), over all data-parallel ranks (None: the whole split)
     log_every: int = positive(10)  # steps between console lines (metrics.jsonl gets every step)
     checkpoint_every: int = at_least(0, 500)  # steps between checkpoints (0: none but the one always written at the end)
@@ -157,6 +161,7 @@ def train(
     parallel: ParallelContext | None = None,
     pipeline: PipelineRunner | None = None,
     precision_reason: str | None = None,
+    scorer: Callable[[nn.Module], dict] | None = None,
 ) -> dict:
     """Train ``model`` in place for ``cfg.max_steps`` optimizer steps; return a summary.
 
@@ -167,7 +172,8 @@ def train(
     ``cfg.compile``), ``train_batches`` yields this data-parallel rank's rows, and
     ``pipeline`` (a pipeline rank's stage and schedule) replaces forward/backward.
     ``precision_reason``: why ``cfg.precision`` was chosen, when the stage chose it before the
-    loop (``run_precision``); it goes into the summary with the precision.
+    loop (``run_precision``); it goes into the summary with the precision. ``scorer(model)``
+    (the stage's, e.g. of ``cfg.eval_tasks``) adds its figures to each validation's record.
     """
     if not isinstance(objective, Objective):
         raise TypeError(f"{type(objective).__name__} is not an Objective: subclass lmforge.objectives.base.Objective")
@@ -186,7 +192,8 @@ def train(
     start_step = checkpointer.resume(found, state)
     step_log = StepLog(run_dir, cfg.tensorboard, checkpointer.is_first_rank, start_step if found else None,
                        cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token)
-    evaluator = Evaluator(val_batches, cfg.eval_every, cfg.eval_batches, runner.evaluate)
+    evaluator = Evaluator(val_batches, cfg.eval_every, cfg.eval_batches, runner.evaluate,
+                          score=(lambda: scorer(model)) if scorer is not None else None)
     summary: dict = {"start_step": start_step, "step": start_step, "precision": precision,
                      "precision_reason": precision_reason or reason}
     if start_step >= cfg.max_steps:
@@ -238,7 +245,7 @@ def train(
     checkpointer.commit_pending()
     return {**summary, "step": step + 1, "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
-            **{k: v for k, v in record.items() if is_validation_metric(k)}, **(noise.summary() if noise else {})}
+            **{k: v for k, v in record.items() if is_validation_metric(k) or is_scored_metric(k)}, **(noise.summary() if noise else {})}
 
 
 def noise_scale_tracker(cfg: TrainConfig, grad_accum: int) -> NoiseScale | None:

@@ -91,12 +91,64 @@ def parse_metrics(path: Path) -> list[dict]:
     return records
 
 
+PERPLEXITIES = ("word_perplexity", "byte_perplexity")  # of rolling tasks: byte_perplexity = 2 ** bits_per_byte
+
+
 def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None,
                      ylabel: str = "loss (nats/token)") -> list[str]:
     """The lifecycle report's lines for a stage's loss curve (plotted into ``out``, its y-axis
     ``ylabel``: what the stage's loss is per) and its loss-spike events; none without metrics."""
     curve = ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy, ylabel) else []
-    return curve + report_lines(read_metrics(stage_dir, events=True))
+    scored = scored_lines(stage_dir, out.with_name(out.stem.removesuffix("-loss") + "-eval.png"))
+    return curve + scored + report_lines(read_metrics(stage_dir, events=True))
+
+
+def scored_lines(stage_dir: Path, out: Path, max_columns: int = 6) -> list[str]:
+    """The report's table of the in-loop task figures (``eval/<task>/<metric>``, from
+    ``train.eval_tasks``; perplexities left out, as bits per byte carries them) at up to ``max_columns`` of the steps they were scored at (the first and
+    the last among them), and their plot against step into ``out``; none when nothing was scored."""
+    records = [r for r in read_metrics(stage_dir) if any(k.startswith("eval/") for k in r)]
+    if not records:
+        return []
+    keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.rsplit("/", 1)[1] not in PERPLEXITIES})
+    picks = sorted({round(i * (len(records) - 1) / max(1, max_columns - 1)) for i in range(max_columns)})
+    shown = [records[i] for i in picks]
+    lines = ["", "| task | metric | " + " | ".join(f"step {r['step']}" for r in shown) + " |",
+             "|---|---|" + "---:|" * len(shown)]
+    for key in keys:
+        task, metric = key.removeprefix("eval/").split("/", 1)
+        cells = [f"{r[key]:.4f}" if key in r else "" for r in shown]
+        lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
+    if plot_scored(records, keys, out) is not None:
+        lines += ["", f"![tasks over steps]({out.name})"]
+    return lines
+
+
+def plot_scored(records: list[dict], keys: list[str], out: Path) -> Path | None:
+    """One panel per task, its metrics against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({k.split("/")[1] for k in keys})
+    cols = min(3, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for key in (k for k in keys if k.split("/")[1] == task):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=key.split("/", 2)[2])
+        ax.set_title(task)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def is_domain_loss(key: str) -> bool:

@@ -78,3 +78,20 @@ def test_exact_match(prediction, answer, expected):
 def test_unknown_task_is_an_error():
     with pytest.raises(ValueError, match="unknown demo tasks"):
         make_examples(3, tasks=["poetry"])
+
+
+def test_distractors_are_distinct_near_misses_the_same_on_every_call():
+    from lmforge.data.sft_demo import choice_example, make_examples
+
+    for ex in make_examples(200, seed=3):
+        mc = choice_example(ex)
+        assert mc == choice_example(ex)  # deterministic
+        assert len(set(mc["answers"])) == 4 and mc["answers"][mc["label"]] == ex["answer"]
+        assert all(c == a + "<|im_end|>" for c, a in zip(mc["choices"], mc["answers"]))
+        wrong = [a for i, a in enumerate(mc["answers"]) if i != mc["label"]]
+        if ex["task"] in ("counting", "arithmetic", "unit_conversion"):
+            assert all(w.lstrip("-").isdigit() for w in wrong)
+        if ex["task"] == "reversal":  # same letters: only the order gives it away
+            assert all(sorted(w) == sorted(ex["answer"]) for w in wrong)
+        if ex["task"] == "sorting":
+            assert all(sorted(w.split(", ")) == sorted(ex["answer"].split(", ")) for w in wrong)

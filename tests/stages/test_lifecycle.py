@@ -93,3 +93,41 @@ def test_a_busy_stage_directory_stops_the_lifecycle_before_its_outputs_are_remov
         assert (tmp_path / "pretrain" / "checkpoints" / "step_00000004").is_dir()
     finally:
         holder.communicate("")
+
+
+def test_report_card_scores_every_stage_model_and_matches_the_in_loop_figures(lifecycle, tmp_path, corpus_texts):
+    from lmforge.train.metrics import read_metrics
+    from tests.eval.conftest import write_tasks
+
+    files = write_tasks(tmp_path / "tasks", corpus_texts)
+    data = yaml.safe_load(lifecycle.read_text())
+    data["stages"][2]["overrides"] = [f"train.eval_tasks=[{files['tiny_rolling']}]"]
+    data["report_card"] = {"tasks": [str(files["tiny_mc"]), str(files["tiny_rolling"])], "device": "cpu"}
+    lifecycle.write_text(yaml.safe_dump(data))
+    run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    scored = [r for r in read_metrics(tmp_path / "pretrain") if "eval/tiny_rolling/bits_per_byte" in r]
+    assert [r["step"] for r in scored] == [2, 4]
+    card = tmp_path / "run" / "report-card" / "pretrain" / "results.json"
+    figures = {(r["task"], r["metric"]): r["value"] for r in json.loads(card.read_text())["results"]}
+    # the loop's last figure is the final checkpoint's, scored afresh by `lmforge eval`
+    assert figures["tiny_rolling", "bits_per_byte"] == pytest.approx(scored[-1]["eval/tiny_rolling/bits_per_byte"])
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## report card" in report and "| task | metric | pretrain |" in report  # the one stage with a model
+    assert f"| tiny_mc | acc ↑ | {figures['tiny_mc', 'acc']:.4f} |" in report and "word_perplexity" not in report
+    assert "![tasks over steps](pretrain-eval.png)" in report
+    stamp = card.stat().st_mtime_ns
+    run_lifecycle(load_config(LifecycleRecipe, lifecycle))  # nothing changed: the figures are kept
+    assert card.stat().st_mtime_ns == stamp and "## report card" in (tmp_path / "run" / "report.md").read_text()
+    data["report_card"]["stages"] = ["pretrian"]
+    lifecycle.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"report_card.stages: pretrian not among the stages"):
+        run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+
+
+def test_the_report_card_scores_only_stages_that_trained_a_model():
+    from lmforge.stages.report_card import stage_checkpoint
+
+    assert stage_checkpoint({"result": {"step": 300, "checkpoint": "p/checkpoints/step_300"}}) == "p/checkpoints/step_300"
+    assert stage_checkpoint({"result": {"step": 150, "checkpoint": "s/c", "final_checkpoint": "s/final"}}) == "s/final"
+    assert stage_checkpoint({"result": {"checkpoint": "s/final", "results": []}}) is None  # an eval stage's result
+    assert stage_checkpoint({"result": [{"text": "..."}]}) is None and stage_checkpoint({"result": None}) is None

@@ -175,3 +175,22 @@ def test_rerunning_a_completed_run_keeps_its_summary(tmp_path, base_checkpoint, 
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == saved
     for key in ("val_loss", "final_loss", "checkpoint", "tokens_per_s", "after", "final_checkpoint"):
         assert key in saved and again[key] == saved[key]
+
+
+def test_eval_tasks_are_scored_every_eval_every_steps_into_metrics_and_the_report(tmp_path, base_checkpoint, sft_data,
+                                                                                  corpus_texts):
+    from lmforge.stages.sft import report
+    from tests.eval.conftest import write_tasks
+
+    files = write_tasks(tmp_path / "tasks", corpus_texts)
+    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, "score.name=none",
+                             f"train.eval_tasks=[{files['tiny_mc']}, {files['tiny_rolling']}]"))
+    scored = [r for r in read_metrics(tmp_path / "run") if "eval/tiny_mc/acc" in r]
+    assert [r["step"] for r in scored] == [3, 6] and all("eval/tiny_rolling/bits_per_byte" in r for r in scored)
+    assert summary["eval/tiny_mc/acc"] == scored[-1]["eval/tiny_mc/acc"]
+    lines = report(summary, tmp_path / "run", tmp_path / "sft-loss.png")
+    assert "| task | metric | step 3 | step 6 |" in lines and "![tasks over steps](sft-eval.png)" in lines
+    assert any(line.startswith("| tiny_rolling | bits_per_byte | ") for line in lines)
+    assert (tmp_path / "sft-eval.png").is_file()
+    with pytest.raises(InputError, match="nope.yaml"):  # read before training
+        run_sft(recipe(tmp_path / "bad", base_checkpoint, sft_data, f"train.eval_tasks=[{tmp_path / 'nope.yaml'}]"))

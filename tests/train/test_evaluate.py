@@ -115,3 +115,16 @@ def test_two_datasets_of_one_name_are_an_error_before_training(make_recipe, shar
     assert not (tmp_path / "run").exists()
     run_pretrain(make_recipe(**{"train.max_steps": 2, "train.eval_every": 0,
                                 "data.datasets": f"[{{path: {shards_dir}}}, {{path: {shards_dir}, name: again}}]"}))
+
+
+def test_the_evaluator_runs_the_stage_scorer_on_its_steps_even_without_validation_batches():
+    from lmforge.train.evaluate import Evaluator
+
+    calls = []
+    evaluator = Evaluator(None, 3, None, run=lambda batches, n: {"val_loss": 1.0},
+                          score=lambda: calls.append(1) or {"eval/t/acc": 0.5})
+    assert [d for d in range(1, 8) if evaluator.due(d, final=d == 7)] == [3, 6, 7]
+    assert evaluator() == {"eval/t/acc": 0.5} and calls == [1]
+    both = Evaluator(lambda: iter([]), 3, None, run=lambda batches, n: {"val_loss": 1.0}, score=lambda: {"eval/t/acc": 0.5})
+    assert both() == {"val_loss": 1.0, "eval/t/acc": 0.5}
+    assert not Evaluator(None, 3, None, run=lambda b, n: {}).due(3, final=True)  # nothing to evaluate
