@@ -49,8 +49,9 @@ def load_checkpoint(path: str, device: str = "auto", dtype: str = "float32") -> 
     return model.to(DTYPES[dtype]).eval(), Tokenizer.load(directory)
 
 
-def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids with BOS, continuation ids), split as the harness splits them."""
+def encode_pair(tok: Tokenizer, context: str, continuation: str, bos: bool = True) -> tuple[list[int], list[int]]:
+    """(context ids, with BOS first unless ``bos`` is false, continuation ids), split as the
+    harness splits them (an empty context is BOS alone either way: its ``prefix_token_id``)."""
     if context == "":
         cont = tok.encode(continuation)
         if cont and cont[0] == tok.bos_id:
@@ -62,7 +63,7 @@ def encode_pair(tok: Tokenizer, context: str, continuation: str) -> tuple[list[i
         context = context[:-n_spaces]
     whole = tok.encode(context + continuation)
     ctx = tok.encode(context)
-    return [tok.bos_id, *ctx], whole[len(ctx):]
+    return ([tok.bos_id] if bos else []) + ctx, whole[len(ctx):]
 
 
 def batches(order: list[int], size: int) -> Iterator[list[int]]:
@@ -105,9 +106,9 @@ def loglikelihood(model: nn.Module, requests: Sequence[tuple[list[int], list[int
 
 
 def loglikelihood_pairs(model: nn.Module, tok: Tokenizer, pairs: Sequence[tuple[str, str]],
-                        batch_size: int = 16) -> list[tuple[float, bool]]:
-    """``loglikelihood`` of (context, continuation) texts."""
-    requests = [encode_pair(tok, ctx, cont) for ctx, cont in pairs]
+                        batch_size: int = 16, bos: bool = True) -> list[tuple[float, bool]]:
+    """``loglikelihood`` of (context, continuation) texts (``bos``: see ``encode_pair``)."""
+    requests = [encode_pair(tok, ctx, cont, bos) for ctx, cont in pairs]
     for (ctx, cont), (_, ids) in zip(pairs, requests):
         if not ids:
             raise ValueError(f"the continuation {cont!r} of context {ctx[-40:]!r} encodes to no tokens")
@@ -191,8 +192,9 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
 
 @torch.inference_mode()
 def generate_until(model: nn.Module, tok: Tokenizer, requests: Sequence[tuple[str, dict]], seed: int = 1234,
-                   batch_size: int = 16) -> list[str]:
-    """The continuation of each (context, generation kwargs), cut at its stop strings."""
+                   batch_size: int = 16, bos: bool = True) -> list[str]:
+    """The continuation of each (context, generation kwargs), cut at its stop strings; the
+    prompt starts with BOS unless ``bos`` is false."""
     max_len = model.cfg.max_seq_len
     engine = Engine(model, tok, max_batch=batch_size)
     eos_text = tok.decode([tok.eos_id])
@@ -206,7 +208,7 @@ def generate_until(model: nn.Module, tok: Tokenizer, requests: Sequence[tuple[st
         if room <= 0:
             raise ValueError(f"max_gen_toks {config.max_new_tokens} leaves no room for a context in the model's "
                              f"max_seq_len {max_len}")
-        prompt = [tok.bos_id, *tok.encode(context)][-room:]
+        prompt = (([tok.bos_id] if bos else []) + tok.encode(context))[-room:]
         key = json.dumps([context, kwargs], sort_keys=True, default=str)
         occurrence = seen[key] = seen.get(key, -1) + 1
         generator = None

@@ -43,11 +43,11 @@ def tasks(tmp_path_factory):
     return root
 
 
-def evaluate(server, checkpoint, tasks, task: str, backend: str) -> list[dict]:
+def evaluate(server, checkpoint, tasks, task: str, backend: str, **extra) -> list[dict]:
     from lm_eval.tasks import TaskManager
 
     model_args = {"base_url": server[0].url + "/v1/completions", "model": MODEL_NAME, "tokenizer_backend": backend,
-                  "max_length": 1024, "num_concurrent": 1, "max_retries": 1}
+                  "max_length": 1024, "num_concurrent": 1, "max_retries": 1, **extra}
     if backend == "huggingface":
         model_args["tokenizer"] = str(checkpoint)
     out = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[task],
@@ -96,3 +96,28 @@ def test_generate_until_through_the_server_equals_the_engines_greedy_text(server
         stops = ["\n\n"] + ([tok.config["eos_token"]] if backend == "huggingface" else [])
         (expected,) = generate(model, [prompt], GenerationConfig(max_new_tokens=10, temperature=0.0, stop=stops), tok)
         assert sample["resps"][0][0] == expected.text
+
+
+def test_the_server_and_the_in_process_adapter_give_the_same_numbers(server, checkpoint, tasks):
+    """The same tasks through `local-completions` and through `lmforge.eval.harness`'s in-process
+    model: every log-likelihood to 1e-4 and every greedy generation equal. The harness's API
+    models send contexts without BOS (their default `add_bos_token=False`, and the remote
+    tokenizer asks for no special tokens), so the adapter is asked for the same."""
+    from lm_eval.tasks import TaskManager
+
+    from lmforge.eval.harness import LMForgeLM
+
+    adapter = LMForgeLM(checkpoint=str(checkpoint), device="cpu", batch_size=4, add_bos_token=False)
+    for task in ("lmforge_serve_mc", "lmforge_serve_gen"):
+        served = evaluate(server, checkpoint, tasks, task, "remote")
+        local = lm_eval.simple_evaluate(model=adapter, tasks=[task], log_samples=True, bootstrap_iters=0,
+                                        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+                                        random_seed=0, numpy_random_seed=0, torch_random_seed=0)["samples"][task]
+        assert len(served) == len(local) == len(QUESTIONS)
+        for a, b in zip(sorted(served, key=lambda s: s["doc_id"]), sorted(local, key=lambda s: s["doc_id"])):
+            assert a["arguments"] == b["arguments"]
+            if task.endswith("mc"):
+                for (ll_a, greedy_a), (ll_b, greedy_b) in zip([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]):
+                    assert ll_a == pytest.approx(ll_b, abs=1e-4) and greedy_a == greedy_b
+            else:
+                assert a["resps"][0][0] == b["resps"][0][0]
