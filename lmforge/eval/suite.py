@@ -61,8 +61,8 @@ class Suite:
 def resolve_task_path(spec: str) -> Path:
     """A task file, or a bundled task or suite by name (``demo_suite`` -> data/eval/demo_suite.yaml)."""
     path = Path(spec)
-    if path.exists() or path.suffix:
-        return path
+    if path.exists() or path.suffix or ("@" in path.name and Path(spec.rpartition("@")[0]).is_dir()):
+        return path  # a file, a prepared directory, or DIR@SPLIT
     for candidate in (BUNDLED / f"{spec}.yaml", BUNDLED / "heldout" / f"{spec}.jsonl"):
         if candidate.is_file():
             return candidate

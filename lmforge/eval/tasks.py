@@ -38,6 +38,8 @@ import yaml
 
 from lmforge.core.io import InputError, sha256_file
 from lmforge.data.documents import BadRecord, DocumentsConfig, jsonl_records, read_documents
+from lmforge.data.shards import MANIFEST, open_shards, read_manifest
+from lmforge.data.tokenizer import Tokenizer
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
 DEFAULT_METRICS = {  # the harness's DEFAULT_METRIC_REGISTRY
@@ -427,7 +429,13 @@ def read_split(files: list[Path], task_path: Path) -> tuple[list[dict], list[str
 
 
 def load_task(path: str | Path) -> Task:
-    """Read a task file (YAML) or, for any other file, the bits-per-byte task of its raw text."""
+    """Read a task file (YAML); a directory written by ``lmforge prepare`` (``DIR`` for its
+    validation split, ``DIR@SPLIT`` for another): the bits-per-byte task of that split's
+    documents; any other file: the bits-per-byte task of its raw text."""
+    text = str(path)
+    directory, _, split = text.rpartition("@") if "@" in Path(text).name else (text, "", "val")
+    if (Path(directory) / MANIFEST).is_file():
+        return prepared_split_task(Path(directory), split)
     path = Path(path)
     if path.suffix not in (".yaml", ".yml"):
         return raw_text_task(path)
@@ -448,6 +456,38 @@ def load_task(path: str | Path) -> Task:
 def task_key(task: Task) -> str:
     task.eval_split()
     return "test_split" if task.config.get("test_split") is not None else "validation_split"
+
+
+def prepared_split_task(directory: Path, split: str = "val") -> Task:
+    """Bits per byte of one split of prepared token shards, as a ``loglikelihood_rolling`` task:
+    each stored document (BOS, its tokens, EOS) decoded back to its text with the tokenizer the
+    manifest names (its sha256 checked), so the held-out text prepare set aside is scored as it is."""
+    manifest = read_manifest(directory)
+    shards = open_shards(directory, split)  # names the split and the splits there are
+    tok_dir = Path(manifest["tokenizer"])
+    if not tok_dir.is_absolute() and not tok_dir.exists():
+        tok_dir = directory.parent / tok_dir.name
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise InputError(f"{directory / MANIFEST}: its tokenizer {manifest['tokenizer']} is not found (from "
+                         f"{Path.cwd()}); run from where `lmforge prepare` ran")
+    tok = Tokenizer.load(tok_dir)
+    if tok.sha256 != manifest["tokenizer_sha256"]:
+        raise InputError(f"{directory / MANIFEST}: the tokenizer at {tok_dir} is not the one these shards were made with")
+    special = {manifest["bos_id"], manifest["eos_id"], manifest["pad_id"]}
+    texts = []
+    for shard in shards:
+        for a, b in zip(shard.doc_starts[:-1], shard.doc_starts[1:]):
+            ids = [int(t) for t in shard.tokens[a:b] if int(t) not in special]
+            if ids:
+                texts.append(tok.decode(ids))
+    if not texts:
+        raise InputError(f"{directory}: the split {split!r} has no documents")
+    name = f"{directory.name}_{split}"
+    config = {"task": name, "dataset_path": "json", "test_split": split, "output_type": "loglikelihood_rolling",
+              "doc_to_text": "", "doc_to_target": "text"}
+    digests = {info["tokens"]: info["sha256"] for info in manifest["splits"][split]["shards"]}
+    return Task(name, directory, config, {}, {split: [{"text": t} for t in texts]},
+                {split: [f"{directory}@{split}:{i}" for i in range(len(texts))]}, digests)
 
 
 def raw_text_task(path: Path) -> Task:

@@ -97,3 +97,24 @@ def test_fewshot_override_and_limit_follow_simple_evaluate(tmp_path):
     assert effective_fewshot(task, 3) == 0  # a task that fixes 0 keeps it
     docs = list(range(10))
     assert limited(docs, 3) == [0, 1, 2] and limited(docs, 0.25) == [0, 1, 2] and limited(docs, None) == docs
+
+
+def test_a_prepared_split_is_a_rolling_task_over_its_stored_documents(tmp_path, small_tokenizer_dir, corpus_texts):
+    from lmforge.data.documents import DocumentsConfig, split_of
+    from lmforge.eval.suite import resolve_task_path
+    from lmforge.stages.prepare import PrepareRecipe, run_prepare
+    from tests.conftest import write_jsonl as write_rows
+
+    rows = [{"id": f"doc{i}", "text": t} for i, t in enumerate(corpus_texts)]
+    source = write_rows(tmp_path / "corpus.jsonl", rows)
+    out = tmp_path / "prepared"
+    run_prepare(PrepareRecipe(run_dir=str(out), tokenizer=str(small_tokenizer_dir), val_fraction=0.3,
+                              data=DocumentsConfig(paths=[str(source)])))
+    val = load_task(resolve_task_path(str(out)))  # the directory: its validation split
+    train = load_task(resolve_task_path(f"{out}@train"))
+    expected_val = [r["text"] for r in rows if split_of(r["id"], 0.3) == "val"]
+    assert val.output_type == "loglikelihood_rolling" and expected_val
+    assert sorted(d["text"] for d in val.splits["val"]) == sorted(expected_val)  # the stored text, exactly
+    assert len(train.splits["train"]) == len(rows) - len(expected_val)
+    with pytest.raises(InputError, match="no split 'test'"):
+        load_task(f"{out}@test")
