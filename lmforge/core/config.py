@@ -356,7 +356,10 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
     for name, f in fields.items():
         key = f"{prefix}{name}"
         if name in data:
-            kwargs[name] = _coerce(data[name], hints[name], key, source)
+            value = data[name]
+            if isinstance(value, dict):
+                value = {**recipe_defaults(f, hints[name]), **value}
+            kwargs[name] = _coerce(value, hints[name], key, source)
             check_value_range(kwargs[name], f, key, _source(source, key))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{_source(source, key)}: missing required key '{key}'")
@@ -366,6 +369,23 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"{_source(source, section)}: {where}: {exc}") from exc
+
+
+def recipe_defaults(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
+    """The keys a section's ``default_factory`` sets apart from its class's own defaults (a
+    recipe's ``train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6))``), so
+    that setting one key of the section (``train.max_steps=3``) keeps the recipe's other
+    defaults instead of falling back to the class's."""
+    if f.default_factory is dataclasses.MISSING or not dataclasses.is_dataclass(tp) or hasattr(tp, "expand_preset"):
+        return {}
+    try:
+        recipe, plain = f.default_factory(), tp()
+    except (TypeError, ValueError):  # a class without defaults for every field: nothing to keep
+        return {}
+    if type(recipe) is not tp:
+        return {}
+    return {g.name: to_dict(getattr(recipe, g.name)) for g in dataclasses.fields(tp)
+            if g.init and getattr(recipe, g.name) != getattr(plain, g.name)}
 
 
 def _suggestion(cls: type, key: str, prefix: str) -> str:

@@ -326,3 +326,31 @@ def test_a_renamed_key_moves_to_its_new_place_maps_its_values_and_refuses_both_s
     recipe.write_text("beta: 0.3\neval: {enabled: false}\n")
     assert load_config(Old, recipe).objective == Loss(beta=0.3, name="none")
     assert dataclasses.fields(Old)[0].name == "objective" and len(dataclasses.fields(Old)) == 1
+
+
+def test_setting_one_key_of_a_section_keeps_the_recipes_other_defaults_for_it():
+    """A recipe's section default (a default_factory) is not replaced by the class's defaults
+    when one key of the section is overridden."""
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Inner:
+        a: int = 1
+        b: float = 0.5
+        c: str = "x"
+
+    @dataclass
+    class Recipe:
+        inner: Inner = field(default_factory=lambda: Inner(b=0.25, c="recipe"))
+
+    assert load_config(Recipe, None, []).inner == Inner(1, 0.25, "recipe")
+    assert load_config(Recipe, None, ["inner.a=7"]).inner == Inner(7, 0.25, "recipe")
+    assert load_config(Recipe, None, ["inner.c=mine"]).inner == Inner(1, 0.25, "mine")
+
+
+def test_a_dpo_recipe_keeps_its_train_defaults_when_one_train_key_is_set():
+    from lmforge.stages.dpo import DPORecipe
+
+    default = load_config(DPORecipe, None, ["checkpoint=c", "data.train=[x.jsonl]"]).train
+    changed = load_config(DPORecipe, None, ["checkpoint=c", "data.train=[x.jsonl]", "train.max_steps=30"]).train
+    assert changed.max_steps == 30 and changed.lr == default.lr == 5e-6 and changed.warmup_steps == default.warmup_steps
