@@ -37,7 +37,7 @@ from torch import nn
 from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.sampling import repetition_penalty, sample_next_token
-from lmforge.model.fused import fused_copy, is_plain, linear_reads_transposed_faster
+from lmforge.model.fused import fused_copy, is_plain, onednn_packs
 from lmforge.model.transformer import KVCache, positions_and_mask
 
 FinishReason = Literal["stop", "length"]
@@ -111,14 +111,14 @@ def decoding_view(model: nn.Module) -> nn.Module:
     if not is_plain(model):
         return model
     weight = model.embed.weight
-    transpose = linear_reads_transposed_faster(weight.dtype, weight.device)
+    pack = onednn_packs(weight.dtype, weight.device)
     tensors = list(itertools.chain(model.parameters(), model.buffers()))
     if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter: rebuild every call
-        return fused_copy(model, transpose)
+        return fused_copy(model, pack)
     fingerprint = [(t.data_ptr(), t._version, t.dtype) for t in tensors]
     cached = _decoding_models.get(model)
     if cached is None or cached[0] != fingerprint:
-        cached = (fingerprint, fused_copy(model, transpose))
+        cached = (fingerprint, fused_copy(model, pack))
         _decoding_models[model] = cached
     return cached[1]
 
