@@ -243,6 +243,32 @@ class Row:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     text: str | None = None
     finish: FinishReason | None = None
+    seen: torch.Tensor | None = None  # (V,) True at every token of prompt + tokens; only with a repetition penalty
+
+
+@dataclass
+class RowSettings:
+    """The batch rows' sampling settings as (B,) tensors, built when rows join or leave rather than every step."""
+
+    greedy: bool  # every row at temperature 0
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    penalty: torch.Tensor | None  # None when no row has a repetition penalty
+    top_logprobs: int  # the most alternatives a row asks for
+
+    @classmethod
+    def of(cls, rows: Sequence[Row], device: torch.device) -> RowSettings:
+        configs = [r.config for r in rows]
+
+        def setting(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(c, name) for c in configs], device=device)
+
+        penalized = any(c.repetition_penalty != 1.0 for c in configs)
+        return cls(all(c.temperature == 0 for c in configs), setting("temperature"), setting("top_k"), setting("top_p"),
+                   setting("min_p"), setting("repetition_penalty") if penalized else None,
+                   max(c.top_logprobs for c in configs))
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:
@@ -262,6 +288,7 @@ class Engine:
         self.queue: deque[tuple[int, Request]] = deque()
         self.rows: list[Row] = []
         self.batch: Batch | None = None
+        self.settings: RowSettings | None = None  # self.rows' settings
         self.done: dict[int, list[Row]] = {}
         self.ids = itertools.count()
 
@@ -299,6 +326,7 @@ class Engine:
             index = torch.tensor(keep, dtype=torch.long, device=tokens.device)
             self.rows = [self.rows[i] for i in keep]
             self.batch = self.batch.select(index) if keep else None
+            self.settings = RowSettings.of(self.rows, tokens.device) if keep else None
             tokens = tokens.index_select(0, index)
         if self.rows:
             decode_step(self.net, tokens, self.batch)
@@ -325,8 +353,12 @@ class Engine:
             if stop_ids is None:
                 stop_ids = [self.tokenizer.eos_id] if self.tokenizer is not None else []
             for sample in range(cfg.n):
-                new_rows.append(Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
-                                    top_logprobs=[] if cfg.top_logprobs else None))
+                row = Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
+                          top_logprobs=[] if cfg.top_logprobs else None)
+                if cfg.repetition_penalty != 1.0:
+                    row.seen = torch.zeros(self.model.cfg.vocab_size, dtype=torch.bool, device=device)
+                    row.seen[torch.tensor(row.prompt, device=device)] = True
+                new_rows.append(row)
         extra = max(r.config.max_new_tokens for r in new_rows + self.rows) - 1
         fresh = prefill(self.net, [r.prompt for _, r in taken], 0 if self.rows else extra)
         copies = torch.tensor([r.config.n for _, r in taken], device=device)
@@ -336,29 +368,24 @@ class Engine:
             extra = max(r.config.max_new_tokens - len(r.tokens) for r in new_rows + self.rows) - 1
             fresh = merge(self.batch, fresh, extra)
         self.rows, self.batch = self.rows + new_rows, fresh
+        self.settings = RowSettings.of(self.rows, device)
 
     def choose_tokens(self) -> torch.Tensor:
         """Each row's next token from its logits, recorded with its log-probability; marks finished rows."""
-        rows, logits = self.rows, self.batch.logits
-        configs = [r.config for r in rows]
-        if any(c.repetition_penalty != 1.0 for c in configs):
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            for i, r in enumerate(rows):
-                seen[i, torch.tensor(r.prompt + r.tokens, device=logits.device)] = True
-            penalties = torch.tensor([c.repetition_penalty for c in configs], device=logits.device)
-            sampled_from = repetition_penalty(logits.float(), seen, penalties)
-        else:
-            sampled_from = logits
-        if all(c.temperature == 0 for c in configs):
+        rows, logits, settings = self.rows, self.batch.logits, self.settings
+        sampled_from = logits
+        if settings.penalty is not None:
+            unseen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            seen = torch.stack([unseen if r.seen is None else r.seen for r in rows])
+            sampled_from = repetition_penalty(logits.float(), seen, settings.penalty)
+        if settings.greedy:
             tokens = sampled_from.argmax(dim=-1)
         else:
-            def setting(name):
-                return torch.tensor([getattr(c, name) for c in configs], device=logits.device)
-            tokens = sample_next_token(sampled_from, setting("temperature"), setting("top_k"), setting("top_p"),
-                                       [r.generator for r in rows], setting("min_p"))
+            tokens = sample_next_token(sampled_from, settings.temperature, settings.top_k, settings.top_p,
+                                       [r.generator for r in rows], settings.min_p)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        k = max(c.top_logprobs for c in configs)
+        k = settings.top_logprobs
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
             self.record(row, token, chosen[i], (top_ids[i], top_values[i]) if k else None)
@@ -372,6 +399,8 @@ class Engine:
             return
         row.tokens.append(token)
         row.logprobs.append(logprob)
+        if row.seen is not None:
+            row.seen[token] = True
         if row.top_logprobs is not None:
             row.top_logprobs.append(list(zip(top[0][: cfg.top_logprobs].tolist(), top[1][: cfg.top_logprobs].tolist())))
         if cfg.stop:

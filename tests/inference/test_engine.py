@@ -110,12 +110,18 @@ def test_greedy_is_the_argmax_of_a_full_recompute_at_every_step(model):
     assert got == seq[len(PROMPTS[1]) :]
 
 
-def test_greedy_continuation_equals_transformers_generate(model):
+def hf_llama(model: Transformer) -> nn.Module:
+    """transformers' Llama holding ``model``'s weights."""
     import transformers
     d = {k: v for k, v in hf_config_dict(model.cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**d)).eval()
     missing, unexpected = hf.load_state_dict(state_dict_to_hf(model.state_dict(), model.cfg), strict=False)
     assert not missing and not unexpected
+    return hf
+
+
+def test_greedy_continuation_equals_transformers_generate(model):
+    hf = hf_llama(model)
     ours = generate(model, PROMPTS, greedy(20))
     for prompt, got in zip(PROMPTS, ours):
         ids = torch.tensor([prompt])
@@ -427,6 +433,24 @@ def test_a_repetition_penalty_changes_greedy_output_away_from_repeats(model):
     repeats = sum(len(r.tokens) - len(set(r.tokens)) for r in plain)
     assert sum(len(r.tokens) - len(set(r.tokens)) for r in penalized) < repeats or repeats == 0
     assert [r.tokens for r in plain] != [r.tokens for r in penalized] or repeats == 0
+
+
+def test_penalized_greedy_decoding_equals_transformers_as_rows_leave_and_join(model):
+    # max_batch 2: the third prompt joins when the first finishes; each row's penalty must keep
+    # covering its own prompt and generated tokens through the batch's select and merge
+    lengths, penalty = [6, 14, 10], 1.5
+    engine = Engine(model, max_batch=2)
+    ids = [engine.submit(Request(p, greedy(n, repetition_penalty=penalty))) for p, n in zip(PROMPTS, lengths)]
+    got = dict(engine.run())
+    hf = hf_llama(model)
+    for request, prompt, n in zip(ids, PROMPTS, lengths):
+        tokens = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False, repetition_penalty=penalty,
+                              max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=2)
+        assert got[request][0].tokens == out[0, len(prompt) :].tolist()
+    plain = generate(model, PROMPTS, greedy(max(lengths)))
+    assert any(got[i][0].tokens != p.tokens[: len(got[i][0].tokens)] for i, p in zip(ids, plain))  # the penalty acted
 
 
 def test_per_row_settings_filter_each_row_by_its_own():
