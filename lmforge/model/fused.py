@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Attention, Transformer, rotation_pair_order
 
 
 class PackedLinear(nn.Module):
@@ -46,11 +46,13 @@ class PackedLinear(nn.Module):
 PACK_ROWS = 8
 
 
-def joined_linear(linears: Sequence[nn.Linear], pack: bool) -> nn.Module:
-    """One projection computing ``torch.cat([m(x) for m in linears], -1)`` from copies of their weights."""
+def joined_linear(linears: Sequence[nn.Linear], pack: bool, order: torch.Tensor | None = None) -> nn.Module:
+    """One projection computing ``torch.cat([m(x) for m in linears], -1)[..., order]`` from copies of their weights."""
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
         bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+        if order is not None:
+            weight, bias = weight[order], bias[order] if bias is not None else None
     if pack:
         return PackedLinear(weight, bias)
     joined = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -90,10 +92,13 @@ def fused_copy(model: Transformer, pack: bool) -> Transformer:
     if not is_plain(model):
         raise ValueError("only a plain Transformer (no adapters, quantised or sharded weights) can be fused")
     fused = structural_copy(model).eval()
+    fused.rope_pairs = True
     for block in fused.layers.children():
         attn, mlp = block.attn, block.mlp
-        attn.wqkv = joined_linear([attn.wq, attn.wk, attn.wv], pack)
+        attn.wqkv = joined_linear([attn.wq, attn.wk, attn.wv], pack, qkv_pair_order(attn))
         attn.wq = attn.wk = attn.wv = None
+        if attn.q_norm is not None:
+            attn.q_norm, attn.k_norm = in_pair_order(attn.q_norm), in_pair_order(attn.k_norm)
         if mlp.gated:
             mlp.w13 = joined_linear([mlp.w1, mlp.w3], pack)
             mlp.w1 = mlp.w3 = None
@@ -104,6 +109,23 @@ def fused_copy(model: Transformer, pack: bool) -> Transformer:
     if pack:
         fused.lm_head = joined_linear([fused.lm_head], pack)
     return fused
+
+
+def qkv_pair_order(attn: Attention) -> torch.Tensor:
+    """The rows of the joined q/k/v matrix with q's and k's heads in rotation-pair order
+    (``rotation_pair_order``), v's as they are: RoPE then rotates q and k in one complex
+    multiply each (``apply_rope``). Queries and keys are permuted alike, so every dot product
+    q·k has the same terms; the cache holds keys in this order, which only attention reads."""
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    v = torch.arange((H + Hkv) * D, (H + 2 * Hkv) * D)
+    return torch.cat((rotation_pair_order(D, H), H * D + rotation_pair_order(D, Hkv), v))
+
+
+def in_pair_order(norm: nn.RMSNorm) -> nn.RMSNorm:
+    """A QK-norm over heads in rotation-pair order: the same mean of squares, its gains permuted."""
+    permuted = nn.RMSNorm(norm.normalized_shape, eps=norm.eps, device="meta")
+    permuted.weight = nn.Parameter(norm.weight.detach()[rotation_pair_order(norm.weight.shape[0], 1)], requires_grad=False)
+    return permuted
 
 
 def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:

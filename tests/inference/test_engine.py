@@ -158,6 +158,7 @@ def test_the_fused_copy_shares_the_model_and_leaves_it_unchanged(model):
     assert fused.embed.weight is model.embed.weight and fused.layers[0].attn_norm.weight is model.layers[0].attn_norm.weight
     assert type(fused.layers[0].attn.wqkv) is PackedLinear and fused.layers[0].attn.wq is None
     assert type(fused.layers[0].mlp.w13) is PackedLinear and type(fused.lm_head) is PackedLinear
+    assert fused.rope_pairs and not model.rope_pairs  # q/k rows in rotation-pair order in the copy only
     assert type(fused) is type(model) and type(fused).forward is type(model).forward  # one forward
 
 

@@ -18,9 +18,9 @@ import torch
 from lmforge.distributed.mesh import stage_layer_ranges
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.config import ModelConfig
-from lmforge.model.fused import PackedLinear, joined_linear, onednn_packs, structural_copy
+from lmforge.model.fused import PackedLinear, fused_copy, joined_linear, onednn_packs, structural_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, apply_rope, pair_rotations, rotation_pair_order, rotation_tables
 from tests.model.test_hf import randomized
 
 transformers = pytest.importorskip("transformers")
@@ -187,3 +187,44 @@ def test_a_joined_or_packed_projection_computes_the_plain_projections(dtype, pac
     assert ((got.double() - exact).abs() <= bound).all()  # the joined one within float rounding of exact
     expected = torch.cat([m(x) for m in plain], dim=-1)  # and of the plain modules, which err as much
     assert ((got.double() - expected.double()).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@torch.no_grad()
+def test_rope_in_pair_order_rotates_as_the_halves_layout(dtype):
+    cfg = ModelConfig(**BASE)
+    model = Transformer(cfg).to(DTYPES[dtype])  # a 16-bit model's tables are 16-bit too
+    x = torch.randn(2, 3, 9, cfg.head_dim).to(DTYPES[dtype])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 2, 3, 40, 41, 63]])
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    order = rotation_pair_order(cfg.head_dim, 1)
+    halves = apply_rope(x, rotation_tables(cos, sin))[..., order]
+    pairs = apply_rope(x[..., order], pair_rotations(cos, sin))
+    assert pairs.dtype == x.dtype
+    # each output is a·c ∓ b·d of the same four values: two products and a sum, each rounded
+    # at most once (relative u) in float32; in 16 bits the halves route rounds both products
+    # and the sum to 16 bits (u16 each), the pair route only its float32 result
+    partner = x.roll(cfg.head_dim // 2, dims=-1)[..., order].double()
+    c = torch.cat((cos, cos), -1)[:, None][..., order].double()
+    s_ = torch.cat((sin, sin), -1)[:, None][..., order].double()
+    magnitude = (x[..., order].double() * c).abs() + (partner * s_).abs()
+    u = 2.0**-24
+    u16 = torch.finfo(DTYPES[dtype]).eps / 2 if dtype != "float32" else 0.0
+    bound = (4 * u + 3 * u16 * (1 + u16)) * magnitude
+    assert ((pairs.double() - halves.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "qk-norm", "qkv-bias"])
+@torch.no_grad()
+def test_the_decoding_layouts_attention_computes_the_plain_attention(variant):
+    """q/k rows in pair order, joined and packed as ``fused_copy`` lays them out: the same dot
+    products q·k (their terms permuted alike), so the output matches to float32 summation order."""
+    cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
+    model = randomized(cfg, matrix_std=0.1)
+    fused = fused_copy(model, pack=onednn_packs(torch.float32, torch.device("cpu")))
+    x = torch.randn(2, 11, cfg.d_model)
+    cos, sin = model.rope_cos[None, :11], model.rope_sin[None, :11]
+    plain = model.layers[1].attn(x, rotation_tables(cos, sin))
+    got = fused.layers[1].attn(x, pair_rotations(cos, sin))
+    atol = tolerance(torch.float32, 1, float(plain.abs().max()))
+    torch.testing.assert_close(got, plain, atol=atol, rtol=0)
