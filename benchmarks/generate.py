@@ -16,8 +16,9 @@ prefill shared by the samples) against ``generate(do_sample=True, num_return_seq
 with the same temperature, top-k (off) and top-p, again for exactly --new-tokens tokens.
 
 lmforge's first call on a model also builds its decoding layout (``decoding_view``: joined
-q/k/v and w1/w3, float32 matrices stored (in, out)), which later calls reuse while the
-weights are unchanged; that first call is the warm-up, reported as ``lmforge_first_call_s``.
+q/k/v and w1/w3, q/k in RoPE's pair order, matrices packed for oneDNN on a CPU), which later
+calls reuse while the weights are unchanged; that first call is the warm-up, reported as
+``lmforge_first_call_s``.
 """
 
 from __future__ import annotations

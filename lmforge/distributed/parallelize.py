@@ -63,9 +63,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequ
         if sequence_parallel:
             plan.update({
                 "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                # attn(x, cos, sin, attn_mask, kv_cache): gather the sequence of x only
-                "attn": PrepareModuleInput(input_layouts=(seq, None, None, None, None),
-                                           desired_input_layouts=(Replicate(), None, None, None, None),
+                # attn(x, rope, attn_mask, kv_cache): gather the sequence of x only
+                "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                           desired_input_layouts=(Replicate(), None, None, None),
                                            use_local_output=True),
                 "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
             })

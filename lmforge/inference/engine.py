@@ -42,7 +42,7 @@ from torch import nn
 from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.sampling import repetition_penalty, sample_next_token
-from lmforge.model.fused import fused_copy, is_plain, linear_reads_transposed_faster
+from lmforge.model.fused import fused_copy, is_plain, onednn_packs
 from lmforge.model.transformer import KVCache, positions_and_mask
 
 FinishReason = Literal["stop", "length"]
@@ -130,14 +130,14 @@ def decoding_view(model: nn.Module) -> nn.Module:
     if not is_plain(model):
         return model
     weight = model.embed.weight
-    transpose = linear_reads_transposed_faster(weight.dtype, weight.device)
+    pack = onednn_packs(weight.dtype, weight.device)
     tensors = list(itertools.chain(model.parameters(), model.buffers()))
     if any(t.is_inference() for t in tensors):  # inference tensors keep no version counter: rebuild every call
-        return fused_copy(model, transpose)
+        return fused_copy(model, pack)
     fingerprint = [(t.data_ptr(), t._version, t.dtype) for t in tensors]
     cached = _decoding_models.get(model)
     if cached is None or cached[0] != fingerprint:
-        cached = (fingerprint, fused_copy(model, transpose))
+        cached = (fingerprint, fused_copy(model, pack))
         _decoding_models[model] = cached
     return cached[1]
 
@@ -287,6 +287,32 @@ class Row:
     on_token: TokenCallback | None = None
     stop_token: tuple[int, float, list[tuple[int, float]] | None] | None = None
     prompt_scores: PromptScores | None = None
+    seen: torch.Tensor | None = None  # (V,) True at every token of prompt + tokens; only with a repetition penalty
+
+
+@dataclass
+class RowSettings:
+    """The batch rows' sampling settings as (B,) tensors, built when rows join or leave rather than every step."""
+
+    greedy: bool  # every row at temperature 0
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    penalty: torch.Tensor | None  # None when no row has a repetition penalty
+    top_logprobs: int  # the most alternatives a row asks for
+
+    @classmethod
+    def of(cls, rows: Sequence[Row], device: torch.device) -> RowSettings:
+        configs = [r.config for r in rows]
+
+        def setting(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(c, name) for c in configs], device=device)
+
+        penalized = any(c.repetition_penalty != 1.0 for c in configs)
+        return cls(all(c.temperature == 0 for c in configs), setting("temperature"), setting("top_k"), setting("top_p"),
+                   setting("min_p"), setting("repetition_penalty") if penalized else None,
+                   max(c.top_logprobs for c in configs))
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:
@@ -306,6 +332,7 @@ class Engine:
         self.queue: deque[tuple[int, Request]] = deque()
         self.rows: list[Row] = []
         self.batch: Batch | None = None
+        self.settings: RowSettings | None = None  # self.rows' settings
         self.done: dict[int, list[Row]] = {}
         self.ids = itertools.count()
         self.cancelled: set[int] = set()  # requests with rows still in the batch, to drop at the next step
@@ -361,6 +388,7 @@ class Engine:
             index = torch.tensor(keep, dtype=torch.long, device=tokens.device)
             self.rows = [self.rows[i] for i in keep]
             self.batch = self.batch.select(index) if keep else None
+            self.settings = RowSettings.of(self.rows, tokens.device) if keep else None
             tokens = tokens.index_select(0, index)
         if self.rows:
             decode_step(self.net, tokens, self.batch)
@@ -376,6 +404,7 @@ class Engine:
             self.rows = [self.rows[i] for i in keep]
             device = self.batch.logits.device
             self.batch = self.batch.select(torch.tensor(keep, dtype=torch.long, device=device)) if keep else None
+            self.settings = RowSettings.of(self.rows, device) if keep else None
 
     def admit(self) -> None:
         """Move waiting requests into the batch while their rows fit (a request always fits an empty batch)."""
@@ -401,9 +430,13 @@ class Engine:
             if stop_ids is None:
                 stop_ids = [self.tokenizer.eos_id] if self.tokenizer is not None else []
             for sample in range(cfg.n):
-                new_rows.append(Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
-                                    top_logprobs=[] if cfg.top_logprobs else None, on_token=request.on_token,
-                                    prompt_scores=scores.get(index)))
+                row = Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
+                          top_logprobs=[] if cfg.top_logprobs else None, on_token=request.on_token,
+                          prompt_scores=scores.get(index))
+                if cfg.repetition_penalty != 1.0:
+                    row.seen = torch.zeros(self.model.cfg.vocab_size, dtype=torch.bool, device=device)
+                    row.seen[torch.tensor(row.prompt, device=device)] = True
+                new_rows.append(row)
         copies = torch.tensor([r.config.n for _, r in taken], device=device)
         if bool((copies > 1).any()):  # n samples of a prompt: copies of its one prefill
             fresh = fresh.select(torch.arange(len(taken), device=device).repeat_interleave(copies))
@@ -411,29 +444,24 @@ class Engine:
             extra = max(r.config.max_new_tokens - len(r.tokens) for r in new_rows + self.rows) - 1
             fresh = merge(self.batch, fresh, extra)
         self.rows, self.batch = self.rows + new_rows, fresh
+        self.settings = RowSettings.of(self.rows, device)
 
     def choose_tokens(self) -> torch.Tensor:
         """Each row's next token from its logits, recorded with its log-probability; marks finished rows."""
-        rows, logits = self.rows, self.batch.logits
-        configs = [r.config for r in rows]
-        if any(c.repetition_penalty != 1.0 for c in configs):
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            for i, r in enumerate(rows):
-                seen[i, torch.tensor(r.prompt + r.tokens, device=logits.device)] = True
-            penalties = torch.tensor([c.repetition_penalty for c in configs], device=logits.device)
-            sampled_from = repetition_penalty(logits.float(), seen, penalties)
-        else:
-            sampled_from = logits
-        if all(c.temperature == 0 for c in configs):
+        rows, logits, settings = self.rows, self.batch.logits, self.settings
+        sampled_from = logits
+        if settings.penalty is not None:
+            unseen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            seen = torch.stack([unseen if r.seen is None else r.seen for r in rows])
+            sampled_from = repetition_penalty(logits.float(), seen, settings.penalty)
+        if settings.greedy:
             tokens = sampled_from.argmax(dim=-1)
         else:
-            def setting(name):
-                return torch.tensor([getattr(c, name) for c in configs], device=logits.device)
-            tokens = sample_next_token(sampled_from, setting("temperature"), setting("top_k"), setting("top_p"),
-                                       [r.generator for r in rows], setting("min_p"))
+            tokens = sample_next_token(sampled_from, settings.temperature, settings.top_k, settings.top_p,
+                                       [r.generator for r in rows], settings.min_p)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        k = max(c.top_logprobs for c in configs)
+        k = settings.top_logprobs
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
             self.record(row, token, chosen[i], (top_ids[i], top_values[i]) if k else None)
@@ -450,6 +478,8 @@ class Engine:
             return
         row.tokens.append(token)
         row.logprobs.append(logprob)
+        if row.seen is not None:
+            row.seen[token] = True
         if row.top_logprobs is not None:
             row.top_logprobs.append(alternatives)
         if cfg.stop:

@@ -4,11 +4,13 @@ Decoding pushes a few rows through ~40 small matmuls per token, so its time goes
 the weights and to per-operator overhead. ``fused_copy`` returns a copy of the module tree
 that shares every parameter with the model except the projections it joins: each block's
 wq, wk, wv become one ``wqkv`` and SwiGLU's w1, w3 one ``w13`` (``Attention.project_qkv`` and
-``MLP.forward`` call them), and with ``transpose`` every projection and the LM head keep
-their matrix as (in, out), which a CPU reads faster at one row (``benchmarks/results/generate.json``
-records the layouts measured). The copy runs ``Transformer.forward`` like the model: there is
-no second forward, only other modules in the same places. The model itself is untouched, so
-checkpoints, HF export and LoRA target names keep ``wq``/``wk``/``wv``/``w1``/``w3``.
+``MLP.forward`` call them), and with ``pack`` every projection and the LM head hold their
+matrix in oneDNN's blocked layout (``PackedLinear``), which on the AMD EPYC of
+``benchmarks/README.md`` made decoding's products 1.9x (one row) to 3.7x (eight rows) as fast
+as ``F.linear``'s in float32 and about 2x in bf16. The copy runs ``Transformer.forward`` like
+the model: there is no second forward, only other modules in the same places. The model
+itself is untouched, so checkpoints, HF export and LoRA target names keep
+``wq``/``wk``/``wv``/``w1``/``w3``.
 """
 
 from __future__ import annotations
@@ -19,29 +21,40 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Attention, Transformer, rotation_pair_order
 
 
-class TransposedLinear(nn.Module):
-    """``nn.Linear`` with its matrix stored transposed, (in, out): ``x @ weight_t + bias``."""
+class PackedLinear(nn.Module):
+    """``nn.Linear`` with its matrix in oneDNN's blocked layout: ``x @ weight.T + bias`` through
+    ``torch.ops.mkldnn._linear_pointwise``, the kernel and layout PyTorch's own CPU freezing pass
+    (inductor's ``mkldnn_fusion``) gives constant weights. The arithmetic is ``F.linear``'s
+    (float32 products and sums for float32; 16-bit products with float32 sums, rounded once,
+    for 16-bit); only the order of the sums differs."""
 
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.weight_t = nn.Parameter(weight_t, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        # oneDNN picks the blocked layout for a product of PACK_ROWS rows (one row keeps the
+        # plain layout); any two or more gave the same layout and speed at 1 to 256 rows.
+        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
 
 
-def joined_linear(linears: Sequence[nn.Linear], transpose: bool) -> nn.Module:
-    """One projection computing ``torch.cat([m(x) for m in linears], -1)`` from copies of their weights."""
+PACK_ROWS = 8
+
+
+def joined_linear(linears: Sequence[nn.Linear], pack: bool, order: torch.Tensor | None = None) -> nn.Module:
+    """One projection computing ``torch.cat([m(x) for m in linears], -1)[..., order]`` from copies of their weights."""
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
         bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-    if transpose:
-        return TransposedLinear(weight.t().contiguous(), bias)
+        if order is not None:
+            weight, bias = weight[order], bias[order] if bias is not None else None
+    if pack:
+        return PackedLinear(weight, bias)
     joined = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     joined.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
@@ -72,31 +85,59 @@ def structural_copy(module: nn.Module) -> nn.Module:
     return new
 
 
-def fused_copy(model: Transformer, transpose: bool) -> Transformer:
+def fused_copy(model: Transformer, pack: bool) -> Transformer:
     """The decoding layout of a plain model (``is_plain``): joined q/k/v and w1/w3, and with
-    ``transpose`` every projection stored (in, out). Costs the memory of the copied matrices."""
+    ``pack`` every projection and the head as a ``PackedLinear``. Costs the memory of the
+    copied matrices."""
     if not is_plain(model):
         raise ValueError("only a plain Transformer (no adapters, quantised or sharded weights) can be fused")
     fused = structural_copy(model).eval()
+    fused.rope_pairs = True
     for block in fused.layers.children():
         attn, mlp = block.attn, block.mlp
-        attn.wqkv = joined_linear([attn.wq, attn.wk, attn.wv], transpose)
+        attn.wqkv = joined_linear([attn.wq, attn.wk, attn.wv], pack, qkv_pair_order(attn))
         attn.wq = attn.wk = attn.wv = None
+        if attn.q_norm is not None:
+            attn.q_norm, attn.k_norm = in_pair_order(attn.q_norm), in_pair_order(attn.k_norm)
         if mlp.gated:
-            mlp.w13 = joined_linear([mlp.w1, mlp.w3], transpose)
+            mlp.w13 = joined_linear([mlp.w1, mlp.w3], pack)
             mlp.w1 = mlp.w3 = None
-        elif transpose:
-            mlp.w1 = joined_linear([mlp.w1], transpose)
-        if transpose:
-            attn.wo, mlp.w2 = joined_linear([attn.wo], transpose), joined_linear([mlp.w2], transpose)
-    if transpose:
-        fused.lm_head = joined_linear([fused.lm_head], transpose)
+        elif pack:
+            mlp.w1 = joined_linear([mlp.w1], pack)
+        if pack:
+            attn.wo, mlp.w2 = joined_linear([attn.wo], pack), joined_linear([mlp.w2], pack)
+    if pack:
+        fused.lm_head = joined_linear([fused.lm_head], pack)
     return fused
 
 
-def linear_reads_transposed_faster(dtype: torch.dtype, device: torch.device) -> bool:
-    """The layout the decoding copy takes: (in, out) matrices for float32 on a CPU, where a
-    one-row product over them was 1.5-1.8x faster than ``F.linear``'s (out, in) (the matrices
-    out of cache); 16-bit CPU products and GPUs were as fast or faster with ``F.linear``."""
-    return device.type == "cpu" and dtype == torch.float32
+def qkv_pair_order(attn: Attention) -> torch.Tensor:
+    """The rows of the joined q/k/v matrix with q's and k's heads in rotation-pair order
+    (``rotation_pair_order``), v's as they are: RoPE then rotates q and k in one complex
+    multiply each (``apply_rope``). Queries and keys are permuted alike, so every dot product
+    q·k has the same terms; the cache holds keys in this order, which only attention reads."""
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    v = torch.arange((H + Hkv) * D, (H + 2 * Hkv) * D)
+    return torch.cat((rotation_pair_order(D, H), H * D + rotation_pair_order(D, Hkv), v))
 
+
+def in_pair_order(norm: nn.RMSNorm) -> nn.RMSNorm:
+    """A QK-norm over heads in rotation-pair order: the same mean of squares, its gains permuted."""
+    permuted = nn.RMSNorm(norm.normalized_shape, eps=norm.eps, device="meta")
+    permuted.weight = nn.Parameter(norm.weight.detach()[rotation_pair_order(norm.weight.shape[0], 1)], requires_grad=False)
+    return permuted
+
+
+def onednn_packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the decoding copy packs its matrices for oneDNN (``PackedLinear``): on a CPU whose
+    oneDNN has kernels for ``dtype`` (float32 always; bf16 and fp16 where the CPU has the
+    instructions oneDNN asks for, as ``F.linear`` checks before it calls oneDNN itself)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False

@@ -73,13 +73,35 @@ def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
     return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) by position-dependent angles; x is (B, H, T, D), cos/sin from ``rotation_tables``.
+def pair_rotations(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-width tables (B or 1, T, D/2) -> the unit complex numbers cos θ + i sin θ, (B or 1, 1, T, D/2),
+    in float32 (complex numbers of 16-bit parts have no kernels; a 16-bit model's tables are upcast exactly)."""
+    return torch.complex(cos.float(), sin.float()).unsqueeze(1)
 
-    ``x.roll`` swaps the halves, so this is ``(x1 cos - x2 sin, x2 cos + x1 sin)``; with float32
-    tables the arithmetic runs in float32 whatever the dtype of ``x``.
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+d/2}) by position-dependent angles; x is (B, H, T, D).
+
+    With ``rotation_tables``' (cos, sin), heads are in the model's halves order (as HF Llama's):
+    ``x.roll`` swaps the halves, so this is ``(x1 cos - x2 sin, x2 cos + x1 sin)``. With
+    ``pair_rotations``' complex table, heads are in rotation-pair order (``Transformer.rope_pairs``:
+    x_i and x_{i+d/2} side by side, as a decoding layout stores them), and each pair, read as
+    the complex number x_i + i x_{i+d/2}, is multiplied by cos θ + i sin θ: the same products
+    and sums in one operator, in float32 whatever ``x``'s dtype (as the halves' with float32 tables).
     """
+    if isinstance(rope, torch.Tensor):
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(pairs * rope).flatten(-2).type_as(x)
+    cos, sin = rope
     return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
+
+
+def rotation_pair_order(head_dim: int, heads: int) -> torch.Tensor:
+    """The index that puts each head's RoPE pairs (i, i + head_dim/2) side by side: column
+    ``order[j]`` of the halves order is column j of the pair order (``apply_rope``)."""
+    half = torch.arange(head_dim // 2)
+    pairs = torch.stack((half, half + head_dim // 2), dim=-1).flatten()
+    return (torch.arange(heads)[:, None] * head_dim + pairs).flatten()
 
 
 def check_length(cfg: ModelConfig, offset: int, T: int) -> None:
@@ -201,8 +223,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
@@ -213,7 +234,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
         # Without a mask, causal when queries and keys are the same positions; a single new
@@ -251,8 +272,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache)
+    def forward(self, x, rope, attn_mask=None, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), rope, attn_mask, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -273,6 +294,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_pairs = False  # q/k head columns in rotation-pair order (a decoding layout, ``model.fused``)
         self.init_weights()
 
     @torch.no_grad()
@@ -314,11 +336,11 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[offset : offset + T][None], self.rope_sin[offset : offset + T][None]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        cos, sin = rotation_tables(cos, sin)
+        rope = pair_rotations(cos, sin) if self.rope_pairs else rotation_tables(cos, sin)
         attn_mask = cached_prefix_mask(attn_mask, offset, T, tokens.device)
         x = self.embed(tokens) if self.embed is not None else tokens
         for block in self.layers.children():
-            x = block(x, cos, sin, attn_mask, kv_cache)
+            x = block(x, rope, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x

@@ -23,7 +23,7 @@ from lmforge.inference.engine import (
 )
 from lmforge.inference.sampling import min_p_filter, repetition_penalty, sample_next_token, top_k_filter, top_p_filter
 from lmforge.model.config import ModelConfig
-from lmforge.model.fused import TransposedLinear, fused_copy
+from lmforge.model.fused import PackedLinear, fused_copy, onednn_packs
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import KVCache, Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora
@@ -52,11 +52,14 @@ def full_logits(model: Transformer, tokens: list[int]) -> torch.Tensor:
 # --------------------------------------------------------------------------- cache and padding
 
 
-LAYOUTS = {"modules": lambda m: m, "fused": lambda m: fused_copy(m, transpose=False),
-           "fused-transposed": lambda m: fused_copy(m, transpose=True)}
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not onednn_packs(torch.float32, CPU), reason="this torch has no oneDNN")
+LAYOUTS = {"modules": lambda m: m, "fused": lambda m: fused_copy(m, pack=False),
+           "fused-packed": lambda m: fused_copy(m, pack=True)}
+LAYOUT_PARAMS = [pytest.param(name, marks=needs_onednn if name == "fused-packed" else ()) for name in LAYOUTS]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 @torch.no_grad()
 def test_cached_decoding_gives_the_logits_of_a_full_recompute(model, layout):
     net = LAYOUTS[layout](model)
@@ -70,7 +73,7 @@ def test_cached_decoding_gives_the_logits_of_a_full_recompute(model, layout):
         decode_step(net, torch.tensor([token]), batch)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 @torch.no_grad()
 def test_each_row_of_a_left_padded_batch_gets_the_logits_of_its_prompt_alone(model, layout):
     net = LAYOUTS[layout](model)
@@ -107,12 +110,18 @@ def test_greedy_is_the_argmax_of_a_full_recompute_at_every_step(model):
     assert got == seq[len(PROMPTS[1]) :]
 
 
-def test_greedy_continuation_equals_transformers_generate(model):
+def hf_llama(model: Transformer) -> nn.Module:
+    """transformers' Llama holding ``model``'s weights."""
     import transformers
     d = {k: v for k, v in hf_config_dict(model.cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**d)).eval()
     missing, unexpected = hf.load_state_dict(state_dict_to_hf(model.state_dict(), model.cfg), strict=False)
     assert not missing and not unexpected
+    return hf
+
+
+def test_greedy_continuation_equals_transformers_generate(model):
+    hf = hf_llama(model)
     ours = generate(model, PROMPTS, greedy(20))
     for prompt, got in zip(PROMPTS, ours):
         ids = torch.tensor([prompt])
@@ -140,14 +149,16 @@ def test_bfloat16_generation_runs_and_caches_in_bfloat16(model):
 # --------------------------------------------------------------------------- the decoding layout
 
 
+@needs_onednn
 def test_the_fused_copy_shares_the_model_and_leaves_it_unchanged(model):
     keys = list(model.state_dict())
-    fused = fused_copy(model, transpose=True)
+    fused = fused_copy(model, pack=True)
     assert list(model.state_dict()) == keys  # checkpoints, HF export and LoRA targets keep wq/wk/wv/w1/w3
     assert model.layers[0].attn.wqkv is None and model.layers[0].attn.wq is not None
     assert fused.embed.weight is model.embed.weight and fused.layers[0].attn_norm.weight is model.layers[0].attn_norm.weight
-    assert type(fused.layers[0].attn.wqkv) is TransposedLinear and fused.layers[0].attn.wq is None
-    assert type(fused.layers[0].mlp.w13) is TransposedLinear and type(fused.lm_head) is TransposedLinear
+    assert type(fused.layers[0].attn.wqkv) is PackedLinear and fused.layers[0].attn.wq is None
+    assert type(fused.layers[0].mlp.w13) is PackedLinear and type(fused.lm_head) is PackedLinear
+    assert fused.rope_pairs and not model.rope_pairs  # q/k rows in rotation-pair order in the copy only
     assert type(fused) is type(model) and type(fused).forward is type(model).forward  # one forward
 
 
@@ -166,8 +177,11 @@ def test_decoding_view_is_reused_until_a_parameter_changes():
     model.to(torch.bfloat16)
     bf16_view = decoding_view(model)
     assert bf16_view is not changed
-    # 16-bit matrices stay 16-bit and in F.linear's layout, the faster one for 16-bit on a CPU
-    assert bf16_view.layers[0].attn.wqkv.weight.dtype == torch.bfloat16 and type(bf16_view.lm_head) is nn.Linear
+    # 16-bit matrices stay 16-bit, packed where this CPU's oneDNN has 16-bit kernels
+    packed = onednn_packs(torch.bfloat16, CPU)
+    wqkv = bf16_view.layers[0].attn.wqkv
+    assert (wqkv.weight_packed if packed else wqkv.weight).dtype == torch.bfloat16
+    assert type(bf16_view.lm_head) is (PackedLinear if packed else nn.Linear)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -435,6 +449,24 @@ def test_a_repetition_penalty_changes_greedy_output_away_from_repeats(model):
     repeats = sum(len(r.tokens) - len(set(r.tokens)) for r in plain)
     assert sum(len(r.tokens) - len(set(r.tokens)) for r in penalized) < repeats or repeats == 0
     assert [r.tokens for r in plain] != [r.tokens for r in penalized] or repeats == 0
+
+
+def test_penalized_greedy_decoding_equals_transformers_as_rows_leave_and_join(model):
+    # max_batch 2: the third prompt joins when the first finishes; each row's penalty must keep
+    # covering its own prompt and generated tokens through the batch's select and merge
+    lengths, penalty = [6, 14, 10], 1.5
+    engine = Engine(model, max_batch=2)
+    ids = [engine.submit(Request(p, greedy(n, repetition_penalty=penalty))) for p, n in zip(PROMPTS, lengths)]
+    got = dict(engine.run())
+    hf = hf_llama(model)
+    for request, prompt, n in zip(ids, PROMPTS, lengths):
+        tokens = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False, repetition_penalty=penalty,
+                              max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=2)
+        assert got[request][0].tokens == out[0, len(prompt) :].tolist()
+    plain = generate(model, PROMPTS, greedy(max(lengths)))
+    assert any(got[i][0].tokens != p.tokens[: len(got[i][0].tokens)] for i, p in zip(ids, plain))  # the penalty acted
 
 
 def test_per_row_settings_filter_each_row_by_its_own():

@@ -1,6 +1,7 @@
 """One forward: every model variant gives the same logits through a training forward, cached
 decoding (the inference engine's prefill and decode steps, on its decoding layout), a pipeline
-split (the stage modules run one after another) and its Hugging Face export.
+split (the stage modules run one after another) and its Hugging Face export; and each module
+the decoding layout puts in a plain module's place computes what the plain module computes.
 
 Every ``ModelConfig`` field is either changed by a variant here or listed in
 ``NOT_ARITHMETIC`` with the reason; a new field fails ``test_every_config_field_is_covered``
@@ -17,9 +18,9 @@ import torch
 from lmforge.distributed.mesh import stage_layer_ranges
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.config import ModelConfig
-from lmforge.model.fused import structural_copy
+from lmforge.model.fused import PackedLinear, fused_copy, joined_linear, onednn_packs, structural_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, apply_rope, pair_rotations, rotation_pair_order, rotation_tables
 from tests.model.test_hf import randomized
 
 transformers = pytest.importorskip("transformers")
@@ -127,3 +128,103 @@ def test_training_forward_cached_decoding_pipeline_and_hf_give_the_same_logits(v
     with torch.no_grad():
         theirs = hf(torch.tensor([rows[1]])).logits[0].float()
     torch.testing.assert_close(theirs, expected[1], atol=atol, rtol=0)
+
+
+# --------------------------------------------------------------------------- the decoding layout's modules
+
+
+def linear_error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The most by which ``x @ weight.T + bias`` may miss its exact value, element by element,
+    when computed as ``F.linear`` and oneDNN do: float32 products and sums in any order and, for
+    16-bit operands, the sum rounded to 16 bits, then the bias added and rounded again.
+
+    Any order of the K + 1 float32 sums errs by at most γ = (K+1)u / (1 - (K+1)u) times the sum
+    of magnitudes M = |x|·|w| + |b| (Higham, Accuracy and Stability of Numerical Algorithms,
+    eq. 3.5; u = 2^-24; 16-bit products are exact in float32). A 16-bit rounding r = fl(s) adds
+    at most u16 |s| (u16 = eps / 2): fl(fl(s) + b) is within γM + u16 (2 + u16)(|x·w| + γM) + u16 |b|.
+    A wrong or missing column, bias or gain misses by far more in float32.
+    """
+    x64, w64 = x.double(), weight.double()
+    b64 = bias.double() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+    K, u = weight.shape[1], 2.0**-24
+    sums = (K + 1) * u / (1 - (K + 1) * u) * (x64.abs() @ w64.abs().T + b64.abs())
+    if x.dtype == torch.float32:
+        return sums
+    u16 = torch.finfo(x.dtype).eps / 2
+    return sums + u16 * (2 + u16) * ((x64 @ w64.T).abs() + sums) + u16 * b64.abs()
+
+
+def linears(dtype: torch.dtype, sizes: tuple[int, ...], bias: bool, seed: int) -> list[torch.nn.Linear]:
+    torch.manual_seed(seed)
+    return [torch.nn.Linear(48, n, bias=bias).to(dtype).eval() for n in sizes]
+
+
+LINEAR_INPUTS = {  # the shapes the decoding copy's projections see
+    "decode step (B, 1, d)": lambda dtype: torch.randn(3, 1, 48).to(dtype),
+    "prefill (B, T, d)": lambda dtype: torch.randn(2, 7, 48).to(dtype),
+    "last position (B, d), strided": lambda dtype: torch.randn(3, 5, 48).to(dtype)[:, -1],
+}
+
+
+@pytest.mark.parametrize("inputs", list(LINEAR_INPUTS))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@torch.no_grad()
+def test_a_joined_or_packed_projection_computes_the_plain_projections(dtype, pack, bias, inputs):
+    if pack and not onednn_packs(DTYPES[dtype], torch.device("cpu")):
+        pytest.skip(f"this CPU's oneDNN has no {dtype} kernels; the decoding copy keeps nn.Linear")
+    plain = linears(DTYPES[dtype], (40, 24, 24), bias, seed=1)  # q, k, v of different widths
+    joined = joined_linear(plain, pack)
+    assert type(joined) is (PackedLinear if pack else torch.nn.Linear)
+    x = LINEAR_INPUTS[inputs](DTYPES[dtype])
+    got = joined(x)
+    assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], 88)
+    weight = torch.cat([m.weight for m in plain])
+    b = torch.cat([m.bias for m in plain]) if bias else None
+    exact = x.double() @ weight.double().T + (b.double() if bias else 0.0)
+    bound = linear_error_bound(x, weight, b)
+    assert ((got.double() - exact).abs() <= bound).all()  # the joined one within float rounding of exact
+    expected = torch.cat([m(x) for m in plain], dim=-1)  # and of the plain modules, which err as much
+    assert ((got.double() - expected.double()).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@torch.no_grad()
+def test_rope_in_pair_order_rotates_as_the_halves_layout(dtype):
+    cfg = ModelConfig(**BASE)
+    model = Transformer(cfg).to(DTYPES[dtype])  # a 16-bit model's tables are 16-bit too
+    x = torch.randn(2, 3, 9, cfg.head_dim).to(DTYPES[dtype])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 2, 3, 40, 41, 63]])
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    order = rotation_pair_order(cfg.head_dim, 1)
+    halves = apply_rope(x, rotation_tables(cos, sin))[..., order]
+    pairs = apply_rope(x[..., order], pair_rotations(cos, sin))
+    assert pairs.dtype == x.dtype
+    # each output is a·c ∓ b·d of the same four values: two products and a sum, each rounded
+    # at most once (relative u) in float32; in 16 bits the halves route rounds both products
+    # and the sum to 16 bits (u16 each), the pair route only its float32 result
+    partner = x.roll(cfg.head_dim // 2, dims=-1)[..., order].double()
+    c = torch.cat((cos, cos), -1)[:, None][..., order].double()
+    s_ = torch.cat((sin, sin), -1)[:, None][..., order].double()
+    magnitude = (x[..., order].double() * c).abs() + (partner * s_).abs()
+    u = 2.0**-24
+    u16 = torch.finfo(DTYPES[dtype]).eps / 2 if dtype != "float32" else 0.0
+    bound = (4 * u + 3 * u16 * (1 + u16)) * magnitude
+    assert ((pairs.double() - halves.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "qk-norm", "qkv-bias"])
+@torch.no_grad()
+def test_the_decoding_layouts_attention_computes_the_plain_attention(variant):
+    """q/k rows in pair order, joined and packed as ``fused_copy`` lays them out: the same dot
+    products q·k (their terms permuted alike), so the output matches to float32 summation order."""
+    cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
+    model = randomized(cfg, matrix_std=0.1)
+    fused = fused_copy(model, pack=onednn_packs(torch.float32, torch.device("cpu")))
+    x = torch.randn(2, 11, cfg.d_model)
+    cos, sin = model.rope_cos[None, :11], model.rope_sin[None, :11]
+    plain = model.layers[1].attn(x, rotation_tables(cos, sin))
+    got = fused.layers[1].attn(x, pair_rotations(cos, sin))
+    atol = tolerance(torch.float32, 1, float(plain.abs().max()))
+    torch.testing.assert_close(got, plain, atol=atol, rtol=0)
