@@ -31,6 +31,8 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.value = value_head(backbone.cfg.d_model, backbone.embed.weight)
+        if backbone.lm_head is not None and backbone.lm_head.weight is not backbone.embed.weight:
+            backbone.lm_head.requires_grad_(False)  # never read: no gradient, no optimizer state
 
     @classmethod
     def from_reward_model(cls, reward: RewardModel) -> ValueModel:
