@@ -163,3 +163,11 @@ def test_a_missing_critic_checkpoint_and_bad_settings_are_refused(tmp_path, base
         run_ppo(recipe(tmp_path, base_checkpoint, prompts, "objective.kl_coef=0.1"))
     with pytest.raises(ConfigError, match="minibatches 3 must divide"):
         run_ppo(recipe(tmp_path, base_checkpoint, prompts, "ppo.minibatches=3"))
+
+
+def test_the_demo_recipe_loads_and_passes_its_checks():
+    r = load_config(PPORecipe, "recipes/demo/ppo.yaml", [])
+    r.ppo.check(r.rollout)
+    r.reward.check()
+    assert r.ppo.critic.init == "reward_model" and r.reward.components[0].kind == "reward_model"
+    assert r.objective.kl_coef == 0 and r.ppo.kl_target == 2.0 and r.ppo.minibatches == 2
