@@ -12,16 +12,19 @@ micro-batches per optimizer step; ``RolloutBatches`` answers with a *rollout bat
    count them and sample more prompts for the shortfall, up to ``max_refills`` more rounds;
    a batch still short after that is topped up with zero-variance groups (advantage 0), so
    every optimizer step has the same number of rows (the loop's ``grad_accum`` is fixed);
-3. compute the advantages over the batch (``advantage``: ``grpo``, ``dr_grpo``, ``rloo``,
-   ``reinforce_pp``; ``rl.advantages``), the reference's log-probs when the loss has a KL term
-   (``kl_coef`` 0: no reference forward at all) and, in a precision other than fp32, the old
-   log-probs recomputed by the trainer's own forward (so the first ratio is exactly 1 there too;
-   in fp32 the engine's log-probs already are the trainer's, ``tests/rl/test_trainer.py``);
-4. serve its micro-batches to ``updates_per_batch`` (μ) optimizer steps in a row, each a full
-   pass over the batch: the first on-policy (ratio 1), the next ones off-policy and clipped.
+3. score the batch's forwards: the reference's log-probs when there is a reference (GRPO: a KL
+   term in the loss; ``kl_coef`` 0: no reference forward at all; PPO: the KL in the reward),
+   the critic's values when there is a critic (PPO), and, in a precision other than fp32, the
+   old log-probs recomputed by the trainer's own forward (so the first ratio is exactly 1 there
+   too; in fp32 the engine's log-probs already are the trainer's, ``tests/rl/test_trainer.py``);
+   then its ``estimate``: GRPO's advantages over the batch (``advantage``: ``grpo``,
+   ``dr_grpo``, ``rloo``, ``reinforce_pp``; ``rl.advantages``) or PPO's (``rl.ppo``);
+4. serve its micro-batches to ``updates_per_batch`` (μ) passes over the batch, each pass
+   ``minibatches`` optimizer steps (1 by default: a step is a full pass): the first pass
+   on-policy (ratio 1), the next ones off-policy and clipped.
 
-Its ``state_dict`` is the rollout state, the micro-batches drawn, and the rollout batch being
-reused when a checkpoint falls inside its μ steps (so a resumed run trains on the very same
+Its ``state_dict`` is the rollout state, the micro-batches drawn, the estimate's state (PPO's
+adaptive KL coefficient), and the rollout batch being reused when a checkpoint falls inside its μ steps (so a resumed run trains on the very same
 rows): an interrupted and resumed run equals the uninterrupted one.
 
 Every ``samples_every`` steps the batch's prompts, responses, rewards and reward terms go to

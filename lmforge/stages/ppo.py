@@ -34,7 +34,7 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.peft.lora import LoraConfig
-from lmforge.rl.critic import actor_critic
+from lmforge.rl.critic import ActorCritic, actor_critic
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import PolicyObjective
 from lmforge.rl.ppo import PPOAdvantages, PPOConfig
@@ -44,7 +44,7 @@ from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import RolloutBatches, reference_policy
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.grpo import GRPODataConfig
-from lmforge.stages.scoring import ScoreConfig, named_scorer
+from lmforge.stages.scoring import ScoreConfig, Scorer, named_scorer
 from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
@@ -124,10 +124,17 @@ def ppo_stage(recipe: PPORecipe, parallel: ParallelContext | None = None) -> Fin
     return FinetuneStage(
         "ppo", read_examples, rows=lambda examples, tok: {},
         objective=lambda _reference: PolicyObjective(recipe.objective, critic.vf_coef, critic.value_clip),
-        scorer=lambda run, _rows: named_scorer(recipe.score, run.tok, recipe.data.val), batches=batches,
+        scorer=lambda run, _rows: policy_scorer(named_scorer(recipe.score, run.tok, recipe.data.val)), batches=batches,
         head=actor_critic(init),
         summary={"critic": critic.kind, "prompts_per_step": recipe.ppo.prompts_per_step,
                  "responses_per_prompt": recipe.rollout.n})
+
+
+def policy_scorer(scorer: Scorer | None) -> Scorer | None:
+    """``scorer`` of the policy: before training the base itself, after it the ``ActorCritic``'s policy."""
+    if scorer is None:
+        return None
+    return lambda model: scorer(model.backbone if isinstance(model, ActorCritic) else model)
 
 
 def scored_values(model, ids, mask):

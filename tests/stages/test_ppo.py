@@ -98,13 +98,15 @@ def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, b
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_lora_writes_an_adapter_and_its_reference_is_the_base(tmp_path, base_checkpoint, prompts):
+def test_lora_writes_an_adapter_its_reference_is_the_base_and_the_policy_is_scored(tmp_path, base_checkpoint, prompts):
     summary = run_ppo(recipe(tmp_path, base_checkpoint, prompts, "train.max_steps=2", "train.lr=1e-2",
-                             "lora.r=4", "lora.alpha=8", "ppo.updates_per_batch=1", "ppo.critic.kind=shared"))
+                             "lora.r=4", "lora.alpha=8", "ppo.updates_per_batch=1", "ppo.critic.kind=shared",
+                             "score.name=exact_match", f"data.val=[{prompts}]", "score.max_examples=3"))
     run_dir = tmp_path / "ppo"
     assert summary["lora"] and (run_dir / "adapter" / "adapter_config.json").is_file()
     records = metrics(run_dir)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and records[1]["kl"] != 0
+    assert summary["before"]["exact_match"]["examples"] == summary["after"]["exact_match"]["examples"] == 3
 
 
 def write_reward_model(path, tokenizer_dir):
