@@ -96,6 +96,8 @@ def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, b
     assert whole[4]["kl_coef"] != whole[0]["kl_coef"]  # β adapted
     wa, wb = read_checkpoint_weights(tmp_path / "whole" / "final"), read_checkpoint_weights(tmp_path / "parts" / "final")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ca, cb = (load_file(str(tmp_path / run / "final" / "critic.safetensors")) for run in ("whole", "parts"))
+    assert ca.keys() == cb.keys() and all(torch.equal(ca[k], cb[k]) for k in ca)  # the critic resumed too
 
 
 def test_lora_writes_an_adapter_its_reference_is_the_base_and_the_policy_is_scored(tmp_path, base_checkpoint, prompts):
