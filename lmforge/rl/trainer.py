@@ -382,6 +382,9 @@ class RolloutBatches:
                  "zero_variance_share": sum(r["zero"] for r in ranks) / sum(r["groups"] for r in ranks),
                  "zero_variance_trained": float(sum(r["zero_trained"] for r in ranks)),
                  "groups_sampled": float(sum(r["groups"] for r in ranks))}
+        if self.rollout.n == 1:  # a group of one always has zero variance: the figures say nothing
+            for key in ("zero_variance_share", "zero_variance_trained"):
+                del stats[key]
         for name in ranks[0]["terms"]:
             stats[f"score_{name}"] = float(torch.tensor([v for r in ranks for v in r["terms"][name]]).mean())
         return stats

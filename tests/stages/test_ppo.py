@@ -72,6 +72,7 @@ def test_the_reward_rises_and_the_run_logs_the_ppo_figures(tmp_path, base_checkp
                 "ratio_max", "response_length_mean", "response_length_max", "value_loss", "value_clip_frac",
                 "explained_variance"):
         assert key in records[0], key
+    assert "zero_variance_share" in records[0]  # rollout.n = 2
     assert records[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
     model, _ = load_model(run_dir / "final")
@@ -103,10 +104,11 @@ def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, b
 def test_lora_writes_an_adapter_its_reference_is_the_base_and_the_policy_is_scored(tmp_path, base_checkpoint, prompts):
     summary = run_ppo(recipe(tmp_path, base_checkpoint, prompts, "train.max_steps=2", "train.lr=1e-2",
                              "lora.r=4", "lora.alpha=8", "ppo.updates_per_batch=1", "ppo.critic.kind=shared",
-                             "score.name=exact_match", f"data.val=[{prompts}]", "score.max_examples=3"))
+                             "rollout.n=1", "score.name=exact_match", f"data.val=[{prompts}]", "score.max_examples=3"))
     run_dir = tmp_path / "ppo"
     assert summary["lora"] and (run_dir / "adapter" / "adapter_config.json").is_file()
     records = metrics(run_dir)
+    assert "zero_variance_share" not in records[0]  # rollout.n = 1: a group of one says nothing
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and records[1]["kl"] != 0
     assert summary["before"]["exact_match"]["examples"] == summary["after"]["exact_match"]["examples"] == 3
 
