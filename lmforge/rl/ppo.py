@@ -65,6 +65,7 @@ class PPOAdvantages:
     """The rollout batch's ``estimate`` for PPO (module docstring)."""
 
     whole_batch = True  # whitening over every rank's tokens: one process only so far
+    name = "ppo"
 
     def __init__(self, cfg: PPOConfig):
         self.cfg = cfg

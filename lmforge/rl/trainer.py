@@ -24,8 +24,9 @@ micro-batches per optimizer step; ``RolloutBatches`` answers with a *rollout bat
    on-policy (ratio 1), the next ones off-policy and clipped.
 
 Its ``state_dict`` is the rollout state, the micro-batches drawn, the estimate's state (PPO's
-adaptive KL coefficient), and the rollout batch being reused when a checkpoint falls inside its μ steps (so a resumed run trains on the very same
-rows): an interrupted and resumed run equals the uninterrupted one.
+adaptive KL coefficient), and the rollout batch being reused when a checkpoint falls inside its
+μ steps (so a resumed run trains on the very same rows): an interrupted and resumed run equals
+the uninterrupted one.
 
 Every ``samples_every`` steps the batch's prompts, responses, rewards and reward terms go to
 ``run_dir/samples/step-NNNNNN.jsonl`` (rewritten whole by a resumed run, so never duplicated).
@@ -195,6 +196,7 @@ class GroupAdvantages:
 
     def __init__(self, estimator: Estimator):
         self.estimator, self.whole_batch = estimator, estimator == "reinforce_pp"
+        self.name = f"grpo.advantage={estimator}"
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         return {"advantages": advantages_of(self.estimator, batch)}, {}
@@ -237,7 +239,7 @@ class RolloutBatches:
             raise ConfigError(f"grpo.prompts_per_step {cfg.prompts_per_step} must be a multiple of the {self.dp} "
                               f"data-parallel ranks: each samples whole groups")
         if self.dp > 1 and self.estimate.whole_batch:
-            raise ConfigError("these advantages are normalised over the whole batch: one process only so far")
+            raise ConfigError(f"{self.estimate.name} whitens over the whole batch: one process only so far")
         self.model, self.tok, self.prompts, self.rollout, self.cfg = model, tok, list(prompts), rollout, cfg
         self.loss, self.reward, self.micro_batch_size = loss, reward, micro_batch_size
         self.precision, self.reference, self.mask_truncated, self.run_dir = precision, reference, mask_truncated, run_dir
