@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmforge.model.reward import RewardModel, model_inputs
+from lmforge.model.reward import RewardModel
 from lmforge.model.transformer import Transformer
 
 
@@ -40,7 +40,6 @@ class ValueModel(nn.Module):
         model.value.load_state_dict(reward.score.state_dict())
         return model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Values (B, T) in float32, one per position."""
-        hidden = self.backbone.hidden_states(input_ids, **model_inputs(input_ids, attention_mask))
-        return self.value(hidden).squeeze(-1).float()
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Values (B, T) in float32, one per position (``kwargs``: ``Transformer.forward``'s)."""
+        return self.value(self.backbone.hidden_states(input_ids, **kwargs)).squeeze(-1).float()

@@ -89,25 +89,27 @@ class ActorCritic(nn.Module):
     def embed(self) -> nn.Module:
         return self.backbone.embed
 
-    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """The policy's logits (B, T, V)."""
-        return self.backbone(input_ids, **kwargs)
+    def forward(self, input_ids: torch.Tensor, output: Literal["logits", "values", "both"] = "logits",
+                **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logits (B, T, V), the values (B, T) float32, or both (``kwargs``:
+        ``Transformer.forward``'s). Every use goes through here, so a sharded model's forward hooks run."""
+        if output == "logits":
+            return self.backbone(input_ids, **kwargs)
+        if self.critic is not None:
+            values = self.critic(input_ids, **kwargs)
+            return values if output == "values" else (self.backbone(input_ids, **kwargs), values)
+        hidden = self.backbone.hidden_states(input_ids, **kwargs)
+        values = self.value(hidden).squeeze(-1).float()
+        return values if output == "values" else (self.backbone.lm_head(hidden), values)
 
     def logits_and_values(self, input_ids: torch.Tensor,
                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits (B, T, V), values (B, T) float32): a shared critic reads the policy's hidden states."""
-        kwargs = model_inputs(input_ids, attention_mask)
-        if self.critic is not None:
-            return self.backbone(input_ids, **kwargs), self.critic(input_ids, attention_mask)
-        hidden = self.backbone.hidden_states(input_ids, **kwargs)
-        return self.backbone.lm_head(hidden), self.value(hidden).squeeze(-1).float()
+        return self(input_ids, "both", **model_inputs(input_ids, attention_mask))
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Values (B, T) alone (the rollout batch's, without gradient)."""
-        if self.critic is not None:
-            return self.critic(input_ids, attention_mask)
-        hidden = self.backbone.hidden_states(input_ids, **model_inputs(input_ids, attention_mask))
-        return self.value(hidden).squeeze(-1).float()
+        return self(input_ids, "values", **model_inputs(input_ids, attention_mask))
 
     def save_head(self, directory: str | Path) -> None:
         """The critic's weights beside the policy's checkpoint files."""
