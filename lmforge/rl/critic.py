@@ -22,6 +22,7 @@ from torch import nn
 
 from lmforge.core.config import ConfigError, at_least
 from lmforge.core.io import InputError
+from lmforge.model.checkpoint import load_model_config
 from lmforge.model.reward import HEAD_FILE, model_inputs
 from lmforge.model.transformer import Transformer
 from lmforge.model.value import ValueModel, value_head
@@ -124,6 +125,8 @@ def actor_critic(init: Path | None):
     def wrap(policy: Transformer) -> ActorCritic:
         if init is None:
             return ActorCritic(policy)
+        if policy.embed.weight.is_meta:  # the architecture alone, for gathered weights (``gathered_for_saving``)
+            return ActorCritic(policy, ValueModel(Transformer(load_model_config(init))))
         model = load_critic(init, policy.embed.weight.device)
         if model.backbone.cfg.vocab_size != policy.cfg.vocab_size:
             raise InputError(f"critic.init {init}: vocabulary of {model.backbone.cfg.vocab_size} tokens, the "

@@ -53,18 +53,25 @@ class PPOConfig(RolloutBatchConfig):
         super().check(rollout)
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """1 − Var(R − V) / Var(R) over the masked tokens: 1 a perfect critic, 0 no better than a constant."""
+    mask = torch.ones_like(returns, dtype=torch.bool) if mask is None else mask
     var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     diff = returns - values
     var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
     return float(1 - var_d / var_r) if float(var_r) > 0 else 0.0
 
 
-class PPOAdvantages:
-    """The rollout batch's ``estimate`` for PPO (module docstring)."""
+def one_process(value):
+    return [value]
 
-    whole_batch = True  # whitening over every rank's tokens: one process only so far
+
+class PPOAdvantages:
+    """The rollout batch's ``estimate`` for PPO (module docstring). Under data parallelism the
+    whitening, the KL and the explained variance are over every rank's tokens (``gather``), so
+    the advantages are those of the whole batch in one process."""
+
+    whole_batch = False
     name = "ppo"
 
     def __init__(self, cfg: PPOConfig):
@@ -72,7 +79,8 @@ class PPOAdvantages:
         self.kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
 
     @torch.no_grad()
-    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def __call__(self, batch: dict[str, torch.Tensor],
+                 gather=one_process, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         mask, values = batch["loss_mask"], batch["values"]
         has = mask.any(-1)  # a response with no loss token (mask_truncated) has no time step
         rewards, kl = torch.zeros_like(values), torch.zeros_like(values)
@@ -81,13 +89,20 @@ class PPOAdvantages:
                                                       batch["ref_logprobs"][has], mask[has], self.kl.coef,
                                                       self.cfg.kl_estimator)
         advantages, returns = gae(rewards, values, mask, self.cfg.gamma, self.cfg.lam)
-        if self.cfg.whiten_advantages and int(mask.sum()) > 1:
-            advantages = whiten(advantages, mask)
-        kl_per_completion = float(kl.sum(-1)[has].mean()) if bool(has.any()) else 0.0
-        figures = {"kl": kl_per_completion, "kl_coef": self.kl.coef, "value_mean": float(masked_mean(values, mask)),
-                   "returns_mean": float(masked_mean(returns, mask)),
-                   "explained_variance": explained_variance(values, returns, mask)}
-        self.kl.update(kl_per_completion, len(values))
+        on = mask.bool()
+        ranks = gather((advantages[on], values[on], returns[on], kl.sum(-1)[has]))
+        everyone = [torch.cat([r[i] for r in ranks]) for i in range(4)]
+        if self.cfg.whiten_advantages and len(everyone[0]) > 1:
+            offset = sum(len(r[0]) for r in ranks[:rank])
+            whitened = whiten(everyone[0])[offset : offset + int(on.sum())]
+            advantages = torch.zeros_like(advantages)
+            advantages[on] = whitened
+        kl_per_completion = float(everyone[3].mean()) if len(everyone[3]) else 0.0
+        figures = {"kl": kl_per_completion, "kl_coef": self.kl.coef,
+                   "value_mean": float(everyone[1].mean()) if len(everyone[1]) else 0.0,
+                   "returns_mean": float(everyone[2].mean()) if len(everyone[2]) else 0.0,
+                   "explained_variance": explained_variance(everyone[1], everyone[2])}
+        self.kl.update(kl_per_completion, sum(len(r[3]) for r in ranks))
         return {"advantages": advantages, "returns": returns, "old_values": values}, figures
 
     def state_dict(self) -> dict:

@@ -139,12 +139,15 @@ class SamplingCopy:
     engine's continuous batching runs a different number of forwards on each rank, which a
     sharded model (every forward a collective) cannot; the copy costs one model per rank."""
 
-    def __init__(self, model: nn.Module, lora: LoraConfig | None, device: torch.device):
-        self.model, self.lora, self.device = model, lora, device
+    def __init__(self, model: nn.Module, lora: LoraConfig | None, device: torch.device, prefix: str = ""):
+        self.model, self.lora, self.device, self.prefix = model, lora, device, prefix
         self.copy: Transformer | None = None
 
     def __call__(self) -> Transformer:
+        """``prefix``: the policy's names inside ``model`` (PPO's ``ActorCritic``: ``backbone.``)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        if self.prefix:
+            state = {k[len(self.prefix):]: v for k, v in state.items() if k.startswith(self.prefix)}
         if self.copy is None:
             with torch.device("meta"):
                 plain = Transformer(self.model.cfg)
@@ -190,15 +193,17 @@ def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor]) -> torch
 
 
 class GroupAdvantages:
-    """GRPO's estimators as the rollout batch's ``estimate``: (columns to add, figures to log) of a
-    batch. PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs
-    too; ``whole_batch`` says it normalises over the whole batch (one process only so far)."""
+    """GRPO's estimators as the rollout batch's ``estimate(batch, gather)``: (columns to add, figures
+    to log) of this rank's share of a batch; ``gather(value)`` is every rank's value, in rank order
+    (this one's at ``rank``).
+    PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs too;
+    ``whole_batch`` says it normalises over the whole batch without gathering (one process only)."""
 
     def __init__(self, estimator: Estimator):
         self.estimator, self.whole_batch = estimator, estimator == "reinforce_pp"
         self.name = f"grpo.advantage={estimator}"
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def __call__(self, batch: dict[str, torch.Tensor], gather=None, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         return {"advantages": advantages_of(self.estimator, batch)}, {}
 
     def state_dict(self) -> dict:
@@ -321,7 +326,7 @@ class RolloutBatches:
         batch = rollout_batch(rollouts, self.tok.pad_id, [t for g in groups for t in g.totals], self.mask_truncated)
         slices = self.micro_batch_rows()
         self.add_logprobs(batch, slices)
-        columns, figures = self.estimate(batch)
+        columns, figures = self.estimate(batch, self.gather, self.rank)
         batch |= columns
         stats = self.statistics(sampled, groups) | figures
         if self.run_dir is not None and self.cfg.samples_every and step % self.cfg.samples_every == 0:

@@ -20,7 +20,13 @@ clip fraction, explained variance. Writes `final/` (the policy; `critic.safetens
 and `adapter/` with LoRA, and resumes exactly (β and a batch being reused included).
 
   lmforge ppo recipes/demo/ppo.yaml
-  lmforge ppo recipes/demo/ppo.yaml critic.kind=shared ppo.kl_target=6 lora.r=16 lora.alpha=32
+  lmforge ppo recipes/demo/ppo.yaml ppo.critic.kind=shared ppo.kl_target=6 lora.r=16 lora.alpha=32
+
+Under torchrun it trains data-parallel with FSDP2 (full fine-tuning or LoRA), as grpo does: each
+rank samples its share of every rollout batch (`ppo.prompts_per_step` a multiple of the ranks)
+from a plain copy of the gathered policy; the advantages are whitened over every rank's tokens:
+
+  torchrun --standalone --nproc_per_node=2 -m lmforge ppo recipes/demo/ppo.yaml train.device=cpu
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from lmforge.rl.ppo import PPOAdvantages, PPOConfig
 from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
-from lmforge.rl.trainer import RolloutBatches, reference_policy
+from lmforge.rl.trainer import RolloutBatches, SamplingCopy, reference_policy
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.grpo import GRPODataConfig
 from lmforge.stages.scoring import ScoreConfig, Scorer, named_scorer
@@ -97,9 +103,6 @@ def check_critic_tokenizer(init: Path | None, tok: Tokenizer) -> None:
 
 def ppo_stage(recipe: PPORecipe, parallel: ParallelContext | None = None) -> FinetuneStage:
     """Prompts as the examples, rollouts as the batches, the actor-critic loss on an ``ActorCritic``."""
-    if parallel is not None:
-        raise ConfigError("ppo whitens its advantages over the whole batch: one process only so far; launch it "
-                          "without torchrun")
     init = check_recipe(recipe)
     max_prompt = recipe.data.max_length - recipe.rollout.max_new_tokens
     critic = recipe.ppo.critic
@@ -111,13 +114,15 @@ def ppo_stage(recipe: PPORecipe, parallel: ParallelContext | None = None) -> Fin
     def batches(run, model, cfg: TrainConfig):
         reward = Reward(recipe.reward, run.tok, recipe.rollout.max_new_tokens, run.device)  # tokenizer checked
         check_critic_tokenizer(init, run.tok)
+        # full fine-tuning: the base again, prepared (sharded) as the policy, never trained
         frozen = None if recipe.lora is not None else prepare_model(load_model(run.base_dir, device=run.device)[0],
-                                                                    cfg, frozen=True)
-        policy = model.backbone
-        source = RolloutBatches(policy, run.tok, run.train_examples, recipe.rollout, recipe.ppo, recipe.objective,
+                                                                    cfg, parallel, frozen=True)
+        sampler = (SamplingCopy(model, recipe.lora, run.device, prefix="backbone.") if parallel is not None
+                   else lambda: model.backbone)
+        source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.ppo, recipe.objective,
                                 reward, cfg.micro_batch_size, precision=cfg.precision,
-                                reference=reference_policy(policy, frozen),
-                                mask_truncated=recipe.reward.mask_truncated, run_dir=run.run_dir,
+                                reference=reference_policy(model, frozen), mask_truncated=recipe.reward.mask_truncated,
+                                run_dir=run.run_dir, parallel=parallel, sampler=sampler,
                                 estimate=PPOAdvantages(recipe.ppo), critic=lambda ids, mask: scored_values(model, ids, mask))
         return source, source.grad_accum
 
