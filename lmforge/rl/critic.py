@@ -48,19 +48,19 @@ class CriticConfig:
         if self.kind == "shared":
             return None
         if self.kind != "separate":
-            raise ConfigError(f"critic.kind must be separate or shared, got {self.kind!r}")
+            raise ConfigError(f"ppo.critic.kind must be separate or shared, got {self.kind!r}")
         if self.init == "policy":
             return resolve_checkpoint(policy, verify=False)
         if self.init == "reward_model":
             paths = [c.path for c in reward.components if c.kind == "reward_model"]
             if len(paths) != 1:
-                raise ConfigError(f"critic.init=reward_model needs exactly one reward.components entry of kind "
+                raise ConfigError(f"ppo.critic.init=reward_model needs exactly one reward.components entry of kind "
                                   f"reward_model, the recipe has {len(paths)}; name a checkpoint path instead")
             return resolve_checkpoint(paths[0], verify=False)
         try:
             return resolve_checkpoint(self.init, verify=False)
         except (InputError, FileNotFoundError) as exc:
-            raise ConfigError(f"critic.init {self.init!r}: not policy, reward_model or a checkpoint: {exc}") from exc
+            raise ConfigError(f"ppo.critic.init {self.init!r}: not policy, reward_model or a checkpoint: {exc}") from exc
 
 
 def load_critic(path: Path, device: torch.device | str) -> ValueModel:
@@ -129,7 +129,7 @@ def actor_critic(init: Path | None):
             return ActorCritic(policy, ValueModel(Transformer(load_model_config(init))))
         model = load_critic(init, policy.embed.weight.device)
         if model.backbone.cfg.vocab_size != policy.cfg.vocab_size:
-            raise InputError(f"critic.init {init}: vocabulary of {model.backbone.cfg.vocab_size} tokens, the "
+            raise InputError(f"ppo.critic.init {init}: vocabulary of {model.backbone.cfg.vocab_size} tokens, the "
                              f"policy's has {policy.cfg.vocab_size}: the critic must read the policy's tokens")
         return ActorCritic(policy, model.train())
     return wrap

@@ -9,9 +9,9 @@ reference goes in the reward (`ppo.kl_coef` β, `ppo.kl_estimator` k1, adaptive 
 `ppo.kl_target`), the critic gives the values, GAE (`ppo.gamma`, `ppo.lam`) the advantages
 (whitened) and returns (`rl.ppo`). Then `ppo.updates_per_batch` epochs of `ppo.minibatches`
 optimizer steps each: the clipped policy loss (`objective:`, entropy bonus `entropy_coef`) +
-`critic.vf_coef` x the value loss clipped at `critic.value_clip`. The critic
-(`rl.critic`) is a value head on a transformer of its own (`critic.init`: policy |
-reward_model | a checkpoint) or on the policy's trunk (`critic.kind: shared`). The reference is
+`ppo.critic.vf_coef` x the value loss clipped at `ppo.critic.value_clip`. The critic
+(`rl.critic`) is a value head on a transformer of its own (`ppo.critic.init`: policy |
+reward_model | a checkpoint) or on the policy's trunk (`ppo.critic.kind: shared`). The reference is
 the policy with its LoRA adapters disabled, or a frozen copy of the base.
 
 Logged every step: reward mean/std, `score_<term>`, `kl` (per completion) and `kl_coef`,
@@ -97,7 +97,7 @@ def check_recipe(recipe: PPORecipe) -> Path | None:
 
 def check_critic_tokenizer(init: Path | None, tok: Tokenizer) -> None:
     if init is not None and (theirs := Tokenizer.load(init)).sha256 != tok.sha256:
-        raise InputError(f"critic.init: {init} has another tokenizer than the policy (tokenizer.json sha256 "
+        raise InputError(f"ppo.critic.init: {init} has another tokenizer than the policy (tokenizer.json sha256 "
                          f"{theirs.sha256[:12]} vs {tok.sha256[:12]}): the critic would read other tokens")
 
 

@@ -177,3 +177,9 @@ def test_the_demo_recipe_loads_and_passes_its_checks():
     r.reward.check()
     assert r.ppo.critic.init == "reward_model" and r.reward.components[0].kind == "reward_model"
     assert r.objective.kl_coef == 0 and r.ppo.kl_target == 2.0 and r.ppo.minibatches == 2
+
+
+def test_a_critic_checkpoint_with_another_tokenizer_is_refused_before_any_rollout(tmp_path, base_checkpoint, prompts,
+                                                                                  never_sample, other_tokenizer_reward):
+    with pytest.raises(InputError, match="ppo.critic.init: .* has another tokenizer than the policy"):
+        run_ppo(recipe(tmp_path, base_checkpoint, prompts, f"ppo.critic.init={other_tokenizer_reward}"))
