@@ -21,6 +21,12 @@ source), so they are exact token means over the step in every mode; the rollout 
 figures (``stat_*`` columns: reward mean/std, each reward term, response lengths, the share of
 zero-variance groups) are constants of the batch and logged as they are. ``ratio_max`` and
 ``response_length_max`` are maxima (``LossOutput.maxima``).
+
+With a value term (PPO, ``value_coef`` > 0 or ``value_clip``), the model is an
+``rl.critic.ActorCritic``: one ``logits_and_values`` call gives the log-probs and the values,
+and the loss is ``L^CLIP + vf_coef · L^V`` (``rl.losses.value_loss`` on the batch's ``returns``
+and ``old_values``, aggregated as the policy loss), logged as ``value_loss`` and
+``value_clip_frac``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch import nn
 
 from lmforge.model.reward import model_inputs
 from lmforge.objectives.base import LossOutput, Objective
-from lmforge.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss
+from lmforge.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss, value_loss
 
 STAT_PREFIX = "stat_"  # batch columns holding the rollout batch's figures (one value, repeated per row)
 STAT_MAXIMA = ("response_length_max",)  # of those, the ones logged as a maximum
@@ -42,16 +48,21 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(input_ids[:, t] | input_ids[:, :t]) for t = 1..T-1 in float32 (B, T-1), the logits (B, T-1, V))."""
     logits = model(input_ids, **model_inputs(input_ids, attention_mask))[:, :-1]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return logp, logits
+    return logprobs_of(logits, input_ids), logits
+
+
+def logprobs_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The log-probs (B, T-1) of tokens 1..T-1 under ``logits`` of positions 0..T-2."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
 class PolicyObjective(Objective):
     """GRPO / Dr. GRPO / RLOO / REINFORCE++ / DAPO's clipped policy loss (they differ in the
-    advantages the batch source computes and in ``cfg``)."""
+    advantages the batch source computes and in ``cfg``); with ``vf_coef`` not None, PPO's
+    actor-critic loss (module docstring)."""
 
-    def __init__(self, cfg: PolicyLossConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: PolicyLossConfig, vf_coef: float | None = None, value_clip: float | None = 0.2):
+        self.cfg, self.vf_coef, self.value_clip = cfg, vf_coef, value_clip
         self.per_token = cfg.aggregation == "token-mean"
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
@@ -64,7 +75,13 @@ class PolicyObjective(Objective):
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         cfg = self.cfg
-        logp, logits = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        ids = batch["input_ids"]
+        if self.vf_coef is None:
+            logp, logits = token_logprobs(model, ids, batch["attention_mask"])
+        else:
+            logits, values = model.logits_and_values(ids, batch["attention_mask"])
+            logits, values = logits[:, :-1], values[:, :-1]
+            logp = logprobs_of(logits, ids)
         mask = batch["loss_mask"][:, 1:]
         with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits)
@@ -75,6 +92,13 @@ class PolicyObjective(Objective):
         n_targets = self.num_targets(batch)
         scale = batch["targets_per_token"][0] if "targets_per_token" in batch else 1.0
         sums = {k: metrics[k].detach() * n_tokens * scale for k in TOKEN_METRICS if k in metrics}
+        if self.vf_coef is not None:
+            v_loss, v_metrics = value_loss(values, batch["old_values"][:, 1:], batch["returns"][:, 1:], mask,
+                                           self.value_clip, cfg.aggregation, n_tokens=1, n_sequences=1,
+                                           max_length=cfg.max_length)
+            loss = loss + self.vf_coef * v_loss
+            sums["value_loss"] = v_loss.detach()  # a sum over the targets, as the loss
+            sums["value_clip_frac"] = v_metrics["value_clip_frac"].detach() * n_tokens * scale
         maxima = {"ratio_max": metrics["ratio_max"].detach()}
         for key, column in batch.items():
             if key.startswith(STAT_PREFIX):

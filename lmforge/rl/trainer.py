@@ -12,17 +12,21 @@ micro-batches per optimizer step; ``RolloutBatches`` answers with a *rollout bat
    count them and sample more prompts for the shortfall, up to ``max_refills`` more rounds;
    a batch still short after that is topped up with zero-variance groups (advantage 0), so
    every optimizer step has the same number of rows (the loop's ``grad_accum`` is fixed);
-3. compute the advantages over the batch (``advantage``: ``grpo``, ``dr_grpo``, ``rloo``,
-   ``reinforce_pp``; ``rl.advantages``), the reference's log-probs when the loss has a KL term
-   (``kl_coef`` 0: no reference forward at all) and, in a precision other than fp32, the old
-   log-probs recomputed by the trainer's own forward (so the first ratio is exactly 1 there too;
-   in fp32 the engine's log-probs already are the trainer's, ``tests/rl/test_trainer.py``);
-4. serve its micro-batches to ``updates_per_batch`` (μ) optimizer steps in a row, each a full
-   pass over the batch: the first on-policy (ratio 1), the next ones off-policy and clipped.
+3. score the batch's forwards: the reference's log-probs when there is a reference (GRPO: a KL
+   term in the loss; ``kl_coef`` 0: no reference forward at all; PPO: the KL in the reward),
+   the critic's values when there is a critic (PPO), and, in a precision other than fp32, the
+   old log-probs recomputed by the trainer's own forward (so the first ratio is exactly 1 there
+   too; in fp32 the engine's log-probs already are the trainer's, ``tests/rl/test_trainer.py``);
+   then its ``estimate``: GRPO's advantages over the batch (``advantage``: ``grpo``,
+   ``dr_grpo``, ``rloo``, ``reinforce_pp``; ``rl.advantages``) or PPO's (``rl.ppo``);
+4. serve its micro-batches to ``updates_per_batch`` (μ) passes over the batch, each pass
+   ``minibatches`` optimizer steps (1 by default: a step is a full pass): the first pass
+   on-policy (ratio 1), the next ones off-policy and clipped.
 
-Its ``state_dict`` is the rollout state, the micro-batches drawn, and the rollout batch being
-reused when a checkpoint falls inside its μ steps (so a resumed run trains on the very same
-rows): an interrupted and resumed run equals the uninterrupted one.
+Its ``state_dict`` is the rollout state, the micro-batches drawn, the estimate's state (PPO's
+adaptive KL coefficient), and the rollout batch being reused when a checkpoint falls inside its
+μ steps (so a resumed run trains on the very same rows): an interrupted and resumed run equals
+the uninterrupted one.
 
 Every ``samples_every`` steps the batch's prompts, responses, rewards and reward terms go to
 ``run_dir/samples/step-NNNNNN.jsonl`` (rewritten whole by a resumed run, so never duplicated).
@@ -64,17 +68,30 @@ SAMPLES = "samples"
 
 
 @dataclass
-class GRPOConfig:
-    """The ``grpo:`` section: how rollout batches are drawn and turned into advantages."""
+class RolloutBatchConfig:
+    """How rollout batches are drawn and served, GRPO's and PPO's alike."""
 
     prompts_per_step: int = positive(8)  # prompts (groups of rollout.n responses) per rollout batch
-    # grpo: (r - mean) / std of the group; dr_grpo: r - mean (no std); rloo: leave-one-out mean;
-    # reinforce_pp: the score at the last token, whitened over every response token of the batch
-    advantage: Estimator = "grpo"
-    updates_per_batch: int = positive(1)  # μ: optimizer steps on each rollout batch (TRL's num_iterations)
+    updates_per_batch: int = positive(1)  # μ: passes over each rollout batch (TRL's num_iterations, PPO's epochs)
+    minibatches: int = positive(1)  # optimizer steps per pass, each on its share of the batch's rows
     zero_variance: Literal["keep", "drop"] = "keep"  # drop: DAPO's dynamic sampling (refilled, see max_refills)
     max_refills: int = at_least(0, 3)  # drop: extra rounds of sampling that replace the dropped groups
     samples_every: int = at_least(0, 10)  # steps between samples/step-N.jsonl dumps (0: none)
+
+    def check(self, rollout: RolloutConfig) -> None:
+        rows = self.prompts_per_step * rollout.n
+        if rows % self.minibatches:
+            raise ConfigError(f"minibatches {self.minibatches} must divide the rollout batch's {rows} rows "
+                              f"(prompts_per_step {self.prompts_per_step} x rollout.n {rollout.n})")
+
+
+@dataclass
+class GRPOConfig(RolloutBatchConfig):
+    """The ``grpo:`` section: how rollout batches are drawn and turned into advantages."""
+
+    # grpo: (r - mean) / std of the group; dr_grpo: r - mean (no std); rloo: leave-one-out mean;
+    # reinforce_pp: the score at the last token, whitened over every response token of the batch
+    advantage: Estimator = "grpo"
 
     def check(self, rollout: RolloutConfig) -> None:
         if rollout.n < 2:
@@ -82,6 +99,7 @@ class GRPOConfig:
                               f"responses to one prompt, so GRPO needs at least 2 per prompt (e.g. rollout.n=8)")
         if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
             raise ConfigError(f"grpo.advantage must be grpo, dr_grpo, rloo or reinforce_pp, got {self.advantage!r}")
+        super().check(rollout)
 
 
 @dataclass
@@ -121,12 +139,15 @@ class SamplingCopy:
     engine's continuous batching runs a different number of forwards on each rank, which a
     sharded model (every forward a collective) cannot; the copy costs one model per rank."""
 
-    def __init__(self, model: nn.Module, lora: LoraConfig | None, device: torch.device):
-        self.model, self.lora, self.device = model, lora, device
+    def __init__(self, model: nn.Module, lora: LoraConfig | None, device: torch.device, prefix: str = ""):
+        self.model, self.lora, self.device, self.prefix = model, lora, device, prefix
         self.copy: Transformer | None = None
 
     def __call__(self) -> Transformer:
+        """``prefix``: the policy's names inside ``model`` (PPO's ``ActorCritic``: ``backbone.``)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        if self.prefix:
+            state = {k[len(self.prefix):]: v for k, v in state.items() if k.startswith(self.prefix)}
         if self.copy is None:
             with torch.device("meta"):
                 plain = Transformer(self.model.cfg)
@@ -171,6 +192,27 @@ def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor]) -> torch
     return per_token(adv, mask)
 
 
+class GroupAdvantages:
+    """GRPO's estimators as the rollout batch's ``estimate(batch, gather)``: (columns to add, figures
+    to log) of this rank's share of a batch; ``gather(value)`` is every rank's value, in rank order
+    (this one's at ``rank``).
+    PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs too;
+    ``whole_batch`` says it normalises over the whole batch without gathering (one process only)."""
+
+    def __init__(self, estimator: Estimator):
+        self.estimator, self.whole_batch = estimator, estimator == "reinforce_pp"
+        self.name = f"grpo.advantage={estimator}"
+
+    def __call__(self, batch: dict[str, torch.Tensor], gather=None, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return {"advantages": advantages_of(self.estimator, batch)}, {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class RolloutBatches:
     """The loop's ``train_batches`` for RL (module docstring). ``reference`` is None without a KL
     term; ``precision`` the loop's (a forward in another than fp32 recomputes the old log-probs).
@@ -180,29 +222,39 @@ class RolloutBatches:
     global prompt order: the ranks agree on each round's counts, and each takes its slice of
     the prompts every rank's ``RolloutState`` steps over, so the state is the same on all. It
     samples with ``sampler()`` (``SamplingCopy``); the logged figures and the token counts are
-    over every rank's rollouts."""
+    over every rank's rollouts.
+
+    ``estimate`` turns the scored batch into the columns the objective reads (default: GRPO's
+    ``cfg.advantage``); ``critic`` (ids, mask) -> values (B, T-1), like the log-probs, adds the
+    batch's ``values`` column for it (PPO). With ``cfg.minibatches`` m each pass over the batch is
+    m optimizer steps, each on the next 1/m of its rows."""
 
     def __init__(self, model: nn.Module, tok: Tokenizer, prompts: Sequence[Prompt], rollout: RolloutConfig,
-                 cfg: GRPOConfig, loss: PolicyLossConfig, reward: Reward, micro_batch_size: int, *,
+                 cfg: RolloutBatchConfig, loss: PolicyLossConfig, reward: Reward, micro_batch_size: int, *,
                  precision: str = "fp32", reference: TokenLogprobs | None = None, mask_truncated: bool = False,
                  run_dir: Path | None = None, parallel: ParallelContext | None = None,
-                 sampler: Callable[[], nn.Module] | None = None):
+                 sampler: Callable[[], nn.Module] | None = None, estimate=None,
+                 critic: TokenLogprobs | None = None):
         cfg.check(rollout)
+        self.estimate = estimate if estimate is not None else GroupAdvantages(cfg.advantage)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef {loss.kl_coef} needs a reference policy")
         self.rank, self.dp = data_parallel_rank(parallel)
         if cfg.prompts_per_step % self.dp:
             raise ConfigError(f"grpo.prompts_per_step {cfg.prompts_per_step} must be a multiple of the {self.dp} "
                               f"data-parallel ranks: each samples whole groups")
-        if self.dp > 1 and cfg.advantage == "reinforce_pp":
-            raise ConfigError("grpo.advantage=reinforce_pp whitens over the whole batch: one process only so far")
+        if self.dp > 1 and self.estimate.whole_batch:
+            raise ConfigError(f"{self.estimate.name} whitens over the whole batch: one process only so far")
         self.model, self.tok, self.prompts, self.rollout, self.cfg = model, tok, list(prompts), rollout, cfg
         self.loss, self.reward, self.micro_batch_size = loss, reward, micro_batch_size
         self.precision, self.reference, self.mask_truncated, self.run_dir = precision, reference, mask_truncated, run_dir
-        self.parallel, self.sampler = parallel, sampler or (lambda: model)
+        self.parallel, self.sampler, self.critic = parallel, sampler or (lambda: model), critic
         self.per_rank = cfg.prompts_per_step // self.dp
         self.rows = self.per_rank * rollout.n
-        self.grad_accum = math.ceil(self.rows / micro_batch_size)  # micro-batches per optimizer step
+        if self.rows % cfg.minibatches:
+            raise ConfigError(f"minibatches {cfg.minibatches} must divide each rank's {self.rows} rows")
+        self.minibatch_rows = self.rows // cfg.minibatches
+        self.grad_accum = math.ceil(self.minibatch_rows / micro_batch_size)  # micro-batches per optimizer step
         self.state = RolloutState(rollout.seed, len(self.prompts), rollout.shuffle)
         self.buffer: list[dict[str, torch.Tensor]] = []
         self.position = 0  # next micro-batch of the buffer
@@ -261,42 +313,64 @@ class RolloutBatches:
         release_decoding_view(model)  # the engine's fused copy of the weights: not needed while training
         return kept + dropped[: target - len(kept)], sampled
 
+    def micro_batch_rows(self) -> list[slice]:
+        """The rows of each micro-batch, ``grad_accum`` per minibatch (optimizer step)."""
+        return [slice(start, min(start + self.micro_batch_size, first + self.minibatch_rows))
+                for first in range(0, self.rows, self.minibatch_rows)
+                for start in range(first, first + self.minibatch_rows, self.micro_batch_size)]
+
     def next_rollout_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """Sample, score and lay out the next rollout batch as ``grad_accum`` micro-batches."""
+        """Sample, score and lay out the next rollout batch as ``minibatches x grad_accum`` micro-batches."""
         groups, sampled = self.draw_groups()
         rollouts = [r for g in groups for r in g.rollouts]
         batch = rollout_batch(rollouts, self.tok.pad_id, [t for g in groups for t in g.totals], self.mask_truncated)
-        batch["advantages"] = advantages_of(self.cfg.advantage, batch)
-        stats = self.statistics(sampled, groups)
+        slices = self.micro_batch_rows()
+        self.add_logprobs(batch, slices)
+        columns, figures = self.estimate(batch, self.gather, self.rank)
+        batch |= columns
+        stats = self.statistics(sampled, groups) | figures
         if self.run_dir is not None and self.cfg.samples_every and step % self.cfg.samples_every == 0:
             self.write_samples(step + 1, sampled, groups)
+        keys = ["input_ids", "attention_mask", "loss_mask", "old_logprobs", *columns]
+        if self.reference is not None and self.loss.kl_coef > 0:
+            keys.append("ref_logprobs")
         per_token_mode = self.loss.aggregation == "token-mean"
-        counts = self.gather((int(batch["loss_mask"].sum()), int(batch["loss_mask"].any(-1).sum())))
-        n_tokens = sum(c[0] for c in counts)
-        n_targets = n_tokens if per_token_mode else sum(c[1] for c in counts)
         micro = []
-        for start in range(0, self.rows, self.micro_batch_size):
-            rows = slice(start, start + self.micro_batch_size)
-            width = int(batch["attention_mask"][rows].sum(-1).max())
-            mb = {key: batch[key][rows, :width] for key in ("input_ids", "attention_mask", "loss_mask",
-                                                             "old_logprobs", "advantages")}
-            n = len(mb["input_ids"])
-            self.add_logprobs(mb)
-            mb["targets_per_token"] = torch.full((n,), n_targets / max(n_tokens, 1), dtype=torch.float32)
-            mb |= {STAT_PREFIX + k: torch.full((n,), v, dtype=torch.float32) for k, v in stats.items()}
-            micro.append(mb)
+        for first in range(0, self.rows, self.minibatch_rows):
+            mine = batch["loss_mask"][first : first + self.minibatch_rows]
+            counts = self.gather((int(mine.sum()), int(mine.any(-1).sum())))
+            n_tokens = sum(c[0] for c in counts)
+            n_targets = n_tokens if per_token_mode else sum(c[1] for c in counts)
+            for rows in slices[len(micro) : len(micro) + self.grad_accum]:
+                width = int(batch["attention_mask"][rows].sum(-1).max())
+                mb = {key: batch[key][rows, :width] for key in keys}
+                n = len(mb["input_ids"])
+                mb["targets_per_token"] = torch.full((n,), n_targets / max(n_tokens, 1), dtype=torch.float32)
+                mb |= {STAT_PREFIX + k: torch.full((n,), v, dtype=torch.float32) for k, v in stats.items()}
+                micro.append(mb)
         return micro
 
     @torch.no_grad()
-    def add_logprobs(self, mb: dict[str, torch.Tensor]) -> None:
-        """The reference's log-probs (with a KL term) and, off fp32, the old log-probs by the trainer's forward."""
+    def add_logprobs(self, batch: dict[str, torch.Tensor], slices: list[slice]) -> None:
+        """The reference's log-probs (with a reference), the critic's values (with a critic) and, off
+        fp32, the old log-probs by the trainer's forward: full (B, T) columns, each micro-batch's rows
+        scored at its own width (the width it trains at), 0 off the loss mask."""
         device = self.parallel.device if self.parallel is not None else self.model.embed.weight.device
-        ids, mask = mb["input_ids"].to(device), mb["attention_mask"].to(device)
-        with autocast_context(device, self.precision):
-            if self.reference is not None and self.loss.kl_coef > 0:
-                mb["ref_logprobs"] = aligned(self.reference(ids, mask)).cpu() * mb["loss_mask"]
-            if self.precision != "fp32":
-                mb["old_logprobs"] = aligned(_scored(self.model, ids, mask)).cpu() * mb["loss_mask"]
+        scorers = {}
+        if self.reference is not None:
+            scorers["ref_logprobs"] = self.reference
+        if self.precision != "fp32":
+            scorers["old_logprobs"] = lambda ids, mask: _scored(self.model, ids, mask)
+        if self.critic is not None:
+            scorers["values"] = self.critic
+        for key in scorers:
+            batch[key] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for rows in slices:
+            width = int(batch["attention_mask"][rows].sum(-1).max())
+            ids, mask = batch["input_ids"][rows, :width].to(device), batch["attention_mask"][rows, :width].to(device)
+            with autocast_context(device, self.precision):
+                for key, scorer in scorers.items():
+                    batch[key][rows, :width] = aligned(scorer(ids, mask)).cpu() * batch["loss_mask"][rows, :width]
 
     def statistics(self, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> dict[str, float]:
         """The figures logged with every step this batch serves, over every response sampled for it (on every rank)."""
@@ -315,6 +389,9 @@ class RolloutBatches:
                  "zero_variance_share": sum(r["zero"] for r in ranks) / sum(r["groups"] for r in ranks),
                  "zero_variance_trained": float(sum(r["zero_trained"] for r in ranks)),
                  "groups_sampled": float(sum(r["groups"] for r in ranks))}
+        if self.rollout.n == 1:  # a group of one always has zero variance: the figures say nothing
+            for key in ("zero_variance_share", "zero_variance_trained"):
+                del stats[key]
         for name in ranks[0]["terms"]:
             stats[f"score_{name}"] = float(torch.tensor([v for r in ranks for v in r["terms"][name]]).mean())
         return stats
@@ -341,11 +418,13 @@ class RolloutBatches:
         reusing = self.uses_left > 0 or self.position > 0
         shares = self.gather([encode(mb) for mb in self.buffer] if reusing else None)
         return {"rollout": self.state.state_dict(), "drawn": self.drawn, "position": self.position,
-                "uses_left": self.uses_left, "buffer": shares if reusing else None}
+                "uses_left": self.uses_left, "buffer": shares if reusing else None,
+                "estimate": self.estimate.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state["rollout"])
         self.drawn, self.position, self.uses_left = int(state["drawn"]), int(state["position"]), int(state["uses_left"])
+        self.estimate.load_state_dict(state.get("estimate", {}))
         shares = state.get("buffer")
         if shares and len(shares) != self.dp:
             raise InputError(f"the checkpoint stopped inside a rollout batch sampled by {len(shares)} data-parallel "

@@ -42,6 +42,8 @@ VERBS = [
          "lmforge.stages.kto", distributed=True),
     Verb("grpo", "RL with verifiable rewards: GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO's dynamic sampling",
          "lmforge.stages.grpo", distributed=True),
+    Verb("ppo", "PPO-RLHF: policy, critic (value head), reward model and/or verifiers, KL in the reward, GAE",
+         "lmforge.stages.ppo", distributed=True),
     Verb("rs", "rejection sampling: best of K samples per prompt by a reward, as SFT data or preference pairs",
          "lmforge.stages.rs"),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),

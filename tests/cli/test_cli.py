@@ -175,15 +175,15 @@ def test_the_key_table_keeps_its_columns_within_100_characters(verb, capsys):
                                   ["generate", "checkpoint={out}"], ["export", "{out}", "{out}/hf"]])
 def test_a_verb_that_runs_in_one_process_refuses_torchrun_before_any_work(argv, tmp_path, monkeypatch, capsys):
     """Under torchrun every rank would do the same work into the same files; the training stages
-    (pretrain, sft, reward, dpo, kto, grpo) are the verbs that run there."""
+    (pretrain, sft, reward, dpo, kto, grpo, ppo) are the verbs that run there."""
     out = tmp_path / "out"
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([a.format(out=out) for a in argv]) == 2
     err = capsys.readouterr().err
     assert f"`lmforge {argv[0]}` runs in one process, but WORLD_SIZE=2: launch it without torchrun" in err
-    assert "pretrain, sft, reward, dpo, kto, grpo" in err
+    assert "pretrain, sft, reward, dpo, kto, grpo, ppo" in err
     assert not out.exists()
-    assert {v.name for v in VERBS if v.distributed} == {"pretrain", "sft", "reward", "dpo", "kto", "grpo"}
+    assert {v.name for v in VERBS if v.distributed} == {"pretrain", "sft", "reward", "dpo", "kto", "grpo", "ppo"}
 
 
 @pytest.mark.parametrize("override, message", [

@@ -3,7 +3,7 @@
 A job is ``{"kind": "pretrain", "recipe": <yaml>}`` (``run_pretrain`` on the recipe; with
 ``"poison": [[start, stop], ...]`` the loader corrupts those global samples, as in
 tests/train/test_spikes.py),
-``{"kind": "sft" | "dpo" | "kto" | "reward" | "grpo", "recipe": <yaml>}`` (that fine-tuning stage on
+``{"kind": "sft" | "dpo" | "kto" | "reward" | "grpo" | "ppo", "recipe": <yaml>}`` (that fine-tuning stage on
 its recipe) or
 ``{"kind": "gradients", "recipe": <yaml>, "out": <json>}``: one step's gradients of the
 parallelized model against the same model unsharded (fp32) in this process, written by
@@ -34,6 +34,7 @@ from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.dpo import DPORecipe, run_dpo
 from lmforge.stages.grpo import GRPORecipe, run_grpo
 from lmforge.stages.kto import KTORecipe, run_kto
+from lmforge.stages.ppo import PPORecipe, run_ppo
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.reward import RewardRecipe, run_reward
 from lmforge.stages.sft import SFTRecipe, run_sft
@@ -42,7 +43,7 @@ from lmforge.train.step import build_step_runner
 from tests.train.test_spikes import poisoned_next
 
 STAGES = {"sft": (SFTRecipe, run_sft), "dpo": (DPORecipe, run_dpo), "kto": (KTORecipe, run_kto),
-          "reward": (RewardRecipe, run_reward), "grpo": (GRPORecipe, run_grpo)}
+          "reward": (RewardRecipe, run_reward), "grpo": (GRPORecipe, run_grpo), "ppo": (PPORecipe, run_ppo)}
 
 
 def gradients(recipe: PretrainRecipe, out: str) -> None:

@@ -1,0 +1,113 @@
+"""PPO-RLHF's advantages (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, Ouyang et al. 2022):
+per-token rewards with the KL penalty in the reward, the critic's values, GAE and returns.
+
+For each rollout batch (``rl.trainer.RolloutBatches`` with this as its ``estimate``), with the
+sampling policy's log-probs π_old, the reference's π_ref and the critic's values V:
+
+    r_t = −β·KL_t(π_old‖π_ref) + 1[t = last]·score      (``kl.kl_shaped_rewards``, k1 by default)
+    A_t, R_t = GAE(γ, λ) over r and V                      (``advantages.gae``)
+    A_t ← whiten(A_t)                                      (``advantages.whiten``, over the batch)
+
+then β is updated by ``kl.KLController`` (fixed, or towards ``kl_target``) from the batch's KL
+per completion; its state is this estimator's, so a resumed run continues with the adapted β.
+The objective (``rl.objective.PolicyObjective`` with a value term) trains on ``advantages``
+and regresses the values on ``returns`` around ``old_values``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lmforge.core.config import ConfigError, at_least, in_range, positive
+from lmforge.rl.advantages import gae, masked_mean, whiten
+from lmforge.rl.critic import CriticConfig
+from lmforge.rl.kl import KLController, KLEstimator, kl_shaped_rewards
+from lmforge.rl.rollout import RolloutConfig
+from lmforge.rl.trainer import RolloutBatchConfig
+
+
+@dataclass
+class PPOConfig(RolloutBatchConfig):
+    """The ``ppo:`` section: rollout batches (``updates_per_batch``: PPO epochs, ``minibatches``),
+    the KL in the reward, GAE and the critic."""
+
+    prompts_per_step: int = positive(16)
+    updates_per_batch: int = positive(2)
+    kl_coef: float = at_least(0, 0.05)  # β, the KL penalty in the reward
+    kl_target: float | None = positive(None)  # adaptive β towards this KL per completion (None: fixed)
+    kl_horizon: float = positive(10000.0)  # the adaptive controller's horizon, in completions
+    kl_estimator: KLEstimator = "k1"  # KL_t in the reward (k1: InstructGPT's, TRL's, verl's)
+    gamma: float = in_range(1.0, 0.0, 1.0)  # γ, the discount over response tokens
+    lam: float = in_range(0.95, 0.0, 1.0)  # λ of GAE
+    whiten_advantages: bool = True
+    critic: CriticConfig = field(default_factory=CriticConfig)
+
+    def check(self, rollout: RolloutConfig) -> None:
+        if self.zero_variance != "keep":
+            raise ConfigError("ppo.zero_variance must be keep: the critic's baseline, not the group's, "
+                              "makes PPO's advantages")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ConfigError(f"ppo.kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
+        super().check(rollout)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """1 − Var(R − V) / Var(R) over the masked tokens: 1 a perfect critic, 0 no better than a constant."""
+    mask = torch.ones_like(returns, dtype=torch.bool) if mask is None else mask
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    diff = returns - values
+    var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+    return float(1 - var_d / var_r) if float(var_r) > 0 else 0.0
+
+
+def one_process(value):
+    return [value]
+
+
+class PPOAdvantages:
+    """The rollout batch's ``estimate`` for PPO (module docstring). Under data parallelism the
+    whitening, the KL and the explained variance are over every rank's tokens (``gather``), so
+    the advantages are those of the whole batch in one process."""
+
+    whole_batch = False
+    name = "ppo"
+
+    def __init__(self, cfg: PPOConfig):
+        self.cfg = cfg
+        self.kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, torch.Tensor],
+                 gather=one_process, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        mask, values = batch["loss_mask"], batch["values"]
+        has = mask.any(-1)  # a response with no loss token (mask_truncated) has no time step
+        rewards, kl = torch.zeros_like(values), torch.zeros_like(values)
+        if bool(has.any()):
+            rewards[has], kl[has] = kl_shaped_rewards(batch["rewards"][has], batch["old_logprobs"][has],
+                                                      batch["ref_logprobs"][has], mask[has], self.kl.coef,
+                                                      self.cfg.kl_estimator)
+        advantages, returns = gae(rewards, values, mask, self.cfg.gamma, self.cfg.lam)
+        on = mask.bool()
+        ranks = gather((advantages[on], values[on], returns[on], kl.sum(-1)[has]))
+        everyone = [torch.cat([r[i] for r in ranks]) for i in range(4)]
+        if self.cfg.whiten_advantages and len(everyone[0]) > 1:
+            offset = sum(len(r[0]) for r in ranks[:rank])
+            whitened = whiten(everyone[0])[offset : offset + int(on.sum())]
+            advantages = torch.zeros_like(advantages)
+            advantages[on] = whitened
+        kl_per_completion = float(everyone[3].mean()) if len(everyone[3]) else 0.0
+        figures = {"kl": kl_per_completion, "kl_coef": self.kl.coef,
+                   "value_mean": float(everyone[1].mean()) if len(everyone[1]) else 0.0,
+                   "returns_mean": float(everyone[2].mean()) if len(everyone[2]) else 0.0,
+                   "explained_variance": explained_variance(everyone[1], everyone[2])}
+        self.kl.update(kl_per_completion, sum(len(r[3]) for r in ranks))
+        return {"advantages": advantages, "returns": returns, "old_values": values}, figures
+
+    def state_dict(self) -> dict:
+        return {"kl": self.kl.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "kl" in state:
+            self.kl.load_state_dict(state["kl"])
