@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.core.config import ConfigError
+from lmforge.core.config import ConfigError, positive
 from lmforge.core.io import InputError
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.config import ParallelConfig
@@ -59,8 +59,8 @@ from lmforge.train.prepare import prepare_model
 
 @dataclass
 class PPORolloutConfig(RolloutConfig):
-    n: int = 1  # responses per prompt (the critic is the baseline: no group needed)
-    max_new_tokens: int = 64
+    n: int = positive(1)  # responses per prompt (the critic is the baseline: no group needed)
+    max_new_tokens: int = positive(64)
 
 
 @dataclass

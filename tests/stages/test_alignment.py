@@ -204,8 +204,8 @@ def test_dpo_gradient_accumulation_equals_one_big_batch(tmp_path, base_checkpoin
     # batch_tokens counts a pair as two rows of data.max_length: 2 x 96 x 4 x 2 = two micro-batches of 4
     run_dpo(dpo_recipe(tmp_path / "a", base_checkpoint, data, "train.micro_batch_size=4", "train.batch_tokens=1536",
                        "train.max_steps=3", "score.name=none"))
-    run_dpo(dpo_recipe(tmp_path / "b", base_checkpoint, data, "train.micro_batch_size=8", "train.max_steps=3",
-                       "score.name=none"))
+    run_dpo(dpo_recipe(tmp_path / "b", base_checkpoint, data, "train.micro_batch_size=8", "train.batch_tokens=1536",
+                       "train.max_steps=3", "score.name=none"))  # one micro-batch of 8 pairs
     a = [r["loss"] for r in read_metrics(tmp_path / "a" / "dpo")]
     b = [r["loss"] for r in read_metrics(tmp_path / "b" / "dpo")]
     assert a == pytest.approx(b, rel=1e-5) and len(a) == 3
