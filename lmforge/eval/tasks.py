@@ -329,19 +329,6 @@ def limited(docs: list[dict], limit: float | None) -> list[dict]:
 # --------------------------------------------------------------------------- reading a task file
 
 
-class _Loader(yaml.SafeLoader):
-    """safe_load, with a clear error for the harness's Python-code tag."""
-
-
-def _refuse_function(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
-    raise yaml.constructor.ConstructorError(
-        None, None, f"'!function {node.value}' runs Python code from the task, which lmforge eval does not do; "
-        "use a field name or a Jinja2 template", node.start_mark)
-
-
-_Loader.add_constructor("!function", _refuse_function)
-
-
 def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     """The task file's mapping and the line of each top-level key."""
     try:
@@ -351,12 +338,17 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read the task file: {exc}") from exc
     try:
-        config = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+        config = yaml.safe_load(text)
         node = yaml.compose(text, Loader=yaml.SafeLoader) if isinstance(config, dict) else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise InputError(f"{where}: {exc.problem or exc.context}") from exc
+        problem = exc.problem or exc.context
+        if isinstance(exc, yaml.constructor.ConstructorError) and "'!function'" in str(problem) and mark:
+            value = text.splitlines()[mark.line][mark.column:].split("#")[0].strip()  # the tagged node as written
+            problem = (f"'{value}' runs Python code from the task, which lmforge eval does not do; "
+                       "use a field name or a Jinja2 template")
+        raise InputError(f"{where}: {problem}") from exc
     except yaml.YAMLError as exc:
         raise InputError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(config, dict):

@@ -99,10 +99,13 @@ def test_adaptive_controller_is_ziegler_proportional_control(kl, error):
 
 
 def test_adaptive_controller_moves_the_kl_to_its_target():
-    ctl = KLController(coef=0.5, target=2.0, horizon=100)
+    ctl = KLController(coef=2.0, target=2.0, horizon=100)  # starts at KL 0.5, a quarter of the target
+    kls = []
     for _ in range(300):
-        ctl.update(kl=1.0 / ctl.coef, n_steps=10)  # a policy whose KL falls as β grows
-    assert 1.0 / ctl.coef == pytest.approx(2.0, rel=0.05)
+        kls.append(1.0 / ctl.coef)  # a policy whose KL falls as β grows
+        ctl.update(kl=kls[-1], n_steps=10)
+    assert kls[0] == 0.5 and kls[-1] == pytest.approx(2.0, rel=0.05)
+    assert all(a <= b for a, b in zip(kls, kls[1:]))  # β only ever falls while the KL is below its target
 
 
 def test_controller_state_dict_resumes_the_adapted_coefficient():
