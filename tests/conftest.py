@@ -90,3 +90,16 @@ def small_tokenizer(small_tokenizer_dir) -> Tokenizer:
 @pytest.fixture()
 def corpus_jsonl(tmp_path, corpus_texts) -> Path:
     return write_jsonl(tmp_path / "corpus.jsonl", [{"id": f"doc{i}", "text": t} for i, t in enumerate(corpus_texts)])
+
+
+@pytest.fixture()
+def one_thread():
+    """Torch on one thread for a test of tiny ops: on a shared machine more threads only spin
+    against other processes (tens of seconds instead of one). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -92,6 +92,11 @@ class GRPORecipe:
 def check_recipe(recipe: GRPORecipe) -> None:
     """What can be refused before any model is loaded or any rollout sampled."""
     recipe.grpo.check(recipe.rollout)  # a group size of 1 first
+    check_rollout_recipe(recipe)
+
+
+def check_rollout_recipe(recipe) -> None:
+    """The checks every RL recipe (grpo, ppo) shares: its reward, room for a prompt, no rollback."""
     recipe.reward.check()
     if recipe.rollout.max_new_tokens >= recipe.data.max_length:
         raise ConfigError(f"rollout.max_new_tokens {recipe.rollout.max_new_tokens} leaves no room for a prompt in "
@@ -100,23 +105,43 @@ def check_recipe(recipe: GRPORecipe) -> None:
         raise ConfigError("train.spikes.policy=rollback cannot replay rollouts; use skip or warn")
 
 
-def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> FinetuneStage:
-    """Prompts as the examples, rollouts of the policy as the batches, the clipped policy loss."""
-    check_recipe(recipe)
+def prompt_reader(recipe):
+    """The skeleton's ``read_examples`` for an RL recipe: its prompt files, with the fields its
+    reward needs and room for ``rollout.max_new_tokens`` after each prompt."""
     max_prompt = recipe.data.max_length - recipe.rollout.max_new_tokens
 
     def read_examples(paths, tok, max_length, *, on_bad, on_too_long, skipped):
         return read_prompts(paths, tok, required_fields=recipe.reward.required_fields(), max_tokens=max_prompt,
                             on_bad=on_bad, skipped=skipped)
 
+    return read_examples
+
+
+def frozen_reference(recipe, run, model, cfg: TrainConfig, parallel: ParallelContext | None):
+    """The KL reference: the policy with its adapters disabled (LoRA), or for full fine-tuning the
+    base again, prepared (sharded) as the policy and never trained."""
+    frozen = None if recipe.lora is not None else prepare_model(load_model(run.base_dir, device=run.device)[0],
+                                                                cfg, parallel, frozen=True)
+    return reference_policy(model, frozen)
+
+
+def exact_match_lines(res: dict) -> list[str]:
+    """The report's line of held-out exact match before and after, when it was scored."""
+    before, after = (res.get("before") or {}).get("exact_match"), (res.get("after") or {}).get("exact_match")
+    if not (before and after):
+        return []
+    return [f"- exact match on {after['examples']} held-out tasks: **{100 * before['exact_match']:.1f}% before, "
+            f"{100 * after['exact_match']:.1f}% after**"]
+
+
+def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> FinetuneStage:
+    """Prompts as the examples, rollouts of the policy as the batches, the clipped policy loss."""
+    check_recipe(recipe)
+
     def batches(run, model, cfg: TrainConfig):
         loss = recipe.objective
         reward = Reward(recipe.reward, run.tok, recipe.rollout.max_new_tokens, run.device)
-        reference = None
-        if loss.kl_coef > 0:  # full fine-tuning: the base again, prepared (sharded) as the policy, never trained
-            frozen = None if recipe.lora is not None else prepare_model(
-                load_model(run.base_dir, device=run.device)[0], cfg, parallel, frozen=True)
-            reference = reference_policy(model, frozen)
+        reference = frozen_reference(recipe, run, model, cfg, parallel) if loss.kl_coef > 0 else None
         sampler = SamplingCopy(model, recipe.lora, run.device) if parallel is not None else None
         source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.grpo, loss, reward,
                                 cfg.micro_batch_size, precision=cfg.precision, reference=reference,
@@ -125,7 +150,7 @@ def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> F
         return source, source.grad_accum
 
     return FinetuneStage(
-        "grpo", read_examples, rows=lambda examples, tok: {}, objective=lambda _reference: PolicyObjective(recipe.objective),
+        "grpo", prompt_reader(recipe), rows=lambda examples, tok: {}, objective=lambda _reference: PolicyObjective(recipe.objective),
         scorer=lambda run, _rows: named_scorer(recipe.score, run.tok, recipe.data.val), batches=batches,
         summary={"advantage": recipe.grpo.advantage, "group_size": recipe.rollout.n,
                  "prompts_per_step": recipe.grpo.prompts_per_step})
@@ -141,12 +166,8 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
            f"responses per step, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
            f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
            adapter_line(res, "grpo", "recipes/demo/grpo.yaml")]
-    before, after = (res.get("before") or {}).get("exact_match"), (res.get("after") or {}).get("exact_match")
-    if before and after:
-        out.append(f"- exact match on {after['examples']} held-out tasks: **{100 * before['exact_match']:.1f}% before, "
-                   f"{100 * after['exact_match']:.1f}% after**")
-    out += precision_line(res)
-    return out + loss_curve_lines(stage_dir, plot_path, ylabel="policy loss")
+    return out + exact_match_lines(res) + precision_line(res) + loss_curve_lines(stage_dir, plot_path,
+                                                                                 ylabel="policy loss")
 
 
 RECIPE = GRPORecipe

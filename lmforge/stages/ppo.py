@@ -44,17 +44,20 @@ from lmforge.rl.critic import ActorCritic, actor_critic
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import PolicyObjective
 from lmforge.rl.ppo import PPOAdvantages, PPOConfig
-from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
-from lmforge.rl.trainer import RolloutBatches, SamplingCopy, reference_policy
+from lmforge.rl.trainer import RolloutBatches, SamplingCopy
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
-from lmforge.stages.grpo import GRPODataConfig
+from lmforge.stages.grpo import (
+    GRPODataConfig,
+    check_rollout_recipe,
+    exact_match_lines,
+    frozen_reference,
+    prompt_reader,
+)
 from lmforge.stages.scoring import ScoreConfig, Scorer, named_scorer
-from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
-from lmforge.train.prepare import prepare_model
 
 
 @dataclass
@@ -84,14 +87,9 @@ def check_recipe(recipe: PPORecipe) -> Path | None:
     """What can be refused before any model is loaded or any rollout sampled; returns the critic's
     init checkpoint (None: shared)."""
     recipe.ppo.check(recipe.rollout)
-    recipe.reward.check()
+    check_rollout_recipe(recipe)
     if recipe.objective.kl_coef > 0:
         raise ConfigError("objective.kl_coef: PPO puts the KL in the reward (ppo.kl_coef); set objective.kl_coef=0")
-    if recipe.rollout.max_new_tokens >= recipe.data.max_length:
-        raise ConfigError(f"rollout.max_new_tokens {recipe.rollout.max_new_tokens} leaves no room for a prompt in "
-                          f"data.max_length {recipe.data.max_length}")
-    if recipe.train.spikes.policy == "rollback":
-        raise ConfigError("train.spikes.policy=rollback cannot replay rollouts; use skip or warn")
     return recipe.ppo.critic.init_path(recipe.checkpoint, recipe.reward)
 
 
@@ -104,30 +102,22 @@ def check_critic_tokenizer(init: Path | None, tok: Tokenizer) -> None:
 def ppo_stage(recipe: PPORecipe, parallel: ParallelContext | None = None) -> FinetuneStage:
     """Prompts as the examples, rollouts as the batches, the actor-critic loss on an ``ActorCritic``."""
     init = check_recipe(recipe)
-    max_prompt = recipe.data.max_length - recipe.rollout.max_new_tokens
     critic = recipe.ppo.critic
-
-    def read_examples(paths, tok, max_length, *, on_bad, on_too_long, skipped):
-        return read_prompts(paths, tok, required_fields=recipe.reward.required_fields(), max_tokens=max_prompt,
-                            on_bad=on_bad, skipped=skipped)
 
     def batches(run, model, cfg: TrainConfig):
         reward = Reward(recipe.reward, run.tok, recipe.rollout.max_new_tokens, run.device)  # tokenizer checked
         check_critic_tokenizer(init, run.tok)
-        # full fine-tuning: the base again, prepared (sharded) as the policy, never trained
-        frozen = None if recipe.lora is not None else prepare_model(load_model(run.base_dir, device=run.device)[0],
-                                                                    cfg, parallel, frozen=True)
         sampler = (SamplingCopy(model, recipe.lora, run.device, prefix="backbone.") if parallel is not None
                    else lambda: model.backbone)
         source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.ppo, recipe.objective,
                                 reward, cfg.micro_batch_size, precision=cfg.precision,
-                                reference=reference_policy(model, frozen), mask_truncated=recipe.reward.mask_truncated,
+                                reference=frozen_reference(recipe, run, model, cfg, parallel), mask_truncated=recipe.reward.mask_truncated,
                                 run_dir=run.run_dir, parallel=parallel, sampler=sampler,
                                 estimate=PPOAdvantages(recipe.ppo), critic=lambda ids, mask: scored_values(model, ids, mask))
         return source, source.grad_accum
 
     return FinetuneStage(
-        "ppo", read_examples, rows=lambda examples, tok: {},
+        "ppo", prompt_reader(recipe), rows=lambda examples, tok: {},
         objective=lambda _reference: PolicyObjective(recipe.objective, critic.vf_coef, critic.value_clip),
         scorer=lambda run, _rows: policy_scorer(named_scorer(recipe.score, run.tok, recipe.data.val)), batches=batches,
         head=actor_critic(init),
@@ -162,12 +152,8 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
            f"{res.get('responses_per_prompt')} responses per rollout batch, {res.get('step')} steps in "
            f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
            adapter_line(res, "ppo", "recipes/demo/ppo.yaml")]
-    before, after = (res.get("before") or {}).get("exact_match"), (res.get("after") or {}).get("exact_match")
-    if before and after:
-        out.append(f"- exact match on {after['examples']} held-out tasks: **{100 * before['exact_match']:.1f}% before, "
-                   f"{100 * after['exact_match']:.1f}% after**")
-    out += precision_line(res)
-    return out + loss_curve_lines(stage_dir, plot_path, ylabel="PPO loss")
+    return out + exact_match_lines(res) + precision_line(res) + loss_curve_lines(stage_dir, plot_path,
+                                                                                 ylabel="PPO loss")
 
 
 RECIPE = PPORecipe

@@ -21,7 +21,9 @@ from lmforge.rl.ppo import PPOAdvantages, PPOConfig, explained_variance
 from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import RolloutBatches, reference_policy
 from lmforge.stages.ppo import scored_values
-from tests.rl.test_trainer import STOPS, LengthReward, one_thread, prompts, step_batches, whole  # noqa: F401
+from tests.rl.test_trainer import STOPS, LengthReward, prompts, step_batches, whole  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: more threads only spin
 
 CFG = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 

@@ -20,13 +20,7 @@ V, T, TARGET = 3, 6, 4
 POSITIONS = torch.eye(T)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: on a shared machine, more threads only spin against other processes (60 s vs 1 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: more threads only spin
 
 
 def reward(tokens: torch.Tensor) -> torch.Tensor:

@@ -24,12 +24,7 @@ from lmforge.rl.trainer import GRPOConfig, RolloutBatches, advantages_of, refere
 STOPS = list(range(5, 45))  # a random model stops within a few tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: more threads only spin
 
 
 @pytest.fixture()

@@ -17,3 +17,12 @@ def base_checkpoint(tmp_path_factory, small_tokenizer_dir):
     write_model_files(path, model, small_tokenizer_dir)
     write_checksums(path)
     return path
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    """A prompt file of 12 demo tasks (messages ending with the answer), for the RL stages."""
+    from lmforge.data.sft_demo import make_examples
+    from tests.conftest import write_jsonl
+
+    return write_jsonl(tmp_path / "prompts.jsonl", make_examples(12, seed=3))

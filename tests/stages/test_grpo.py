@@ -11,11 +11,11 @@ import torch
 
 import lmforge.rl.trainer as trainer
 from lmforge.core.config import ConfigError, load_config
-from lmforge.data.sft_demo import make_examples
 from lmforge.model.checkpoint import load_weights
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.grpo import GRPORecipe, run_grpo
 from lmforge.train.checkpoint import load_model, read_checkpoint_weights
+from lmforge.train.metrics import read_metrics
 from tests.conftest import write_jsonl
 
 # a response of the random model that holds an "e" scores 1: about a third of its 4-token responses at first
@@ -24,26 +24,12 @@ FAST = ["rollout.n=4", "rollout.max_new_tokens=8", "grpo.prompts_per_step=4", "t
         "train.precision=fp32", "train.device=cpu", "train.warmup_steps=0", "train.schedule=constant", "train.tensorboard=false", "data.max_length=96"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture()
-def prompts(tmp_path):
-    return write_jsonl(tmp_path / "prompts.jsonl", make_examples(12, seed=3))
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: more threads only spin
 
 
 def recipe(tmp_path, base, prompts, *overrides, name="grpo") -> GRPORecipe:
     return load_config(GRPORecipe, None, [f"run_dir={tmp_path / name}", f"checkpoint={base}",
                                           f"data.train=[{prompts}]", *FAST, *REWARD, *overrides])
-
-
-def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_grpo_is_a_verb():
@@ -54,7 +40,7 @@ def test_the_reward_rises_and_the_run_writes_final_samples_and_rl_figures(tmp_pa
     summary = run_grpo(recipe(tmp_path, base_checkpoint, prompts, "train.max_steps=24", "train.lr=1e-2",
                               "rollout.max_new_tokens=4", "grpo.samples_every=8", "objective.kl_coef=0.01"))
     run_dir = tmp_path / "grpo"
-    records = [r for r in metrics(run_dir) if "reward_mean" in r]
+    records = [r for r in read_metrics(run_dir) if "reward_mean" in r]
     assert len(records) == 24 and summary["step"] == 24
     first = sum(r["reward_mean"] for r in records[:4]) / 4
     last = sum(r["reward_mean"] for r in records[-4:]) / 4
@@ -80,7 +66,7 @@ def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, b
     state = json.loads((tmp_path / "parts" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
     assert state["loader"]["buffer"] is not None and state["loader"]["uses_left"] == 1
     run_grpo(recipe(tmp_path, base_checkpoint, prompts, *common, name="parts"))
-    whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
+    whole, parts = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "parts")
     assert [r["step"] for r in parts] == list(range(1, 7))
     for a, b in zip(whole, parts):
         assert a["loss"] == b["loss"] and a["reward_mean"] == b["reward_mean"] and a["ratio_max"] == b["ratio_max"]
@@ -94,7 +80,7 @@ def test_lora_writes_an_adapter_and_its_reference_is_the_base(tmp_path, base_che
                               "lora.r=4", "lora.alpha=8", "objective.kl_coef=0.1"))
     run_dir = tmp_path / "grpo"
     assert summary["lora"] and (run_dir / "adapter" / "adapter_config.json").is_file()
-    records = metrics(run_dir)
+    records = read_metrics(run_dir)
     assert records[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at 0: the policy is the base
     assert records[1]["kl_ref"] > 0
     merged = read_checkpoint_weights(run_dir / "final")

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 import lmforge.rl.trainer as trainer
 from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError
-from lmforge.data.sft_demo import make_examples
 from lmforge.data.tokenizer import TokenizerConfig, train_tokenizer
 from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
@@ -23,7 +22,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.ppo import PPORecipe, run_ppo
 from lmforge.train.checkpoint import load_model, read_checkpoint_weights
-from tests.conftest import write_jsonl
+from lmforge.train.metrics import read_metrics
 
 REWARD = ["reward.components=[{kind: regex, pattern: 'e'}]"]
 FAST = ["rollout.n=2", "rollout.max_new_tokens=8", "ppo.prompts_per_step=8", "train.micro_batch_size=8",
@@ -31,26 +30,12 @@ FAST = ["rollout.n=2", "rollout.max_new_tokens=8", "ppo.prompts_per_step=8", "tr
         "train.tensorboard=false", "data.max_length=96"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture()
-def prompts(tmp_path):
-    return write_jsonl(tmp_path / "prompts.jsonl", make_examples(12, seed=3))
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: more threads only spin
 
 
 def recipe(tmp_path, base, prompts, *overrides, name="ppo") -> PPORecipe:
     return load_config(PPORecipe, None, [f"run_dir={tmp_path / name}", f"checkpoint={base}",
                                          f"data.train=[{prompts}]", *FAST, *REWARD, *overrides])
-
-
-def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_ppo_is_a_verb():
@@ -63,7 +48,7 @@ def test_the_reward_rises_and_the_run_logs_the_ppo_figures(tmp_path, base_checkp
                              "rollout.max_new_tokens=4", "ppo.updates_per_batch=1", "ppo.kl_coef=0.01",
                              f"ppo.critic.kind={kind}", "ppo.critic.vf_coef=0.5"))
     run_dir = tmp_path / "ppo"
-    records = [r for r in metrics(run_dir) if "reward_mean" in r]
+    records = [r for r in read_metrics(run_dir) if "reward_mean" in r]
     assert len(records) == 24 and summary["step"] == 24
     first = sum(r["reward_mean"] for r in records[:4]) / 4
     last = sum(r["reward_mean"] for r in records[-4:]) / 4
@@ -89,7 +74,7 @@ def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, b
     state = json.loads((tmp_path / "parts" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
     assert state["loader"]["buffer"] is not None and state["loader"]["estimate"]["kl"]["coef"] != 0.05
     run_ppo(recipe(tmp_path, base_checkpoint, prompts, *common, name="parts"))
-    whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
+    whole, parts = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "parts")
     assert [r["step"] for r in parts] == list(range(1, 7))
     for a, b in zip(whole, parts):
         assert a["loss"] == b["loss"] and a["kl_coef"] == b["kl_coef"] and a["value_loss"] == b["value_loss"]
@@ -107,7 +92,7 @@ def test_lora_writes_an_adapter_its_reference_is_the_base_and_the_policy_is_scor
                              "rollout.n=1", "score.name=exact_match", f"data.val=[{prompts}]", "score.max_examples=3"))
     run_dir = tmp_path / "ppo"
     assert summary["lora"] and (run_dir / "adapter" / "adapter_config.json").is_file()
-    records = metrics(run_dir)
+    records = read_metrics(run_dir)
     assert "zero_variance_share" not in records[0]  # rollout.n = 1: a group of one says nothing
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and records[1]["kl"] != 0
     assert summary["before"]["exact_match"]["examples"] == summary["after"]["exact_match"]["examples"] == 3
@@ -137,7 +122,7 @@ def test_a_critic_from_the_reward_model_starts_from_its_weights_and_head(tmp_pat
     summary = run_ppo(recipe(tmp_path, base_checkpoint, prompts, "train.max_steps=1", "ppo.updates_per_batch=1",
                              f"reward.components=[{{kind: reward_model, path: '{rm}'}}, {{kind: regex, pattern: e}}]",
                              "ppo.critic.init=reward_model", "train.lr=1e-12"))
-    records = metrics(tmp_path / "ppo")
+    records = read_metrics(tmp_path / "ppo")
     assert summary["step"] == 1 and "score_reward_model" in records[0] and "score_regex" in records[0]
     critic = load_file(str(tmp_path / "ppo" / "final" / "critic.safetensors"))
     head = load_file(str(rm / HEAD_FILE))
