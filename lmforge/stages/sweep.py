@@ -221,7 +221,7 @@ def run_status(run: SweepRun) -> str:
     config = run.run_dir / "config.yaml"
     if not config.exists():
         return "new"
-    stored, wanted = yaml.safe_load(config.read_text(encoding="utf-8")), to_dict(run.recipe)
+    stored, wanted = normalised(yaml.safe_load(config.read_text(encoding="utf-8")), config), to_dict(run.recipe)
     differing = [k for k in changed_keys(stored or {}, wanted) if k not in RUN_ONLY_KEYS]
     if differing:
         keys = ", ".join(differing[:6])
@@ -232,6 +232,16 @@ def run_status(run: SweepRun) -> str:
     if summary.get("step") == run.steps and latest_valid_checkpoint(run.run_dir) == checkpoint_dir(run.run_dir, run.steps):
         return "finished"
     return "partial"
+
+
+def normalised(stored: Any, path: Path) -> Any:
+    """A stored run config read through today's recipe schema, so that an option added to lmforge
+    after the run began counts as its default, not as a change. Left as read where it no longer
+    parses (then the comparison names what differs)."""
+    try:
+        return to_dict(from_dict(PretrainRecipe, stored, source=str(path)))
+    except (ConfigError, TypeError, ValueError):
+        return stored or {}
 
 
 def changed_keys(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -96,6 +96,22 @@ def test_a_run_directory_of_another_recipe_is_refused(tmp_path, pretrain_yaml):
         run_sweep(changed)
 
 
+def test_an_option_added_after_a_run_began_counts_as_its_default(tmp_path, pretrain_yaml):
+    recipe = sweep_recipe(tmp_path, pretrain_yaml, grid="tokens", tokens=[512], models=SIZES[:1])
+    run_sweep(recipe)
+    config = next((tmp_path / "sweep").glob("d32-*")) / "config.yaml"
+    stored = yaml.safe_load(config.read_text())
+    assert stored["train"].pop("eval_tasks") == []  # as written by an lmforge without the option
+    config.write_text(yaml.safe_dump(stored))
+    before = (config.parent / "metrics.jsonl").stat().st_mtime_ns
+    run_sweep(recipe)  # still the same recipe: finished, skipped
+    assert (config.parent / "metrics.jsonl").stat().st_mtime_ns == before
+    stored["train"]["eval_tasks"] = ["somewhere"]  # a real difference is still refused
+    config.write_text(yaml.safe_dump(stored))
+    with pytest.raises(InputError, match="trained with another recipe.*train.eval_tasks"):
+        run_sweep(recipe)
+
+
 def test_parallel_runs_in_their_own_processes_give_the_results_of_a_sequential_sweep(tmp_path, pretrain_yaml):
     kwargs = {"grid": "tokens", "tokens": [512], "overrides": ["train.eval_every=0"]}
     run_sweep(sweep_recipe(tmp_path / "seq", pretrain_yaml, **kwargs))
