@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,7 @@ from lmforge.train.forward import autocast_context
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 SAMPLES = "samples"
+PHASES = {"ref_logprobs": "reference", "values": "critic", "old_logprobs": "old_logprobs"}  # scoring forwards' time/<phase>_s
 
 
 @dataclass
@@ -260,6 +262,7 @@ class RolloutBatches:
         self.position = 0  # next micro-batch of the buffer
         self.uses_left = 0  # optimizer steps the buffer still serves
         self.drawn = 0  # micro-batches served so far: drawn // grad_accum is the step
+        self.timings: dict[str, float] = {}  # seconds per phase since the loop last asked (pop_timings)
 
     def __iter__(self) -> RolloutBatches:
         return self
@@ -273,6 +276,17 @@ class RolloutBatches:
         if self.position == len(self.buffer):
             self.position, self.uses_left = 0, self.uses_left - 1
         return batch
+
+    def pop_timings(self) -> dict[str, float]:
+        """Seconds spent since the last call in ``rollout`` (sampling, with the gathering of the
+        sampling copy's weights), ``reward`` and the batch's scoring forwards (``reference``,
+        ``critic``, ``old_logprobs``): the loop logs them as ``time/<phase>_s``. A step that reuses
+        the batch (μ > 1) spends none."""
+        timings, self.timings = self.timings, {}
+        return timings
+
+    def timed(self, phase: str, began: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - began
 
     # ------------------------------------------------------------------ sampling and scoring
 
@@ -296,13 +310,19 @@ class RolloutBatches:
     def draw_groups(self) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
         """(this rank's groups to train on, every group it sampled), per ``zero_variance`` (module docstring)."""
         target, kept, dropped, sampled = self.per_rank, [], [], []
+        began = time.perf_counter()
         model = self.sampler()
+        self.timed("rollout", began)
         for _ in range(1 + (self.cfg.max_refills if self.cfg.zero_variance == "drop" else 0)):
             needs = self.gather(target - len(kept))
             if not sum(needs):
                 break
+            began = time.perf_counter()
             groups = self.sample_share(model, needs)
+            self.timed("rollout", began)
+            began = time.perf_counter()
             scores = self.reward([r for g in groups for r in g]) if groups else None
+            self.timed("reward", began)
             start = 0
             for g in groups:
                 cut = slice(start, start + len(g))
@@ -370,7 +390,9 @@ class RolloutBatches:
             ids, mask = batch["input_ids"][rows, :width].to(device), batch["attention_mask"][rows, :width].to(device)
             with autocast_context(device, self.precision):
                 for key, scorer in scorers.items():
+                    began = time.perf_counter()
                     batch[key][rows, :width] = aligned(scorer(ids, mask)).cpu() * batch["loss_mask"][rows, :width]
+                    self.timed(PHASES[key], began)
 
     def statistics(self, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> dict[str, float]:
         """The figures logged with every step this batch serves, over every response sampled for it (on every rank)."""

@@ -212,6 +212,7 @@ def train(
             started = time.perf_counter()
             lr = scheduled_lr(optimizer, step, cfg)
             micro_batches = [next(train_batches) for _ in range(grad_accum)]
+            timings = {"batches": time.perf_counter() - started, **batch_timings(train_batches)}
             n_tokens = runner.tokens(micro_batches)
             measure = noise is not None and (step + 1) % cfg.noise_scale_every == 0
             result = runner.run_step(micro_batches, accept=spikes.accept(step), measure_noise=measure)
@@ -225,7 +226,8 @@ def train(
                     continue
                 step_log.event(spike.record())
             state.tokens_seen += n_tokens
-            record = step_log.record(step, result, loss, lr, started, n_tokens, state.tokens_seen, state.nonfinite.total)
+            record = step_log.record(step, result, loss, lr, started, n_tokens, state.tokens_seen, state.nonfinite.total,
+                                     timings)
             if result.noise is not None and not result.skipped:
                 record.update(noise.observe(result.noise))
             done = step + 1
@@ -246,6 +248,14 @@ def train(
     return {**summary, "step": step + 1, "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
             **{k: v for k, v in record.items() if is_validation_metric(k) or is_scored_metric(k)}, **(noise.summary() if noise else {})}
+
+
+def batch_timings(batches) -> dict[str, float]:
+    """Where a batch source's time went since it was last asked, for sources that say so (RL's
+    rollout batches: sampling, rewards, the reference's and the critic's forwards): a
+    ``pop_timings() -> {phase: seconds}``. Its phases are part of the step's ``time/batches_s``."""
+    pop = getattr(batches, "pop_timings", None)
+    return pop() if pop is not None else {}
 
 
 def noise_scale_tracker(cfg: TrainConfig, grad_accum: int) -> NoiseScale | None:

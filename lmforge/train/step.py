@@ -18,6 +18,7 @@ gradient beside the whole step's, for the gradient noise scale (``train.noise_sc
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -42,6 +43,9 @@ class StepResult(NamedTuple):
     metrics: dict[str, torch.Tensor]  # the objective's extra metrics, mean per target (and its maxima, the largest)
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer step was not taken
     noise: NoiseSample | None = None  # the small- and big-batch gradients, when the step measured them
+    # seconds from the step's start to its one host sync, after the forwards, backwards and gradient
+    # clipping (on a GPU the sync waits for them, so the figure is their compute, not their launch)
+    backward_s: float = 0.0
 
 
 def compile_objective(objective: Objective) -> Callable:
@@ -109,6 +113,7 @@ class StepRunner:
         ``train.spikes``) drops the update. ``measure_noise`` (at least two micro-batches): the
         result carries the first micro-batch's and the step's gradients (``StepResult.noise``)."""
         small: list[tuple[int, float]] = []
+        began = time.perf_counter()
         loss, n_targets, metric_sums, maxima = self.backward(micro_batches, small.append if measure_noise else None)
         scaler = self.scaler
         if scaler is not None:
@@ -117,6 +122,7 @@ class StepRunner:
         # a non-finite loss or gradient norm never reaches the weights (the one host sync of the step);
         # fp16's scaler skips overflowed gradients itself and halves its scale: not counted here
         skipped = not bool(torch.isfinite(loss) & (torch.isfinite(grad_norm) | (scaler is not None)))
+        backward_s = time.perf_counter() - began
         apply = not skipped and (accept is None or accept(loss))
         if scaler is not None:
             if apply:
@@ -127,7 +133,7 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         noise = NoiseSample(small[0][0], n_targets, small[0][1], float(grad_norm) ** 2) if small else None
         metrics = {k: v / n_targets for k, v in metric_sums.items()} | maxima
-        return StepResult(loss, grad_norm, n_targets, metrics, skipped, noise)
+        return StepResult(loss, grad_norm, n_targets, metrics, skipped, noise, backward_s)
 
     def first_batch_gradient(self, first_batch, n_targets: int) -> tuple[int, float]:
         """After the first micro-batch's backward: its target count over every data-parallel rank

@@ -48,6 +48,7 @@ class StepLog:
         self.first_step_done: float | None = None  # perf_counter at the end of the first step, for the ETA
         self.tok_rates: list[float] = []
         self.mfus: list[float] = []
+        self.phase_sums: dict[str, float] = {}  # seconds per phase of a step (``time/<phase>_s``), for the averages
 
     def open_metrics(self, resume_step: int | None) -> MetricsLogger | NoMetrics:
         return MetricsLogger(self.run_dir, self.tensorboard, resume_step) if self.logging_rank else NoMetrics()
@@ -70,8 +71,11 @@ class StepLog:
         self.metrics.log(record)
 
     def record(self, step: int, result: StepResult, loss: float, lr: float, started: float, n_tokens: int,
-               tokens_seen: int, nonfinite_steps: int) -> dict:
-        """The record of step ``step`` (0-based), which began at ``time.perf_counter()`` ``started``."""
+               tokens_seen: int, nonfinite_steps: int, timings: dict[str, float] | None = None) -> dict:
+        """The record of step ``step`` (0-based), which began at ``time.perf_counter()`` ``started``.
+        Its ``time/<phase>_s`` split the step's seconds: ``batches`` (drawing the micro-batches, with
+        the phases of ``timings`` inside it, e.g. RL's ``rollout``), ``forward_backward`` (with
+        gradient clipping) and ``optimizer`` (the rest: the update, logging)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -83,6 +87,11 @@ class StepLog:
                   "loss": loss, "lr": lr, "grad_norm": float(result.grad_norm),
                   "tokens": tokens_seen, "targets": result.n_targets, "tokens_per_s": n_tokens / dt, "step_s": dt,
                   "memory_bytes": peak_memory_bytes(self.device), "nonfinite_steps": nonfinite_steps}
+        timings = dict(timings or {})
+        batches = timings.pop("batches", 0.0)
+        split = {"batches": batches, **timings, "forward_backward": result.backward_s,
+                 "optimizer": max(dt - batches - result.backward_s, 0.0)}
+        record.update({f"time/{phase}_s": seconds for phase, seconds in split.items()})
         record.update({name: float(value) for name, value in result.metrics.items()})
         if self.flops_per_token and self.peak:  # model FLOPs of the global batch over the peak of every device
             achieved = self.flops_per_token * n_tokens / dt
@@ -95,6 +104,8 @@ class StepLog:
                 record["mfu"] = mfu
         if step > self.start_step:  # the first step pays for warm-up (allocation, compilation)
             self.tok_rates.append(record["tokens_per_s"])
+            for phase, seconds in split.items():
+                self.phase_sums[phase] = self.phase_sums.get(phase, 0.0) + seconds
             if "mfu" in record:
                 self.mfus.append(record["mfu"])
         return record
@@ -122,8 +133,11 @@ class StepLog:
         return per_step * (self.max_steps - record["step"])
 
     def averages(self) -> dict:
-        """Tokens/s and MFU averaged over the steps after the first."""
-        return {"tokens_per_s": _mean(self.tok_rates), "mfu": _mean(self.mfus)}
+        """Tokens/s, MFU and the seconds of each phase of a step (``time/<phase>_s``), averaged over
+        the steps after the first."""
+        steps = len(self.tok_rates)
+        return {"tokens_per_s": _mean(self.tok_rates), "mfu": _mean(self.mfus),
+                **{f"time/{phase}_s": total / steps for phase, total in self.phase_sums.items()}}
 
     def close(self) -> None:
         self.bar.close()

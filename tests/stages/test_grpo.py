@@ -71,6 +71,13 @@ def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, b
     for a, b in zip(whole, parts):
         assert a["loss"] == b["loss"] and a["reward_mean"] == b["reward_mean"] and a["ratio_max"] == b["ratio_max"]
     assert whole[1]["ratio_max"] != 1.0  # the second step of a batch is off-policy
+    for record in whole:  # the step's time split: the phases of drawing a rollout batch, on the steps that draw one
+        sampled = record["step"] % 2 == 1
+        assert ("time/rollout_s" in record) == ("time/reward_s" in record) == ("time/reference_s" in record) == sampled
+        inside = sum(record.get(f"time/{p}_s", 0.0) for p in ("rollout", "reward", "reference"))
+        assert (0 < inside <= record["time/batches_s"]) if sampled else inside == 0
+        assert record["time/forward_backward_s"] > 0 and record["time/optimizer_s"] >= 0
+        assert record["time/batches_s"] + record["time/forward_backward_s"] <= record["step_s"]
     wa, wb = read_checkpoint_weights(tmp_path / "whole" / "final"), read_checkpoint_weights(tmp_path / "parts" / "final")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
