@@ -345,10 +345,15 @@ class Transformer(nn.Module):
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
 
-    def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Logits (B, T, vocab_size); hidden states on a pipeline stage without the head."""
+    def forward(self, tokens: torch.Tensor, head_at: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Logits (B, T, vocab_size); hidden states on a pipeline stage without the head.
+        ``head_at`` (B, T) boolean: the logits (N, vocab_size) of its N true positions only, in
+        row-major order, so a loss that reads a few positions (RL's response tokens) spends the
+        head's matmul, and whatever reads the logits, on those alone."""
         hidden = self.hidden_states(tokens, **kwargs)
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        if self.lm_head is None:
+            return hidden
+        return self.lm_head(hidden if head_at is None else hidden[head_at])
 
     def keep_layers(self, layers: range, embed: bool, head: bool) -> Transformer:
         """Make this model a pipeline stage, in place: keep blocks ``layers`` (under their indices,

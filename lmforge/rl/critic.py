@@ -91,22 +91,26 @@ class ActorCritic(nn.Module):
         return self.backbone.embed
 
     def forward(self, input_ids: torch.Tensor, output: Literal["logits", "values", "both"] = "logits",
-                **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The policy's logits (B, T, V), the values (B, T) float32, or both (``kwargs``:
-        ``Transformer.forward``'s). Every use goes through here, so a sharded model's forward hooks run."""
+                head_at: torch.Tensor | None = None, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logits (B, T, V), the values (B, T) float32, or both (``head_at`` and
+        ``kwargs``: ``Transformer.forward``'s; ``head_at`` selects the logits' positions, never the
+        values'). Every use goes through here, so a sharded model's forward hooks run."""
         if output == "logits":
-            return self.backbone(input_ids, **kwargs)
+            return self.backbone(input_ids, head_at=head_at, **kwargs)
         if self.critic is not None:
             values = self.critic(input_ids, **kwargs)
-            return values if output == "values" else (self.backbone(input_ids, **kwargs), values)
+            return values if output == "values" else (self.backbone(input_ids, head_at=head_at, **kwargs), values)
         hidden = self.backbone.hidden_states(input_ids, **kwargs)
         values = self.value(hidden).squeeze(-1).float()
-        return values if output == "values" else (self.backbone.lm_head(hidden), values)
+        if output == "values":
+            return values
+        return self.backbone.lm_head(hidden if head_at is None else hidden[head_at]), values
 
-    def logits_and_values(self, input_ids: torch.Tensor,
-                          attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits (B, T, V), values (B, T) float32): a shared critic reads the policy's hidden states."""
-        return self(input_ids, "both", **model_inputs(input_ids, attention_mask))
+    def logits_and_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          head_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (B, T, V), or (N, V) at ``head_at``; values (B, T) float32): a shared critic
+        reads the policy's hidden states."""
+        return self(input_ids, "both", head_at=head_at, **model_inputs(input_ids, attention_mask))
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Values (B, T) alone (the rollout batch's, without gradient)."""

@@ -44,16 +44,48 @@ TOKEN_METRICS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac
                  "kl_ref", "entropy")
 
 
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π(input_ids[:, t] | input_ids[:, :t]) for t = 1..T-1 in float32 (B, T-1), the logits (B, T-1, V))."""
-    logits = model(input_ids, **model_inputs(input_ids, attention_mask))[:, :-1]
-    return logprobs_of(logits, input_ids), logits
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(input_ids[:, t] | input_ids[:, :t]) for t = 1..T-1 in float32 (B, T-1), the logits
+    they come from (B, T-1, V)). With ``at`` (B, T) boolean, the log-probs of the marked tokens
+    only (0 at the others), from the logits (N, V) of the N positions that predict them
+    (``head_positions``): the response of a prompt + response row is a few of its positions, and
+    the head and the log-softmax over the vocabulary then run on those alone."""
+    kwargs = model_inputs(input_ids, attention_mask)
+    if at is None:
+        logits = model(input_ids, **kwargs)[:, :-1]
+        return logprobs_of(logits, input_ids), logits
+    logits = model(input_ids, head_at=head_positions(at), **kwargs)
+    return selected_logprobs(logits, input_ids, at), logits
 
 
 def logprobs_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """The log-probs (B, T-1) of tokens 1..T-1 under ``logits`` of positions 0..T-2."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return chosen_logprobs(logits, input_ids[:, 1:])
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] in float32, for logits (..., V) and tokens (...)."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def head_positions(at: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits predict the tokens ``at`` (B, T) marks: each one to the left."""
+    head_at = torch.zeros_like(at, dtype=torch.bool)
+    head_at[:, :-1] = at[:, 1:]
+    return head_at
+
+
+def selected_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """(B, T-1) log-probs of the tokens ``at`` marks (0 elsewhere) from the logits (N, V) at
+    ``head_positions(at)``."""
+    marked = at[:, 1:].bool()
+    return spread(chosen_logprobs(logits, input_ids[:, 1:][marked]), marked)
+
+
+def spread(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The N ``values`` at the N true positions of ``mask`` (row-major), 0 elsewhere (float32)."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=values.device).masked_scatter(mask, values.float())
 
 
 class PolicyObjective(Objective):
@@ -76,15 +108,15 @@ class PolicyObjective(Objective):
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         cfg = self.cfg
         ids = batch["input_ids"]
+        at = batch["loss_mask"].bool()  # the logits of the response tokens only (token_logprobs)
         if self.vf_coef is None:
-            logp, logits = token_logprobs(model, ids, batch["attention_mask"])
+            logp, logits = token_logprobs(model, ids, batch["attention_mask"], at=at)
         else:
-            logits, values = model.logits_and_values(ids, batch["attention_mask"])
-            logits, values = logits[:, :-1], values[:, :-1]
-            logp = logprobs_of(logits, ids)
+            logits, values = model.logits_and_values(ids, batch["attention_mask"], head_at=head_positions(at))
+            logp, values = selected_logprobs(logits, ids, at), values[:, :-1]
         mask = batch["loss_mask"][:, 1:]
         with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
+            entropy = spread(entropy_from_logits(logits), at[:, 1:])
         ref = batch["ref_logprobs"][:, 1:] if "ref_logprobs" in batch else None
         loss, metrics = policy_loss(logp, batch["old_logprobs"][:, 1:], batch["advantages"][:, 1:], mask, cfg,
                                     ref_logp=ref, entropy=entropy, n_tokens=1, n_sequences=1)

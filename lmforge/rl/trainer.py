@@ -117,22 +117,24 @@ class ScoredGroup:
         return max(self.totals) - min(self.totals) <= 1e-6 * max(1.0, max(abs(t) for t in self.totals))
 
 
-TokenLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (input_ids, attention_mask, at) -> (B, T-1): the log-probs of the tokens ``at`` marks (the loss mask),
+# 0 elsewhere (``rl.objective.token_logprobs``), or a critic's values (which reads no ``at``)
+TokenLogprobs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def reference_policy(model: nn.Module, frozen: nn.Module | None = None) -> TokenLogprobs:
-    """The KL reference as a function of (input_ids, attention_mask) -> token log-probs (B, T-1):
+    """The KL reference as a function of (input_ids, attention_mask, at) -> token log-probs (B, T-1):
     the policy with its LoRA adapters disabled (no second copy), else ``frozen``, the base
     prepared as the policy but never trained (sharded like it under torchrun), or, without one,
     a frozen copy of the policy taken now, before any update (DPO's references, ``objectives.reference``)."""
     if lora_modules(model):
-        def adapters_off(ids, mask):
+        def adapters_off(ids, mask, at):
             with disable_adapters(model):
-                return _scored(model, ids, mask)
+                return _scored(model, ids, mask, at)
         return adapters_off
     frozen = frozen if frozen is not None else copy.deepcopy(model)
     frozen.eval().requires_grad_(False)
-    return lambda ids, mask: _scored(frozen, ids, mask)
+    return lambda ids, mask, at: _scored(frozen, ids, mask, at)
 
 
 class SamplingCopy:
@@ -160,12 +162,12 @@ class SamplingCopy:
         return self.copy.eval()
 
 
-def _scored(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _scored(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return token_logprobs(model, ids, mask)[0]
+            return token_logprobs(model, ids, mask, at)[0]
     finally:
         model.train(was_training)
 
@@ -380,7 +382,7 @@ class RolloutBatches:
         if self.reference is not None:
             scorers["ref_logprobs"] = self.reference
         if self.precision != "fp32":
-            scorers["old_logprobs"] = lambda ids, mask: _scored(self.model, ids, mask)
+            scorers["old_logprobs"] = lambda ids, mask, at: _scored(self.model, ids, mask, at)
         if self.critic is not None:
             scorers["values"] = self.critic
         for key in scorers:
@@ -388,10 +390,11 @@ class RolloutBatches:
         for rows in slices:
             width = int(batch["attention_mask"][rows].sum(-1).max())
             ids, mask = batch["input_ids"][rows, :width].to(device), batch["attention_mask"][rows, :width].to(device)
+            at = batch["loss_mask"][rows, :width].bool().to(device)
             with autocast_context(device, self.precision):
                 for key, scorer in scorers.items():
                     began = time.perf_counter()
-                    batch[key][rows, :width] = aligned(scorer(ids, mask)).cpu() * batch["loss_mask"][rows, :width]
+                    batch[key][rows, :width] = aligned(scorer(ids, mask, at)).cpu() * batch["loss_mask"][rows, :width]
                     self.timed(PHASES[key], began)
 
     def statistics(self, sampled: list[ScoredGroup], trained: list[ScoredGroup]) -> dict[str, float]:

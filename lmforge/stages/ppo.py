@@ -113,7 +113,7 @@ def ppo_stage(recipe: PPORecipe, parallel: ParallelContext | None = None) -> Fin
                                 reward, cfg.micro_batch_size, precision=cfg.precision,
                                 reference=frozen_reference(recipe, run, model, cfg, parallel), mask_truncated=recipe.reward.mask_truncated,
                                 run_dir=run.run_dir, parallel=parallel, sampler=sampler,
-                                estimate=PPOAdvantages(recipe.ppo), critic=lambda ids, mask: scored_values(model, ids, mask))
+                                estimate=PPOAdvantages(recipe.ppo), critic=lambda ids, mask, at: scored_values(model, ids, mask))
         return source, source.grad_accum
 
     return FinetuneStage(

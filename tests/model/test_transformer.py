@@ -66,6 +66,17 @@ def test_logits_are_causal():
         assert torch.allclose(model(x)[:, :10], model(y)[:, :10], atol=1e-6)
 
 
+def test_logits_at_chosen_positions_are_those_rows_of_the_full_logits():
+    torch.manual_seed(0)
+    model = Transformer(small(tie_embeddings=True)).eval()
+    x = torch.randint(0, 97, (3, 12))
+    at = torch.rand(3, 12) < 0.3
+    with torch.no_grad():
+        full, picked = model(x), model(x, head_at=at)
+    assert picked.shape == (int(at.sum()), 97)
+    torch.testing.assert_close(picked, full[at], atol=1e-6, rtol=1e-5)  # the same rows: only the matmul's M differs
+
+
 def test_explicit_positions_equal_the_default():
     model = Transformer(small()).eval()
     x = torch.randint(0, 97, (2, 12))

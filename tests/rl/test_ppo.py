@@ -48,7 +48,7 @@ def source(model: ActorCritic, tok, prompts, **ppo) -> RolloutBatches:  # noqa: 
     frozen = tiny(0)  # the base, as the policy starts
     return RolloutBatches(model.backbone, tok, prompts, rollout, cfg, PolicyLossConfig(), LengthReward(), 4,
                           reference=reference_policy(model.backbone, frozen), estimate=PPOAdvantages(cfg),
-                          critic=lambda ids, mask: scored_values(model, ids, mask))
+                          critic=lambda ids, mask, at: scored_values(model, ids, mask))
 
 
 def test_the_first_epoch_has_ratio_one_on_every_token(actor_critic, small_tokenizer, prompts):  # noqa: F811
