@@ -9,6 +9,9 @@
   ``rel_tol`` (``math.isclose``); thousands separators, a leading ``$`` and exponents are read.
 - ``final_answer``: the final answer of a worked response (GSM8K's ``####``, ``\\boxed{}``,
   ``answer:``), which the RL verifiers compare.
+- ``edit_similarity``: partial credit, ``1 − lev(a, b) / max(|a|, |b|)`` with ``lev`` the
+  Levenshtein distance in characters (1 for equal strings, 0 for nothing in common), after
+  ``normalize_answer``: a dense reward where exact answers are rare.
 - ``extract``: the harness's ``regex`` filter on one text (``findall``, the ``group``-th match,
   the first non-empty group of a match with several, stripped; ``fallback`` when none).
 """
@@ -45,6 +48,28 @@ def exact_match(prediction: str, target: str, *, ignore_case: bool = False, igno
     if ignore_numbers:
         prediction, target = prediction.translate(_DIGITS), target.translate(_DIGITS)
     return prediction == target
+
+
+def edit_similarity(prediction: str, target: str) -> float:
+    """``1 − lev(p, t) / max(|p|, |t|)`` of the normalised strings (``normalize_answer``): the share
+    of characters that need no insertion, deletion or substitution; 1.0 when both are empty."""
+    p, t = normalize_answer(prediction), normalize_answer(target)
+    if not p and not t:
+        return 1.0
+    return 1.0 - levenshtein(p, t) / max(len(p), len(t))
+
+
+def levenshtein(a: str, b: str) -> int:
+    """The fewest single-character insertions, deletions and substitutions turning ``a`` into ``b``
+    (Wagner-Fischer, one row at a time)."""
+    if len(a) < len(b):
+        a, b = b, a
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (ca != cb))
+    return row[-1]
 
 
 def final_number(text: str) -> float | None:

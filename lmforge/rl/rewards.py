@@ -9,6 +9,9 @@ and each component's score is kept for logging):
 - ``numeric_match``: 1 when the final answer's number equals the field's within ``rel_tol``;
 - ``regex``: 1 when ``pattern`` is found in the response (a format reward: anchor it with ``^…$``);
 - ``demo_exact_match``: the demo tasks' checker, ``data.sft_demo.exact_match``, on the whole response;
+- ``similarity``: partial credit in [0, 1], ``eval.answers.edit_similarity`` of the final answer and
+  the field (one minus the Levenshtein distance over the longer length): a dense signal for a
+  model whose exact answers are rare, which a binary verifier leaves in zero-variance groups;
 - ``reward_model``: the scalar of a model trained by ``lmforge reward`` (``path``) on prompt +
   response laid out as its preference rows were (``data.preference``); its tokenizer must be
   the policy's, checked when it is loaded;
@@ -44,12 +47,12 @@ from lmforge.core.io import InputError
 from lmforge.data.chat import IM_END, tokenize_segments
 from lmforge.data.sft_demo import exact_match as demo_exact_match
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.eval.answers import exact_match, final_answer, numeric_match
+from lmforge.eval.answers import edit_similarity, exact_match, final_answer, numeric_match
 from lmforge.rl.rollout import Rollout
 from lmforge.train.checkpoint import load_reward_model, resolve_checkpoint
 
-Kind = Literal["exact_match", "numeric_match", "regex", "demo_exact_match", "reward_model", "callable"]
-FIELD_KINDS = ("exact_match", "numeric_match", "demo_exact_match")  # the kinds that read a prompt field
+Kind = Literal["exact_match", "numeric_match", "regex", "demo_exact_match", "similarity", "reward_model", "callable"]
+FIELD_KINDS = ("exact_match", "numeric_match", "demo_exact_match", "similarity")  # the kinds that read a prompt field
 
 # --------------------------------------------------------------------------- configuration
 
@@ -61,7 +64,7 @@ class RewardComponentConfig:
     kind: Kind = "exact_match"
     weight: float = in_range(1.0)  # any finite number
     name: str | None = None  # how its score is logged; default: the kind
-    field: str = "answer"  # exact_match, numeric_match, demo_exact_match: the prompt field holding the reference
+    field: str = "answer"  # exact_match, numeric_match, demo_exact_match, similarity: the prompt field holding the reference
     rel_tol: float = at_least(0, 1e-6)  # numeric_match
     pattern: str | None = None  # regex: found in the response -> 1
     path: str | None = None  # reward_model: `lmforge reward`'s run directory or final/ checkpoint
@@ -202,6 +205,8 @@ def verifier(c: RewardComponentConfig) -> Callable[[Rollout], float]:
         return lambda r: float(numeric_match(final_answer(r.text), r.prompt.fields[c.field], c.rel_tol, abs_tol=c.rel_tol))
     if c.kind == "demo_exact_match":
         return lambda r: float(demo_exact_match(r.text, str(r.prompt.fields[c.field])))
+    if c.kind == "similarity":
+        return lambda r: edit_similarity(final_answer(r.text), str(r.prompt.fields[c.field]))
     if c.kind == "regex":
         pattern = re.compile(c.pattern, re.DOTALL)
         return lambda r: float(pattern.search(r.text) is not None)

@@ -4,6 +4,8 @@ sum with each term kept, the length penalty and DAPO's soft overlong punishment.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from lmforge.core.io import InputError
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.preference import tokenize_completion
 from lmforge.data.tokenizer import TokenizerConfig, train_tokenizer
-from lmforge.eval.answers import exact_match, final_answer, numeric_match
+from lmforge.eval.answers import edit_similarity, exact_match, final_answer, levenshtein, numeric_match
 from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import RewardModel
@@ -59,6 +61,19 @@ def test_each_verifier_scores_and_the_weighted_sum_keeps_every_term(small_tokeni
                             "regex": [1.0, 0.0, 0.0], "demo": [1.0, 0.0, 0.0]}
     assert scores.total == [4.5, 1.0, 0.0]
     assert r.cfg.required_fields() == ["answer"]
+
+
+def test_similarity_is_one_minus_nltks_edit_distance_over_the_longer_length(small_tokenizer):
+    edit_distance = pytest.importorskip("nltk.metrics.distance").edit_distance  # an independent Levenshtein
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = ("".join(rng.choices("abc1 ", k=rng.randint(0, 9))) for _ in range(2))
+        assert levenshtein(a, b) == edit_distance(a, b), (a, b)
+    assert edit_similarity("duolcelpam", "duolcelpam.") == 1.0 and edit_similarity("", "") == 1.0
+    assert edit_similarity("1445", "1455") == 0.75 and edit_similarity("kitten", "sitting") == pytest.approx(1 - 3 / 7)
+    r = reward(small_tokenizer, "components=[{kind: similarity}, {kind: demo_exact_match, name: exact}]")
+    scores = r([rollout("12, 17", {"answer": "12, 17"}), rollout("12, 71", {"answer": "12, 17"}), rollout("x", {"answer": "12"})])
+    assert scores.terms["similarity"] == pytest.approx([1.0, 1 - 2 / 6, 0.0]) and scores.terms["exact"] == [1.0, 0.0, 0.0]
 
 
 def test_length_penalty_and_dapos_soft_overlong_punishment(small_tokenizer):
