@@ -175,3 +175,14 @@ def test_the_verb_and_its_demo_recipes_load():
     for what in ("label", "revise"):
         r = load_config(module.RECIPE, REPO / "recipes" / "demo" / f"cai_{what}.yaml", [f"what={what}"])
         assert r.judge.kind() == "checkpoint" and r.constitution.endswith("demo_tasks.yaml")
+
+
+def test_the_command_line_reports_a_bad_constitution_as_one_error_line(tmp_path, judge_checkpoint, prompts, capsys):
+    from lmforge.cli.main import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nprinciples:\n  - {name: lone, critique: c, comparison: q}\n")
+    code = main(["cai", "label", f"run_dir={tmp_path / 'cai'}", f"checkpoint={judge_checkpoint}",
+                 f"data.prompts=[{prompts}]", f"constitution={bad}", "judge.function=tests.feedback.rules:shorter"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"lmforge cai: error: {bad}: principle 0 ('lone'): missing its 'revision' request" in err

@@ -214,7 +214,10 @@ def test_lmforge_serve_as_the_judge_gives_the_in_process_judges_labels(tmp_path,
                            "label.on_no_choice=skip"))
     remote = run_cai(recipe(tmp_path / "remote", judge_checkpoint, prompts, f"judge.base_url={served.url}/v1",
                             "judge.model=tiny", "judge.concurrency=4", "label.on_no_choice=skip"))
-    assert local["answers_read_by"].get("logprobs", 0) > 0  # soft labels, not only parsed choices
+    soft = [p for x in (tmp_path / "local" / "judgements.jsonl").read_text().splitlines()
+            for pair in json.loads(x)["pairs"] for p in pair.get("p_x", [])]
+    assert any(0.01 < p < 0.99 for p in soft)  # soft labels, not only sure or parsed choices
+    assert local["kept"] > 0 and local["answers_read_by"] == {"logprobs": 2 * local["pairs_judged"]}
     for key in ("pairs_judged", "kept", "dropped", "answers_read_by", "disagreement_rate"):
         assert remote[key] == local[key], key
     mine = [json.loads(x) for x in (tmp_path / "local" / "judgements.jsonl").read_text().splitlines()]
