@@ -10,7 +10,8 @@ few-turn format as a chat:
 
 The revision is the next round's response (a fresh conversation each round, so the prompt
 stays short for a small critic). An empty revision leaves the response as it was, and is
-counted. All items of a batch go to the critic together: the critiques in one batch, then
+counted; an empty response or critique ends that round's questions (a chat API refuses an
+empty turn). All items of a batch go to the critic together: the critiques in one batch, then
 the revisions in one.
 """
 
@@ -45,21 +46,30 @@ def as_turns(prompt: str | list[dict]) -> list[dict]:
 
 def revise(critic: Judge, items: Sequence[ToRevise], constitution: Constitution, rounds: int, seed: int
            ) -> list[dict]:
-    """Each item's rounds ``[{principle, critique, revision}]`` and its ``final`` response."""
+    """Each item's rounds ``[{principle, critique, revision, kept}]`` and its ``final`` response.
+    A round of an empty response, or whose critique is empty, asks nothing further (a chat API
+    refuses an empty turn) and is marked ``skipped``."""
     responses = [item.response for item in items]
     traces: list[list[dict]] = [[] for _ in items]
     for r in range(rounds):
         principles = [constitution.principles[draw_principle(constitution, seed, item.index, r)] for item in items]
-        asked = [[*as_turns(item.prompt), {"role": "assistant", "content": response},
-                  {"role": "user", "content": p.critique}]
-                 for item, response, p in zip(items, responses, principles)]
-        critiques = critic.generate([Chat(f"{item.key} round {r} critique", m) for item, m in zip(items, asked)])
-        asked = [[*m, {"role": "assistant", "content": critique}, {"role": "user", "content": p.revision}]
-                 for m, critique, p in zip(asked, critiques, principles)]
-        revisions = critic.generate([Chat(f"{item.key} round {r} revision", m) for item, m in zip(items, asked)])
-        for i, (p, critique, revision) in enumerate(zip(principles, critiques, revisions)):
-            traces[i].append({"principle": p.name, "critique": critique, "revision": revision,
-                              "kept": bool(revision.strip())})
-            if revision.strip():
-                responses[i] = revision
+        asked = {i: [*as_turns(item.prompt), {"role": "assistant", "content": responses[i]},
+                     {"role": "user", "content": principles[i].critique}]
+                 for i, item in enumerate(items) if responses[i].strip()}
+        critiques = dict(zip(asked, critic.generate([Chat(f"{items[i].key} round {r} critique", m)
+                                                     for i, m in asked.items()])))
+        asked = {i: [*asked[i], {"role": "assistant", "content": c}, {"role": "user", "content": principles[i].revision}]
+                 for i, c in critiques.items() if c.strip()}
+        revisions = dict(zip(asked, critic.generate([Chat(f"{items[i].key} round {r} revision", m)
+                                                     for i, m in asked.items()])))
+        for i, p in enumerate(principles):
+            step = {"principle": p.name, "critique": critiques.get(i), "revision": revisions.get(i)}
+            if i not in critiques:
+                step["skipped"] = "empty_response"
+            elif i not in revisions:
+                step["skipped"] = "empty_critique"
+            step["kept"] = bool((revisions.get(i) or "").strip())
+            if step["kept"]:
+                responses[i] = revisions[i]
+            traces[i].append(step)
     return [{"rounds": t, "final": final} for t, final in zip(traces, responses)]

@@ -240,6 +240,8 @@ def label_chunk(judge: Judge, recipe: CAIRecipe, constitution: Constitution, gro
 def write_revise_output(recipe: CAIRecipe, run_dir: Path, records: list[dict], skipped: SkipLog) -> dict:
     out = []
     for r in records:
+        if not r["final"].strip():
+            continue  # an empty answer is no SFT example (sft refuses empty turns); counted below
         body = ({"messages": [*r["prompt"], {"role": "assistant", "content": r["final"]}]}
                 if isinstance(r["prompt"], list) else {"prompt": r["prompt"], "completion": r["final"]})
         out.append({**r["fields"], **body})
@@ -251,11 +253,15 @@ def write_revise_output(recipe: CAIRecipe, run_dir: Path, records: list[dict], s
         principles[t["principle"]] = principles.get(t["principle"], 0) + 1
     summary = {"what": "revise", "output": str(path), "trace": str(run_dir / LOGS["revise"]), "prompts": len(records),
                "rounds": len(rounds), "revised": sum(r["final"] != r["response"] for r in records),
-               "empty_revisions": sum(not t["kept"] for t in rounds), "principles": dict(sorted(principles.items())),
+               "empty_revisions": sum(not t["kept"] and "skipped" not in t for t in rounds),
+               "skipped_rounds": {why: sum(t.get("skipped") == why for t in rounds)
+                                  for why in ("empty_response", "empty_critique")},
+               "dropped_empty": len(records) - len(out), "principles": dict(sorted(principles.items())),
                "skipped_records": skipped.to_dict()}
     atomic_write_json(run_dir / "summary.json", summary)
-    log.info("cai revise: %d prompts, %d rounds, %d final responses changed (%d empty revisions kept the response); %s",
-             summary["prompts"], summary["rounds"], summary["revised"], summary["empty_revisions"], path)
+    log.info("cai revise: %d prompts, %d rounds, %d final responses changed (%d empty revisions kept the response, "
+             "rounds skipped %s); %d SFT examples in %s", summary["prompts"], summary["rounds"], summary["revised"],
+             summary["empty_revisions"], summary["skipped_rounds"], len(out), path)
     return summary
 
 

@@ -32,3 +32,9 @@ def critic(chat: Chat) -> str:
     """Critiques by quoting the response; revises to its first three characters."""
     response = chat.messages[-2]["content"] if chat.key.endswith("critique") else chat.messages[-4]["content"]
     return f"'{response}' is too long" if chat.key.endswith("critique") else response[:3]
+
+
+def mute(chat: Chat) -> str:
+    """A critic with nothing to say (its revisions must never be asked for)."""
+    assert chat.key.endswith("critique"), chat.key
+    return ""

@@ -133,21 +133,38 @@ def test_revise_writes_the_final_revisions_as_sft_data_and_every_round_in_the_tr
     summary = run_cai(r)
     trace = lines(tmp_path / "rev" / "trace.jsonl")
     sft = lines(tmp_path / "rev" / "sft.jsonl")
-    names = {"correct", "format", "complete"}
-    assert len(trace) == len(sft) == summary["prompts"] == 6 and summary["rounds"] == 12
-    for t, s in zip(trace, sft):
-        (one, two) = t["rounds"]
-        assert one["critique"] == f"'{t['response']}' is too long" and one["revision"] == t["response"][:3]
-        assert two["critique"] == f"'{one['revision']}' is too long" and two["revision"] == one["revision"][:3]
-        assert {one["principle"], two["principle"]} <= names
-        final = two["revision"] if two["revision"].strip() else one["revision"] if one["revision"].strip() \
-            else t["response"]
-        assert t["final"] == final and s["messages"] == [*t["prompt"], {"role": "assistant", "content": final}]
-        assert s["answer"] == t["fields"]["answer"]
-    examples = list(read_sft_examples([str(tmp_path / "rev" / "sft.jsonl")], small_tokenizer, 256, on_bad="skip"))
-    assert examples
+    assert len(trace) == summary["prompts"] == 6 and summary["rounds"] == 12
+    for t in trace:  # what the rule critic must have written, round by round
+        current = t["response"]
+        assert len(t["rounds"]) == 2
+        for step in t["rounds"]:
+            assert step["principle"] in {"correct", "format", "complete"}
+            if not current.strip():
+                assert step == {"principle": step["principle"], "critique": None, "revision": None,
+                                "skipped": "empty_response", "kept": False}
+                continue
+            assert step["critique"] == f"'{current}' is too long" and step["revision"] == current[:3]
+            assert step["kept"] == bool(current[:3].strip())
+            current = current[:3] if current[:3].strip() else current
+        assert t["final"] == current
+    written = [t for t in trace if t["final"].strip()]
+    assert summary["dropped_empty"] == len(trace) - len(sft)
+    assert [s["messages"] for s in sft] == [[*t["prompt"], {"role": "assistant", "content": t["final"]}]
+                                            for t in written]
+    assert [s["answer"] for s in sft] == [t["fields"]["answer"] for t in written]
+    assert len(list(read_sft_examples([str(tmp_path / "rev" / "sft.jsonl")], small_tokenizer, 256))) == len(sft)
     again = run_cai(r)  # a rerun redraws nothing: the same principles, the same files
     assert again == summary and lines(tmp_path / "rev" / "trace.jsonl") == trace
+
+
+def test_an_empty_critique_asks_no_revision_and_keeps_the_response(tmp_path, judge_checkpoint, prompts):
+    summary = run_cai(recipe(tmp_path / "rev", judge_checkpoint, prompts, "rollout.n=1",
+                             "judge.function=tests.feedback.rules:mute", what="revise"))
+    trace = lines(tmp_path / "rev" / "trace.jsonl")
+    asked = [t for t in trace if t["response"].strip()]
+    assert asked and all(t["rounds"][0]["skipped"] == "empty_critique" and t["rounds"][0]["revision"] is None
+                         and t["final"] == t["response"] for t in asked)
+    assert summary["skipped_rounds"]["empty_critique"] == len(asked) and summary["revised"] == 0
 
 
 @pytest.mark.parametrize("overrides, message", [
