@@ -291,7 +291,11 @@ class EndpointJudge:
             except urllib.error.HTTPError as exc:
                 message = error_message(exc)
                 if exc.code not in RETRIED_STATUS:
-                    raise JudgeRefused(f"{key}: {self.url} refused the request: HTTP {exc.code}: {message}") from exc
+                    hint = "" if self.api_key or exc.code not in (401, 403) else \
+                        f" (no API key was sent: set ${self.cfg.api_key_env})" if self.cfg.api_key_env else \
+                        " (no API key was sent: judge.api_key_env names the variable holding it)"
+                    raise JudgeRefused(f"{key}: {self.url} refused the request: HTTP {exc.code}: {message}{hint}") \
+                        from exc
                 last = f"HTTP {exc.code}: {message}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
                 reason = getattr(exc, "reason", exc)

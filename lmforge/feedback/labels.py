@@ -10,7 +10,8 @@ where p("A") sums the probabilities of the alternatives at that position that re
 token is the first generated token that reads A or B, else the first that reads anything (an
 opening "(" is skipped). An option outside the judge's ``top_logprobs`` alternatives counts
 as probability 0. When the backend gives no log-probs, or neither option is among them, the
-label is the choice its text names, (A) or (B): 1 or 0. A text naming neither (or both)
+label is the choice its text names, "(A)" or "(B)" (or a bare "A", "Option B", "Answer: A"):
+1 or 0. A text naming neither (or both)
 has no label: a ``NoChoice`` (an error naming the item, or a counted skip).
 
 Each pair (x, y) is judged in both orders, (A, B) = (x, y) and (y, x), and
@@ -38,6 +39,7 @@ from lmforge.feedback.judges import Answer, Comparison, Judge, JudgeError
 
 MAX_MARGIN = math.log((1 - 1e-4) / 1e-4)  # the margin of confidence 0.9999: a sure label stays finite
 OPTION = re.compile(r"\(([AB])\)")
+NAMED = re.compile(r"\b(?:option|answer(?: is)?|choice)\s*:?\s*\(?([AB])\b", re.IGNORECASE)
 
 
 class NoChoice(JudgeError):
@@ -63,11 +65,17 @@ def answer_position(answer: Answer) -> int | None:
 
 
 def parsed_choice(text: str) -> str | None:
-    """The option a text names: exactly one of "(A)"/"(B)", or the text is "A" or "B"."""
+    """The option a text names: exactly one of "(A)"/"(B)"; else the text is "A" or "B"; else
+    exactly one of "option A", "answer: B", "choice A"..."""
     named = set(OPTION.findall(text))
     if len(named) == 1:
         return named.pop()
-    return option_of(text) if not named else None
+    if named:
+        return None
+    if option_of(text):
+        return option_of(text)
+    named = set(NAMED.findall(text))
+    return named.pop() if len(named) == 1 else None
 
 
 def choice_probability(answer: Answer) -> tuple[float | None, str]:

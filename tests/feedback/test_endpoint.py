@@ -141,14 +141,14 @@ def test_malformed_replies_are_errors_naming_the_item(endpoint, reply, message):
 
 @pytest.mark.parametrize("status, reply, message", [
     (400, {"error": {"message": "max_tokens is too large"}}, "refused the request: HTTP 400: max_tokens is too large"),
-    (401, {"error": {"message": "bad key"}}, "HTTP 401: bad key"),
+    (401, {"error": {"message": "bad key"}}, r"HTTP 401: bad key \(no API key was sent: set \$LMFORGE_TEST_NO_KEY\)"),
     (200, {"choices": [{"message": {"content": None, "refusal": "I can't judge that."}}]}, "refused: I can't judge"),
     (200, completion("", finish_reason="content_filter"), "refused: content filter"),
 ])
 def test_a_refusal_is_not_retried_and_names_the_item(endpoint, status, reply, message):
     endpoint.script = [(status, reply, 0)]
     with pytest.raises(JudgeRefused, match=f"p.jsonl:3 samples 0,1 .*{message}"):
-        judge(endpoint).compare([COMPARISON])
+        judge(endpoint, api_key_env="LMFORGE_TEST_NO_KEY").compare([COMPARISON])
     assert len(endpoint.requests) == 1
 
 

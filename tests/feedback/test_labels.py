@@ -52,6 +52,8 @@ def test_without_log_probs_or_options_among_them_the_text_is_parsed():
     assert choice_probability(Answer("(A) or (B)")) == (None, "no_choice")
     assert choice_probability(Answer("Both are good")) == (None, "no_choice")
     assert parsed_choice("Answer: (A)") == "A" and parsed_choice("Apple") is None
+    assert parsed_choice("Option B is better.") == "B" and parsed_choice("The answer is A") == "A"
+    assert parsed_choice("Option A or option B") is None and parsed_choice("A cat is (B)") == "B"
 
 
 def test_a_callables_probability_is_taken_as_given():
