@@ -157,6 +157,16 @@ def test_revise_writes_the_final_revisions_as_sft_data_and_every_round_in_the_tr
     assert again == summary and lines(tmp_path / "rev" / "trace.jsonl") == trace
 
 
+def test_an_interrupted_revise_run_resumes_to_the_uninterrupted_runs_files(tmp_path, judge_checkpoint, prompts):
+    args = ["rollout.n=1", "revise.rounds=2", "judge.function=tests.feedback.rules:critic"]
+    run_cai(recipe(tmp_path / "whole", judge_checkpoint, prompts, *args, what="revise"))
+    run_cai(recipe(tmp_path / "cut", judge_checkpoint, prompts, *args, "data.max_prompts=4", what="revise"))
+    run_cai(recipe(tmp_path / "cut", judge_checkpoint, prompts, *args, what="revise"))
+    for name in ("trace.jsonl", "sft.jsonl", "summary.json"):
+        whole, cut = (tmp_path / d / name for d in ("whole", "cut"))
+        assert cut.read_text().replace(str(tmp_path / "cut"), "") == whole.read_text().replace(str(tmp_path / "whole"), "")
+
+
 def test_an_empty_critique_asks_no_revision_and_keeps_the_response(tmp_path, judge_checkpoint, prompts):
     summary = run_cai(recipe(tmp_path / "rev", judge_checkpoint, prompts, "rollout.n=1",
                              "judge.function=tests.feedback.rules:mute", what="revise"))
