@@ -46,6 +46,8 @@ VERBS = [
          "lmforge.stages.ppo", distributed=True),
     Verb("rs", "rejection sampling: best of K samples per prompt by a reward, as SFT data or preference pairs",
          "lmforge.stages.rs"),
+    Verb("cai", "Constitutional AI: critique -> revision SFT data (cai revise), AI preference labels (cai label)",
+         "lmforge.stages.cai"),
     Verb("generate", "sample text from a checkpoint with a KV cache", "lmforge.stages.generate"),
     Verb("eval", "score a checkpoint on lm-evaluation-harness tasks (multiple choice, perplexity, generation)",
          "lmforge.stages.eval"),
