@@ -45,6 +45,7 @@ from lmforge.peft.lora import LoraConfig
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import PolicyObjective
 from lmforge.rl.prompts import read_prompts
+from lmforge.rl.report import curve_lines, time_split_line
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import GRPOConfig, RolloutBatches, SamplingCopy, reference_policy
@@ -161,13 +162,15 @@ def run_grpo(recipe: GRPORecipe) -> dict:
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
-    """Lines for the lifecycle report: steps, rewards first and last, exact match before and after."""
+    """Lines for the lifecycle report: steps, the reward/KL/length curves (``rl.report``), where a
+    step's time went, exact match before and after, and the policy loss."""
     out = [f"- `{res.get('advantage')}` advantages, {res.get('prompts_per_step')} prompts x {res.get('group_size')} "
            f"responses per step, {res.get('step')} steps in {res.get('wall_s', 0):.0f} s"
            f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
            adapter_line(res, "grpo", "recipes/demo/grpo.yaml")]
-    return out + exact_match_lines(res) + precision_line(res) + loss_curve_lines(stage_dir, plot_path,
-                                                                                 ylabel="policy loss")
+    curves = curve_lines(stage_dir, plot_path.with_name(plot_path.stem.removesuffix("-loss") + "-rl.png"))
+    return (out + exact_match_lines(res) + curves + time_split_line(res) + precision_line(res)
+            + loss_curve_lines(stage_dir, plot_path, ylabel="policy loss"))
 
 
 RECIPE = GRPORecipe

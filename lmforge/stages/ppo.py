@@ -44,6 +44,7 @@ from lmforge.rl.critic import ActorCritic, actor_critic
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import PolicyObjective
 from lmforge.rl.ppo import PPOAdvantages, PPOConfig
+from lmforge.rl.report import curve_lines, time_split_line
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import RolloutBatches, SamplingCopy
@@ -152,8 +153,9 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
            f"{res.get('responses_per_prompt')} responses per rollout batch, {res.get('step')} steps in "
            f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
            adapter_line(res, "ppo", "recipes/demo/ppo.yaml")]
-    return out + exact_match_lines(res) + precision_line(res) + loss_curve_lines(stage_dir, plot_path,
-                                                                                 ylabel="PPO loss")
+    curves = curve_lines(stage_dir, plot_path.with_name(plot_path.stem.removesuffix("-loss") + "-rl.png"))
+    return (out + exact_match_lines(res) + curves + time_split_line(res) + precision_line(res)
+            + loss_curve_lines(stage_dir, plot_path, ylabel="PPO loss"))
 
 
 RECIPE = PPORecipe

@@ -14,6 +14,7 @@ from lmforge.core.config import ConfigError, load_config
 from lmforge.model.checkpoint import load_weights
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.grpo import GRPORecipe, run_grpo
+from lmforge.stages.grpo import report as grpo_report
 from lmforge.train.checkpoint import load_model, read_checkpoint_weights
 from lmforge.train.metrics import read_metrics
 from tests.conftest import write_jsonl
@@ -55,6 +56,10 @@ def test_the_reward_rises_and_the_run_writes_final_samples_and_rl_figures(tmp_pa
     assert {"prompt", "response", "reward", "terms", "group"} <= set(sample) and sample["step"] == 9
     model, _ = load_model(run_dir / "final")
     assert model.cfg.vocab_size == 512 and not (run_dir / "adapter").exists()
+    lines = "\n".join(grpo_report(summary, run_dir, tmp_path / "grpo-loss.png"))  # the lifecycle report's lines
+    assert f"reward mean {records[0]['reward_mean']:.3f} → {records[-1]['reward_mean']:.3f}" in lines
+    assert "![reward, KL and response length](grpo-rl.png)" in lines and (tmp_path / "grpo-rl.png").stat().st_size
+    assert "a step's time" in lines and "rollout" in lines and "forward backward" in lines
 
 
 def test_an_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, base_checkpoint, prompts):
