@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.core.config import ConfigError, dump_config, load_config, positive, to_dict
+from lmforge.core.config import ConfigError, at_least, dump_config, load_config, to_dict
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.stages import VERBS_BY_NAME
@@ -64,7 +64,7 @@ class RoundsConfig:
     ``<name>_r<r>``, with ``{round}``, ``{prev}`` and ``{prev_model}`` replaced in its recipe path
     and overrides (``PLACEHOLDERS``), so round r's rs samples with round r-1's model."""
 
-    count: int = positive()  # k, the number of rounds
+    count: int = at_least(0, 0)  # k, the number of rounds (>= 1 with stages; 0 and no stages: no rounds)
     stages: list[StageSpec] = field(default_factory=list)
     model: str | None = None  # where each round leaves its model, with {round}: a stage's run_dir, e.g. runs/it/r{round}/dpo
     start: str | None = None  # the model round 1 starts from (its {prev_model}); scored on the report card as `start`
@@ -83,7 +83,7 @@ class PlannedStage:
 class LifecycleRecipe:
     run_dir: str = "runs/lifecycle"  # receives report.md, its figures (<stage>-loss.png; curate: <stage>-stats.png), lifecycle.json
     stages: list[StageSpec] = field(default_factory=list)
-    rounds: RoundsConfig | None = None  # the same stages k times after `stages`, each round reading the one before
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)  # the same stages k times after `stages`, each round reading the one before
     force: bool = False  # rerun stages even when their outputs are complete
     # tasks scored on each stage's final model after the run, compared in report.md (stages.report_card)
     report_card: ReportCardConfig = field(default_factory=ReportCardConfig)
@@ -106,23 +106,25 @@ def planned_stages(recipe: LifecycleRecipe) -> list[PlannedStage]:
             if found:
                 raise ValueError(f"{key} = {text!r}: {{{found[0]}}} is replaced only in rounds.stages")
         planned.append(PlannedStage(spec.name or spec.verb, spec))
-    if recipe.rounds is not None:
-        planned += expand_rounds(recipe.rounds)
+    planned += expand_rounds(recipe.rounds)
     seen: dict[str, str] = {}
     for p in planned:
         where = "stages" if p.round is None else f"round {p.round} of rounds.stages"
         if p.name in seen:
             raise ValueError(f"stage names must be unique: {p.name!r} is in {seen[p.name]} and in {where}")
         seen[p.name] = where
-    if recipe.rounds is not None and recipe.rounds.start is not None and "start" in seen:
+    if recipe.rounds.start is not None and "start" in seen:
         raise ValueError("a stage is named 'start', the report card's name for rounds.start: rename the stage")
     return planned
 
 
 def expand_rounds(rounds: RoundsConfig) -> list[PlannedStage]:
-    """Round 1 to ``count``'s copies of ``rounds.stages``, named ``<name>_r<round>``."""
-    if rounds.count < 1:  # load_config checks it too; this is for a recipe built in Python
-        raise ValueError(f"rounds.count = {rounds.count}: must be >= 1")
+    """Round 1 to ``count``'s copies of ``rounds.stages``, named ``<name>_r<round>``; none when
+    ``rounds`` is left unset."""
+    if rounds == RoundsConfig():
+        return []
+    if rounds.count < 1:
+        raise ValueError(f"rounds.count = {rounds.count}: must be >= 1, the number of times rounds.stages run")
     if not rounds.stages:
         raise ValueError("rounds.stages is empty: list the stages each round runs (name, verb, recipe, overrides)")
     if rounds.model is not None and "{round}" not in rounds.model:
@@ -179,10 +181,10 @@ def spec_texts(spec: StageSpec, key: str) -> list[tuple[str, str]]:
     return texts + [(f"{key}.overrides[{j}]", o) for j, o in enumerate(spec.overrides)]
 
 
-def check_round_models(rounds: RoundsConfig | None, plans: list[tuple]) -> None:
+def check_round_models(rounds: RoundsConfig, plans: list[tuple]) -> None:
     """Each round's ``rounds.model`` is one of its stages' run directories (or inside one), so the
     next round's ``{prev_model}`` is what this round trained (checked before any stage runs)."""
-    if rounds is None or rounds.model is None:
+    if rounds.model is None:
         return
     for r in range(1, rounds.count + 1):
         model = Path(rounds.model.replace("{round}", str(r))).resolve()
@@ -206,13 +208,22 @@ def _jsonable(value: Any) -> Any:
 
 
 def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
-    if not recipe.stages and recipe.rounds is None:
-        raise ConfigError("stages is empty: list the stages to run (name, verb, recipe)")
+    plans = resolve_stages(recipe)
+    with run_dir_lock(recipe.run_dir):  # a second lifecycle into it fails at once, naming this one
+        results = run_stages(recipe, plans)
+    log.info("report: %s", Path(recipe.run_dir) / "report.md")
+    return results
+
+
+def resolve_stages(recipe: LifecycleRecipe) -> list[tuple]:
+    """``(PlannedStage, module, config, stage_dir)`` of every stage in order, each config resolved
+    and checked, so a typo in the last recipe fails before hours of work; nothing runs."""
+    if not recipe.stages and not recipe.rounds.stages:
+        raise ConfigError("stages is empty: list the stages to run (name, verb, recipe), or rounds: {count, stages}")
     try:
         planned = planned_stages(recipe)
     except ValueError as exc:  # a recipe built in Python, not read by load_config
         raise ConfigError(str(exc)) from exc
-    # Resolve every stage's config first, so a typo in the last recipe fails before hours of work.
     plans = []
     for stage in planned:
         name, spec = stage.name, stage.spec
@@ -227,17 +238,13 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
         plans.append((stage, module, cfg, stage_dir))
     check_round_models(recipe.rounds, plans)
     check_stages(recipe.report_card, [p.name for p in planned] + (["start"] if start_model(recipe, plans) else []))
-
-    with run_dir_lock(recipe.run_dir):  # a second lifecycle into it fails at once, naming this one
-        results = run_stages(recipe, plans)
-    log.info("report: %s", Path(recipe.run_dir) / "report.md")
-    return results
+    return plans
 
 
 def start_model(recipe: LifecycleRecipe, plans: list[tuple]) -> str | None:
     """``rounds.start`` when the report card should score it as its own column: no stage of the
     lifecycle wrote it (such a stage is scored under its own name)."""
-    start = recipe.rounds.start if recipe.rounds is not None else None
+    start = recipe.rounds.start
     if start is None:
         return None
     made = any(Path(start).resolve() == d.resolve() or d.resolve() in Path(start).resolve().parents
