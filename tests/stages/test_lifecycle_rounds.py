@@ -154,3 +154,11 @@ def test_the_shipped_iterative_recipes_parse_and_resolve_every_round(monkeypatch
         assert cfgs["rs_r2"].checkpoint == recipe.rounds.model.replace("{round}", "1")
         assert cfgs["rs_r1"].reward.components[0].kind == "demo_exact_match"
         assert cfgs["dpo_r2"].run_dir == recipe.rounds.model.replace("{round}", "2")
+        made = [recipe.rounds.start]  # what the start and the stages so far leave
+        for planned, _, cfg, stage_dir in plans:  # each reads the start, an earlier stage's files or bundled data
+            reads = [cfg.checkpoint, *(cfg.data.prompts if planned.spec.verb == "rs" else cfg.data.train)]
+            for path in reads:
+                bundled = not path.startswith("runs/") and Path(path).exists()
+                assert bundled or any(path == m or path.startswith(m + "/") for m in made), (
+                    f"{planned.name} reads {path}, which no earlier stage writes")
+            made.append(str(stage_dir))
