@@ -8,20 +8,29 @@ has one: prepare hashes its shards); so a rerun after an interruption continues 
 it stopped. Change a stage's recipe or inputs, or damage its outputs, and it (and every stage
 after it) runs again.
 
+With ``rounds: {count: k, stages: [...]}`` the same stages run k times after ``stages``, each
+round reading what the one before left (Llama 2/3's post-training loop: sample with the last
+round's model, rank by a reward or verifier, train on the result). The rounds are expanded
+into ordinary stages before anything runs (``planned_stages``: round r's ``rs`` runs as
+``rs_r<r>``, its placeholders replaced), so skipping and resuming work as for any stage.
+
   lmforge run recipes/demo/lifecycle.yaml
   lmforge run recipes/demo/lifecycle.yaml force=true      # rerun every stage
+  lmforge run recipes/iterative/demo.yaml                 # k rounds of rs -> dpo
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.core.config import ConfigError, dump_config, load_config, to_dict
+from lmforge.core.config import ConfigError, at_least, dump_config, load_config, to_dict
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.stages import VERBS_BY_NAME
@@ -38,13 +47,152 @@ class StageSpec:
     overrides: list[str] = field(default_factory=list)  # key=value, as on the command line
 
 
+# ``{name}`` with an identifier inside, in a round stage's recipe path or overrides (YAML's
+# ``{kind: regex}`` has a colon and a space, so it is no placeholder)
+PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+PLACEHOLDERS = {
+    "round": "the round's number, 1 to count",
+    "prev": "the previous round's number (0 in round 1)",
+    "prev_model": "the model the previous round left (rounds.model; rounds.start in round 1)",
+}
+
+
+@dataclass
+class RoundsConfig:
+    """The lifecycle recipe's ``rounds:`` section: ``stages`` run ``count`` times, after the
+    lifecycle's own ``stages``. Round r's stage ``name`` (default: its verb) runs as
+    ``<name>_r<r>``, with ``{round}``, ``{prev}`` and ``{prev_model}`` replaced in its recipe path
+    and overrides (``PLACEHOLDERS``), so round r's rs samples with round r-1's model."""
+
+    count: int = at_least(0, 0)  # k, the number of rounds (>= 1 with stages; 0 and no stages: no rounds)
+    stages: list[StageSpec] = field(default_factory=list)
+    model: str | None = None  # where each round leaves its model, with {round}: a stage's run_dir, e.g. runs/it/r{round}/dpo
+    start: str | None = None  # the model round 1 starts from (its {prev_model}); scored on the report card as `start`
+
+
+@dataclass
+class PlannedStage:
+    """One stage as it runs: a stage of ``stages``, or a round's copy with its placeholders replaced."""
+
+    name: str
+    spec: StageSpec
+    round: int | None = None  # None: a stage of the lifecycle's own ``stages``
+
+
 @dataclass
 class LifecycleRecipe:
     run_dir: str = "runs/lifecycle"  # receives report.md, its figures (<stage>-loss.png; curate: <stage>-stats.png), lifecycle.json
     stages: list[StageSpec] = field(default_factory=list)
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)  # the same stages k times after `stages`, each round reading the one before
     force: bool = False  # rerun stages even when their outputs are complete
     # tasks scored on each stage's final model after the run, compared in report.md (stages.report_card)
     report_card: ReportCardConfig = field(default_factory=ReportCardConfig)
+
+    def __post_init__(self) -> None:
+        planned_stages(self)  # a bad placeholder or a repeated name fails as the recipe is read, naming its file
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def planned_stages(recipe: LifecycleRecipe) -> list[PlannedStage]:
+    """The stages in the order they run: ``stages``, then each round's copy of ``rounds.stages``.
+    A ValueError names the key: a placeholder outside ``rounds.stages`` or unknown, ``{prev_model}``
+    without ``rounds.start``/``rounds.model``, or two stages of one name."""
+    planned = []
+    for i, spec in enumerate(recipe.stages):
+        for key, text in spec_texts(spec, f"stages[{i}]"):
+            found = [m for m in PLACEHOLDER.findall(text) if m in PLACEHOLDERS]
+            if found:
+                raise ValueError(f"{key} = {text!r}: {{{found[0]}}} is replaced only in rounds.stages")
+        planned.append(PlannedStage(spec.name or spec.verb, spec))
+    planned += expand_rounds(recipe.rounds)
+    seen: dict[str, str] = {}
+    for p in planned:
+        where = "stages" if p.round is None else f"round {p.round} of rounds.stages"
+        if p.name in seen:
+            raise ValueError(f"stage names must be unique: {p.name!r} is in {seen[p.name]} and in {where}")
+        seen[p.name] = where
+    if recipe.rounds.start is not None and "start" in seen:
+        raise ValueError("a stage is named 'start', the report card's name for rounds.start: rename the stage")
+    return planned
+
+
+def expand_rounds(rounds: RoundsConfig) -> list[PlannedStage]:
+    """Round 1 to ``count``'s copies of ``rounds.stages``, named ``<name>_r<round>``; none when
+    ``rounds`` is left unset."""
+    if rounds == RoundsConfig():
+        return []
+    if rounds.count < 1:
+        raise ValueError(f"rounds.count = {rounds.count}: must be >= 1, the number of times rounds.stages run")
+    if not rounds.stages:
+        raise ValueError("rounds.stages is empty: list the stages each round runs (name, verb, recipe, overrides)")
+    if rounds.model is not None and "{round}" not in rounds.model:
+        raise ValueError(f"rounds.model = {rounds.model!r}: it must contain {{round}}, each round leaving its model "
+                         "in a directory of its own")
+    for key in ("model", "start"):
+        value = getattr(rounds, key) or ""
+        extra = [m for m in PLACEHOLDER.findall(value) if not (key == "model" and m == "round")]
+        if extra:
+            raise ValueError(f"rounds.{key} = {value!r}: {{{extra[0]}}} is not replaced here"
+                             + (" (only {round} is)" if key == "model" else " (it names one model)"))
+    out = []
+    for r in range(1, rounds.count + 1):
+        values = {"round": str(r), "prev": str(r - 1), "prev_model": previous_model(rounds, r)}
+        for i, spec in enumerate(rounds.stages):
+            key = f"rounds.stages[{i}]"
+            if PLACEHOLDER.search(spec.name):
+                raise ValueError(f"{key}.name = {spec.name!r}: takes no placeholder (round r's stage runs as "
+                                 "<name>_r<r>)")
+            recipe = substitute(spec.recipe, values, f"{key}.recipe") if spec.recipe is not None else None
+            overrides = [substitute(o, values, f"{key}.overrides[{j}]") for j, o in enumerate(spec.overrides)]
+            name = f"{spec.name or spec.verb}_r{r}"
+            out.append(PlannedStage(name, StageSpec(name, spec.verb, recipe, overrides), r))
+    return out
+
+
+def previous_model(rounds: RoundsConfig, r: int) -> str | None:
+    """Round r's ``{prev_model}``: ``rounds.start`` in round 1, else round r-1's ``rounds.model``."""
+    if r == 1:
+        return rounds.start
+    return rounds.model.replace("{round}", str(r - 1)) if rounds.model is not None else None
+
+
+def substitute(text: str, values: dict[str, str | None], key: str) -> str:
+    """``text`` with each placeholder replaced by its value; an unknown one, or one without a value, is a ValueError."""
+    def value(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in values:
+            close = difflib.get_close_matches(name, list(PLACEHOLDERS), n=1, cutoff=0.5)
+            hint = f"; did you mean {{{close[0]}}}?" if close else ""
+            known = ", ".join(f"{{{p}}} ({what})" for p, what in PLACEHOLDERS.items())
+            raise ValueError(f"{key} = {text!r}: unknown placeholder {{{name}}}{hint} (placeholders: {known})")
+        if values[name] is None:
+            raise ValueError(f"{key} = {text!r}: {{prev_model}} needs rounds.start (the model round 1 starts from) "
+                             "and rounds.model (where each round leaves its model)")
+        return values[name]
+
+    return PLACEHOLDER.sub(value, text)
+
+
+def spec_texts(spec: StageSpec, key: str) -> list[tuple[str, str]]:
+    """A stage's texts that may hold placeholders, with their keys: its recipe path and overrides."""
+    texts = [(f"{key}.recipe", spec.recipe)] if spec.recipe is not None else []
+    return texts + [(f"{key}.overrides[{j}]", o) for j, o in enumerate(spec.overrides)]
+
+
+def check_round_models(rounds: RoundsConfig, plans: list[tuple]) -> None:
+    """Each round's ``rounds.model`` is one of its stages' run directories (or inside one), so the
+    next round's ``{prev_model}`` is what this round trained (checked before any stage runs)."""
+    if rounds.model is None:
+        return
+    for r in range(1, rounds.count + 1):
+        model = Path(rounds.model.replace("{round}", str(r))).resolve()
+        dirs = [stage_dir for planned, _, _, stage_dir in plans if planned.round == r]
+        if not any(model == d.resolve() or d.resolve() in model.parents for d in dirs):
+            raise ConfigError(f"rounds.model: round {r}'s model {model} is in none of round {r}'s stage run_dirs "
+                              f"({', '.join(str(d) for d in dirs)}): set it to the run_dir of the stage that trains "
+                              "the round's model")
 
 
 def _jsonable(value: Any) -> Any:
@@ -60,14 +208,25 @@ def _jsonable(value: Any) -> Any:
 
 
 def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
-    if not recipe.stages:
-        raise ConfigError("stages is empty: list the stages to run (name, verb, recipe)")
-    names = [s.name or s.verb for s in recipe.stages]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"stage names must be unique, got {names}")
-    # Resolve every stage's config first, so a typo in the last recipe fails before hours of work.
+    plans = resolve_stages(recipe)
+    with run_dir_lock(recipe.run_dir):  # a second lifecycle into it fails at once, naming this one
+        results = run_stages(recipe, plans)
+    log.info("report: %s", Path(recipe.run_dir) / "report.md")
+    return results
+
+
+def resolve_stages(recipe: LifecycleRecipe) -> list[tuple]:
+    """``(PlannedStage, module, config, stage_dir)`` of every stage in order, each config resolved
+    and checked, so a typo in the last recipe fails before hours of work; nothing runs."""
+    if not recipe.stages and not recipe.rounds.stages:
+        raise ConfigError("stages is empty: list the stages to run (name, verb, recipe), or rounds: {count, stages}")
+    try:
+        planned = planned_stages(recipe)
+    except ValueError as exc:  # a recipe built in Python, not read by load_config
+        raise ConfigError(str(exc)) from exc
     plans = []
-    for spec, name in zip(recipe.stages, names):
+    for stage in planned:
+        name, spec = stage.name, stage.spec
         if spec.verb not in VERBS_BY_NAME or spec.verb == "run":
             raise ConfigError(f"stage {name!r}: unknown verb {spec.verb!r} (verbs: {', '.join(VERBS_BY_NAME)})")
         module = VERBS_BY_NAME[spec.verb].load()
@@ -75,13 +234,22 @@ def run_lifecycle(recipe: LifecycleRecipe) -> list[dict]:
             cfg = load_config(module.RECIPE, spec.recipe, spec.overrides)
         except ConfigError as exc:
             raise ConfigError(f"stage {name!r}: {exc}") from exc
-        plans.append((name, spec, module, cfg))
-    check_stages(recipe.report_card, names)
+        stage_dir = Path(getattr(cfg, "run_dir", None) or Path(recipe.run_dir) / name)
+        plans.append((stage, module, cfg, stage_dir))
+    check_round_models(recipe.rounds, plans)
+    check_stages(recipe.report_card, [p.name for p in planned] + (["start"] if start_model(recipe, plans) else []))
+    return plans
 
-    with run_dir_lock(recipe.run_dir):  # a second lifecycle into it fails at once, naming this one
-        results = run_stages(recipe, plans)
-    log.info("report: %s", Path(recipe.run_dir) / "report.md")
-    return results
+
+def start_model(recipe: LifecycleRecipe, plans: list[tuple]) -> str | None:
+    """``rounds.start`` when the report card should score it as its own column: no stage of the
+    lifecycle wrote it (such a stage is scored under its own name)."""
+    start = recipe.rounds.start
+    if start is None:
+        return None
+    made = any(Path(start).resolve() == d.resolve() or d.resolve() in Path(start).resolve().parents
+               for *_, d in plans)
+    return None if made else start
 
 
 def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
@@ -89,8 +257,8 @@ def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
     run_dir = start_run(recipe, recipe.run_dir)
     results = []
     upstream_ran = False
-    for name, spec, module, cfg in plans:
-        stage_dir = Path(getattr(cfg, "run_dir", None) or run_dir / name)
+    for stage, module, cfg, stage_dir in plans:
+        name, spec = stage.name, stage.spec
         if stage_dir.resolve() == run_dir.resolve():
             raise ConfigError(f"stage {name!r}: its run_dir must differ from the lifecycle's run_dir {run_dir}")
         digest = hashlib.sha256(dump_config(cfg).encode()).hexdigest()
@@ -106,7 +274,7 @@ def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
                 reuse = stale is None
             if reuse:
                 log.info("== %s (%s): complete, skipped (outputs in %s)", name, spec.verb, stage_dir)
-                results.append({**done, "status": "skipped"})
+                results.append({**done, "status": "skipped", "round": stage.round})
                 continue
             if done is not None:
                 # Complete outputs of another config, of other inputs or damaged since: start the stage
@@ -128,9 +296,9 @@ def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
             }
             entry["outputs_sha256"] = outputs_digest(stage_dir)
             atomic_write_json(marker, entry)
-        results.append({**entry, "status": "ran"})
+        results.append({**entry, "status": "ran", "round": stage.round})
         upstream_ran = True
-    card = score_stages(recipe.report_card, run_dir, results)
+    card = score_stages(recipe.report_card, run_dir, results, start_model(recipe, plans))
     atomic_write_json(run_dir / "lifecycle.json", results)
     write_report(run_dir, results, card)
     record_config(recipe, run_dir)  # the lifecycle the report describes
@@ -195,14 +363,23 @@ def inventory_digest(paths: list[Path], exclude: list[Path]) -> str:
 
 
 def write_report(run_dir: Path, results: list[dict], card: dict | None = None) -> None:
+    """report.md: the stages, the report card, then each stage's section (with rounds, under a
+    heading per round, in order)."""
+    rounds = any(r.get("round") is not None for r in results)
     lines = ["# lmforge run report", ""]
-    lines += ["| stage | verb | status | seconds | outputs |", "|---|---|---|---|---|"]
+    lines += ["| stage | " + ("round | " if rounds else "") + "verb | status | seconds | outputs |",
+              "|---|" + ("---|" if rounds else "") + "---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['name']} | {r['verb']} | {r['status']} | {r['seconds']:.1f} | `{r['run_dir']}` |")
+        cell = (f"{r['round'] if r.get('round') is not None else ''} | " if rounds else "")
+        lines.append(f"| {r['name']} | {cell}{r['verb']} | {r['status']} | {r['seconds']:.1f} | `{r['run_dir']}` |")
     lines.append("")
     lines += card_lines(card or {})
+    current = None
     for r in results:
-        lines += [f"## {r['name']} ({r['verb']})", ""]
+        if r.get("round") is not None and r["round"] != current:
+            current = r["round"]
+            lines += [f"## round {current}", ""]
+        lines += [f"{'###' if current is not None else '##'} {r['name']} ({r['verb']})", ""]
         lines += stage_report(r, run_dir)
         lines.append("")
     atomic_write_text(run_dir / "report.md", "\n".join(lines))

@@ -2,7 +2,8 @@
 DPO -> ...), side by side in report.md. A lifecycle recipe's ``report_card: {tasks: [...]}``
 turns it on; each stage's figures are ``lmforge eval``'s (``run_eval``), written to
 ``<lifecycle run_dir>/report-card/<stage>/results.json``, and kept for a rerun while the stage's
-outputs, the tasks and their data are unchanged.
+outputs, the tasks and their data are unchanged. A lifecycle with ``rounds`` also scores the model
+round 1 starts from (as ``start``), and the table says each column's round.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.core.config import ConfigError, positive, to_dict
-from lmforge.core.io import atomic_write_json
+from lmforge.core.io import atomic_write_json, file_stamps
 from lmforge.core.run import log
 from lmforge.eval.suite import load_tasks
 from lmforge.stages.eval import EvalRecipe, run_eval
@@ -55,16 +56,24 @@ def check_stages(cfg: ReportCardConfig, names: list[str]) -> None:
         load_tasks(cfg.tasks)  # a bad task file fails before hours of work
 
 
-def score_stages(cfg: ReportCardConfig, run_dir: Path, results: list[dict]) -> dict:
-    """Each chosen stage's figures on ``cfg.tasks``: ``{"stages": [names], "results": {name: [...]},
-    "seconds": s}``; empty without tasks."""
+def start_entry(start: str) -> dict:
+    """A result entry for the model a lifecycle's rounds start from, as ``score_stages`` reads one:
+    round 0, its files' sizes and times standing for a stage's outputs."""
+    stamps = hashlib.sha256(json.dumps(file_stamps([Path(start)], [])).encode()).hexdigest()
+    return {"name": "start", "round": 0, "outputs_sha256": stamps, "result": {"step": 0, "checkpoint": start}}
+
+
+def score_stages(cfg: ReportCardConfig, run_dir: Path, results: list[dict], start: str | None = None) -> dict:
+    """Each chosen stage's figures on ``cfg.tasks`` (first ``start``'s, the model a lifecycle's rounds
+    start from, when given): ``{"stages": [names], "results": {name: [...]}, "rounds": {name: round
+    or None}, "seconds": s}``; empty without tasks."""
     if not cfg.tasks:
         return {}
     t0 = time.perf_counter()
     tasks, _ = load_tasks(cfg.tasks)
     digests = [t.config_hash({}) for t in tasks]  # each task's config and data
-    card: dict = {"stages": [], "results": {}}
-    for entry in results:
+    card: dict = {"stages": [], "results": {}, "rounds": {}}
+    for entry in ([start_entry(start)] if start else []) + results:
         checkpoint = stage_checkpoint(entry)
         if checkpoint is None or (cfg.stages and entry["name"] not in cfg.stages):
             continue
@@ -81,13 +90,15 @@ def score_stages(cfg: ReportCardConfig, run_dir: Path, results: list[dict]) -> d
             atomic_write_json(out / KEY_FILE, key)
         card["stages"].append(entry["name"])
         card["results"][entry["name"]] = res["results"]
+        card["rounds"][entry["name"]] = entry.get("round")
     card["seconds"] = round(time.perf_counter() - t0, 1)
     return card
 
 
 def card_lines(card: dict) -> list[str]:
     """The report's table: one row per task and metric, one column per stage (perplexities left
-    out: bits per byte carries them), the ``core`` aggregate in bold."""
+    out: bits per byte carries them), the ``core`` aggregate in bold; with rounds, a first row
+    gives each column's round (0: the model they start from)."""
     if not card or not card.get("stages"):
         return []
     stages = card["stages"]
@@ -104,6 +115,10 @@ def card_lines(card: dict) -> list[str]:
              f"The same tasks on each stage's final model ({card['seconds']:.0f} s to score; `core`: accuracies centred "
              "on chance, averaged).", "",
              "| task | metric | " + " | ".join(stages) + " |", "|---|---|" + "---:|" * len(stages)]
+    rounds = card.get("rounds") or {}
+    if any(rounds.get(s) is not None for s in stages):
+        lines.append("| *round* | | " + " | ".join(f"*{rounds[s]}*" if rounds.get(s) is not None else ""
+                                                   for s in stages) + " |")
     for (task, metric, filt), values in rows.items():
         name = metric + ("" if filt == "none" else f" ({filt})")
         cells = [f"{values[s]:.4f}" if s in values else "" for s in stages]

@@ -207,7 +207,7 @@ def run_rs(recipe: RSRecipe) -> dict:
             state.load_state_dict(chunks[-1]["state"])
             log.info("rs: resuming after %d prompts already sampled and scored (%s)", state.cursor, run_dir / CHUNKS)
         sample_remaining(model, tok, prompts, recipe, state, reward, run_dir, digest, chunks)
-        summary = write_output(recipe, run_dir, chunks, skipped)
+        summary = write_output(recipe, run_dir, chunks, skipped, ckpt)
         record_config(recipe, run_dir)
     return summary
 
@@ -232,8 +232,9 @@ def sample_remaining(model, tok: Tokenizer, prompts: list[Prompt], recipe: RSRec
             log.info("rs: %d/%d prompts, %.1f tokens/s, ETA %.0f s", state.cursor, total, tokens / elapsed, eta)
 
 
-def write_output(recipe: RSRecipe, run_dir: Path, chunks: list[dict], skipped: SkipLog) -> dict:
-    """Select from every chunk, write the output file and summary.json; returns the summary."""
+def write_output(recipe: RSRecipe, run_dir: Path, chunks: list[dict], skipped: SkipLog, checkpoint: Path) -> dict:
+    """Select from every chunk, write the output file and summary.json (with the ``checkpoint`` that
+    sampled: in a lifecycle's rounds, the previous round's model); returns the summary."""
     records, reasons = [], {}
     rewards, bests = [], []
     for chunk in chunks:
@@ -248,7 +249,8 @@ def write_output(recipe: RSRecipe, run_dir: Path, chunks: list[dict], skipped: S
     atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     prompts = sum(len(c["groups"]) for c in chunks)
     kept = reasons.pop("kept", 0)
-    summary = {"output": str(out), "format": recipe.output, "prompts": prompts, "samples_per_prompt": recipe.rollout.n,
+    summary = {"output": str(out), "format": recipe.output, "checkpoint": str(checkpoint), "prompts": prompts,
+               "samples_per_prompt": recipe.rollout.n,
                "kept": kept, "dropped": dict(sorted(reasons.items())), "skipped_records": skipped.to_dict(),
                "mean_reward": sum(rewards) / len(rewards) if rewards else None,
                "mean_best_reward": sum(bests) / len(bests) if bests else None, "threshold": recipe.threshold}
@@ -262,7 +264,8 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     dropped = res.get("dropped") or {}
     lines = [f"- {res.get('prompts')} prompts x {res.get('samples_per_prompt')} samples: **{res.get('kept')} kept**, "
              f"{sum(dropped.values())} dropped {dropped if dropped else ''}".rstrip(),
-             f"- {res.get('format')} data in `{res.get('output')}`"]
+             f"- {res.get('format')} data in `{res.get('output')}`"
+             + (f", sampled by `{res['checkpoint']}`" if res.get("checkpoint") else "")]
     if res.get("mean_reward") is not None:
         lines.append(f"- mean reward {res['mean_reward']:.3f}, mean best-of-{res.get('samples_per_prompt')} "
                      f"{res['mean_best_reward']:.3f}")
