@@ -47,8 +47,10 @@ def plot_isoflops(result: Analysis, path: Path) -> None:
         n = result.runs.params[b.runs]
         ax.scatter(n, result.runs.loss[b.runs], s=10, color=color)
         grid = np.linspace(np.log(n.min()), np.log(n.max()), 50)
-        ax.plot(np.exp(grid), np.polyval(b.coeffs, grid), color=color, lw=1)
+        ax.plot(np.exp(grid), np.polyval(b.coeffs, grid), color=color, lw=1, label=f"C = {b.flops:.2g} FLOPs")
         ax.plot([b.n_opt], [b.loss_opt], "k*", ms=7)
+    if budgets:
+        ax.legend(fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
     ax.set_ylabel("loss")
