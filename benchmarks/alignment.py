@@ -106,7 +106,9 @@ def budget_overrides(stage: Stage, args: argparse.Namespace, run_dir: Path) -> l
     if not stage.trains:
         return [f"checkpoint={args.checkpoint}"]
     warmup = (yaml.safe_load(Path(stage.recipe).read_text()).get("train") or {}).get("warmup_steps", 0)
-    return [f"checkpoint={args.checkpoint}", f"run_dir={run_dir}", f"train.max_steps={args.steps}",
+    # dpo/kto: the reference's log-probs of only the pairs the budget reaches, not of the whole data set first
+    reference = ["precompute_reference=false"] if stage.verb in ("dpo", "kto") else []
+    return [*reference, f"checkpoint={args.checkpoint}", f"run_dir={run_dir}", f"train.max_steps={args.steps}",
             f"train.checkpoint_every={args.steps}", "train.eval_every=0", "train.tensorboard=false",
             "train.resume=never", "score.name=none", *([f"train.warmup_steps={args.steps // 4}"]
                                                        if warmup >= args.steps else [])]
