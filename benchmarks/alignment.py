@@ -159,6 +159,17 @@ def table(start: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -193,7 +204,7 @@ def main() -> None:
               "commit": commit(), "checkpoint": args.checkpoint, "reward_model": args.reward_model,
               "tasks": args.tasks, "steps": args.steps, "kl": "exact KL(policy || SFT) over the vocabulary at each "
               "greedy answer token, mean per answer, then over answers", "start": start, "results": rows,
-              "wall_s": time.perf_counter() - t0, "machine": platform.processor() or platform.machine(),
+              "wall_s": time.perf_counter() - t0, "machine": cpu_name(),
               "cpus": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
