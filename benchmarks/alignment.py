@@ -1,31 +1,56 @@
-"""Compare the preference losses on one budget: every DPO variant, SimPO, ORPO, CPO and KTO
-start from the same SFT checkpoint, see the same demo pairs (KTO: the same pairs unpaired)
-for the same steps, batch and learning rate, and are scored on the same held-out tasks.
+"""Every alignment method from the same SFT checkpoint on the same budget, in one table.
 
-Reported per method: greedy exact match on the SFT validation tasks before and after,
-the model's own pairwise preference on held-out pairs (log-prob of chosen > rejected),
-the mean log-prob margin, and wall time. Writes benchmarks/results/alignment.json and
-prints a markdown table (the README's).
+Each method runs as users run it: its demo recipe through the stage CLI, as a subprocess
+(`python -m lmforge <verb> recipes/demo/<verb>.yaml overrides`), into its own run directory,
+with the same starting checkpoint and the same number of optimizer steps (`--steps`); every
+other setting (learning rate, batch, β, group size, ...) is the recipe's own. The methods:
 
-  .venv/bin/python benchmarks/alignment.py --checkpoint runs/demo/sft
-  .venv/bin/python benchmarks/alignment.py --methods dpo ipo kto --steps 60
+  dpo (and the preference variants ipo, cdpo, rdpo, hinge, simpo, orpo, cpo, dpo+sft)
+      recipes/demo/dpo.yaml on data/preference pairs
+  kto      recipes/demo/kto.yaml on the same pairs unpaired
+  ppo      recipes/demo/ppo.yaml against the demo reward model (`--reward-model`, lmforge reward)
+  grpo     recipes/demo/grpo.yaml with the demo's exact-answer verifier
+  rs       recipes/demo/rs.yaml (best of 8 correct answers per training task), then
+           recipes/demo/sft.yaml on its output for the step budget
+
+Then the SFT model and every method's final model are scored by one scorer
+(`lmforge.stages.scoring.held_out_scores`) on the held-out tasks (`--tasks`): their greedy
+answers' exact match (the demo checker, as the stages' `score: exact_match`), the demo reward
+model's mean score of those answers, and the KL to the SFT model along them (exact over the
+vocabulary at each answer token, `rl.kl.exact_kl`; the mean over answers of the per-token
+mean). Also reported: each method's optimizer steps, its wall time (the subprocesses, the
+scoring not included) and the load average around it. Writes benchmarks/results/alignment.json
+and prints a markdown table (the README's).
+
+  PYTHONPATH=. .venv/bin/python benchmarks/alignment.py                  # dpo kto ppo grpo rs
+  PYTHONPATH=. .venv/bin/python benchmarks/alignment.py --methods dpo ppo --steps 20
+  PYTHONPATH=. .venv/bin/python benchmarks/alignment.py --quick          # a smoke run: 2 steps, 8 tasks
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.core.config import load_config
-from lmforge.stages.dpo import DPORecipe, run_dpo
-from lmforge.stages.kto import KTORecipe, run_kto
+import yaml
 
-# loss -> overrides; β as each method's reference implementation defaults it (SimPO: its paper's range)
-METHODS = {
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.rl.prompts import read_prompts
+from lmforge.rl.rewards import Reward, RewardComponentConfig, RewardConfig
+from lmforge.stages.scoring import held_out_scores
+from lmforge.train.checkpoint import load_model, resolve_checkpoint
+
+MAX_NEW_TOKENS = 24  # the stages' score.max_new_tokens on the demo
+
+# the preference losses: dpo.yaml with these overrides, β as each method's reference implementation defaults it
+PREFERENCE = {
     "dpo": ["objective.loss=dpo", "objective.beta=0.1"],
     "dpo+sft": ["objective.loss=dpo", "objective.beta=0.1", "objective.sft_weight=1.0"],
     "ipo": ["objective.loss=ipo", "objective.beta=0.1"],
@@ -35,64 +60,152 @@ METHODS = {
     "simpo": ["objective.loss=simpo", "objective.beta=2.0", "objective.simpo_gamma=1.0"],
     "orpo": ["objective.loss=orpo", "objective.beta=0.1"],
     "cpo": ["objective.loss=cpo", "objective.beta=0.1"],
-    "kto": ["objective.beta=0.1"],
 }
+METHODS = [*PREFERENCE, "kto", "ppo", "grpo", "rs"]
+DEFAULT = ["dpo", "kto", "ppo", "grpo", "rs"]
+
+
+@dataclass
+class Stage:
+    """One CLI call: ``python -m lmforge verb recipe overrides``; ``trains``: it takes the step budget."""
+
+    verb: str
+    recipe: str
+    overrides: list[str] = field(default_factory=list)
+    trains: bool = True
+
+
+def stages_of(name: str, args: argparse.Namespace, out: Path) -> list[Stage]:
+    """The CLI calls of one method, writing into ``out``; the last one's ``final/`` is the method's model."""
+    data = Path(args.data)
+    if name in PREFERENCE:
+        return [Stage("dpo", "recipes/demo/dpo.yaml", [*PREFERENCE[name], f"data.train=[{data / 'train.jsonl'}]",
+                                                       f"data.val=[{data / 'val.jsonl'}]"])]
+    if name == "kto":
+        return [Stage("kto", "recipes/demo/kto.yaml", [f"data.train=[{data / 'kto_train.jsonl'}]",
+                                                       f"data.val=[{data / 'kto_val.jsonl'}]",
+                                                       f"pairs=[{data / 'val.jsonl'}]"])]
+    prompts = [f"data.train=[{args.prompts}]", f"data.val=[{args.tasks}]"]
+    if name == "ppo":
+        return [Stage("ppo", "recipes/demo/ppo.yaml",
+                      [*prompts, f"reward.components=[{{kind: reward_model, path: {args.reward_model}}}]"])]
+    if name == "grpo":
+        return [Stage("grpo", "recipes/demo/grpo.yaml", prompts)]
+    if name == "rs":
+        sample = [f"data.prompts=[{args.prompts}]"] + ([f"data.max_prompts={args.rs_prompts}"] if args.rs_prompts else [])
+        # the second SFT as recipes/demo/rs.yaml's lifecycle runs it: the RS answers only, lr 2e-4
+        samples = out.with_name(out.name + "-samples")
+        return [Stage("rs", "recipes/demo/rs.yaml", [f"run_dir={samples}", *sample], trains=False),
+                Stage("sft", "recipes/demo/sft.yaml", [f"data.train=[{samples / 'sft.jsonl'}]",
+                                                       f"data.val=[{args.tasks}]", "train.lr=2.0e-4"])]
+    raise ValueError(f"unknown method {name!r}")
+
+
+def budget_overrides(stage: Stage, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The same start, step budget and run settings for every training stage (scored here, not by the stage)."""
+    if not stage.trains:
+        return [f"checkpoint={args.checkpoint}"]
+    warmup = (yaml.safe_load(Path(stage.recipe).read_text()).get("train") or {}).get("warmup_steps", 0)
+    # dpo/kto: the reference's log-probs of only the pairs the budget reaches, not of the whole data set first
+    reference = ["precompute_reference=false"] if stage.verb in ("dpo", "kto") else []
+    return [*reference, f"checkpoint={args.checkpoint}", f"run_dir={run_dir}", f"train.max_steps={args.steps}",
+            f"train.checkpoint_every={args.steps}", "train.eval_every=0", "train.tensorboard=false",
+            "train.resume=never", "score.name=none", *([f"train.warmup_steps={args.steps // 4}"]
+                                                       if warmup >= args.steps else [])]
 
 
 def run_method(name: str, args: argparse.Namespace) -> dict:
-    data = Path(args.data)
-    common = [f"checkpoint={args.checkpoint}", f"run_dir={Path(args.out) / name}", f"train.max_steps={args.steps}",
-              f"train.lr={args.lr}", f"train.micro_batch_size={args.batch}", f"train.warmup_steps={min(10, args.steps)}",
-              "train.eval_every=0", "train.checkpoint_every=100000", "train.tensorboard=false", "train.resume=never",
-              "data.max_length=128", "score.name=exact_match", f"score.tasks=[{args.tasks}]",
-              f"score.max_examples={args.eval_examples}", "score.max_new_tokens=24"]
-    t0 = time.perf_counter()
-    if name == "kto":
-        recipe = load_config(KTORecipe, None, [*common, *METHODS[name], f"data.train=[{data / 'kto_train.jsonl'}]",
-                                               f"data.val=[{data / 'kto_val.jsonl'}]", f"pairs=[{data / 'val.jsonl'}]"])
-        summary = run_kto(recipe)
-    else:
-        recipe = load_config(DPORecipe, None, [*common, *METHODS[name], f"data.train=[{data / 'train.jsonl'}]",
-                                               f"data.val=[{data / 'val.jsonl'}]"])
-        summary = run_dpo(recipe)
-    before, after = summary["before"], summary["after"]
-    return {"method": name, "overrides": METHODS[name], "exact_match_before": before["exact_match"]["exact_match"],
-            "exact_match_after": after["exact_match"]["exact_match"], "logp_accuracy_before": before["logp_accuracy"],
-            "logp_accuracy_after": after["logp_accuracy"], "logp_margin_before": before["logp_margin"],
-            "logp_margin_after": after["logp_margin"], "val_reward_margin_after": after.get("val_margin"),
-            "wall_s": time.perf_counter() - t0}
+    """Run the method's stages; its run directory, steps, wall time and the load average around it."""
+    out = Path(args.out) / name
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
+    load_before, wall, run_dir, commands = os.getloadavg()[0], 0.0, out, []
+    for stage in stages_of(name, args, out):
+        command = [sys.executable, "-m", "lmforge", stage.verb, stage.recipe, *stage.overrides,
+                   *budget_overrides(stage, args, out)]
+        commands.append(" ".join(["lmforge", *command[3:]]))
+        print(f"[{name}] {commands[-1]}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        wall += time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise SystemExit(f"{name}: `{commands[-1]}` exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"method": name, "commands": commands, "run_dir": str(run_dir), "steps": summary.get("step"),
+            "wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0],
+            "final_checkpoint": summary.get("final_checkpoint", str(run_dir / "final"))}
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| method | exact match before → after | own preference (chosen > rejected) | log-prob margin | wall |",
-             "|---|---|---|---|---|"]
+def score_all(rows: list[dict], args: argparse.Namespace) -> dict:
+    """``held_out_scores`` of the SFT model and of each method's final model; the SFT model's figures."""
+    tok = Tokenizer.load(resolve_checkpoint(args.checkpoint))
+    prompts = read_prompts([args.tasks], tok)[: args.eval_examples]
+    reward = Reward(RewardConfig(components=[RewardComponentConfig(kind="reward_model", path=args.reward_model)]),
+                    tok, MAX_NEW_TOKENS)
+    reference = load_model(args.checkpoint)[0]
+    start = held_out_scores(reference, tok, prompts, MAX_NEW_TOKENS, reward=reward, reference=reference)
+    for row in rows:
+        row |= held_out_scores(load_model(row["final_checkpoint"])[0], tok, prompts, MAX_NEW_TOKENS, reward=reward,
+                               reference=reference)
+    return start
+
+
+def table(start: dict, rows: list[dict]) -> str:
+    lines = [f"| method | exact match on {start['examples']} held-out tasks | reward model score | "
+             "KL to SFT per token (nats) | steps | wall |", "|---|---|---|---|---|---|",
+             f"| SFT (start) | {100 * start['exact_match']:.1f}% | {start['reward_mean']:.2f} | 0 | - | - |"]
     for r in rows:
-        lines.append(f"| {r['method']} | {100 * r['exact_match_before']:.1f}% → **{100 * r['exact_match_after']:.1f}%** "
-                     f"| {100 * r['logp_accuracy_before']:.1f}% → {100 * r['logp_accuracy_after']:.1f}% "
-                     f"| {r['logp_margin_before']:.2f} → {r['logp_margin_after']:.2f} | {r['wall_s']:.0f} s |")
+        lines.append(f"| {r['method']} | {100 * r['exact_match']:.1f}% | {r['reward_mean']:.2f} | "
+                     f"{r['kl_per_token']:.3f} | {r['steps']} | {r['wall_s']:.0f} s |")
     return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default="runs/demo/sft")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--lr", type=float, default=2e-5)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--checkpoint", default="runs/demo/sft", help="the SFT model every method starts from")
+    parser.add_argument("--reward-model", default="runs/demo/reward", help="lmforge reward's run: PPO's reward, a column")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT, choices=METHODS)
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of every method (rs: of its SFT)")
     parser.add_argument("--data", default="data/preference",
                         help="directory of train.jsonl and val.jsonl pairs, kto_train.jsonl and kto_val.jsonl")
-    parser.add_argument("--tasks", default="data/sft/val.jsonl", help="SFT-format tasks scored by greedy exact match")
-    parser.add_argument("--eval-examples", type=int, default=75, help="tasks scored before and after")
+    parser.add_argument("--prompts", default="data/sft/train.jsonl", help="training tasks of ppo, grpo and rs")
+    parser.add_argument("--tasks", default="data/sft/val.jsonl", help="held-out tasks, scored greedily")
+    parser.add_argument("--eval-examples", type=int, default=75, help="held-out tasks scored")
+    parser.add_argument("--rs-prompts", type=int, default=None, help="rs: sample this many prompts (default: the recipe's)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 8 held-out tasks, rs on 16 prompts")
     parser.add_argument("--out", default="runs/bench-alignment")
     parser.add_argument("--json", default="benchmarks/results/alignment.json")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.eval_examples, args.rs_prompts = 2, 8, args.rs_prompts or 16
+    t0 = time.perf_counter()
     rows = [run_method(name, args) for name in args.methods]
-    print(table(rows))
+    start = score_all(rows, args)
+    print(table(start, rows))
     result = {"benchmark": "alignment", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "checkpoint": args.checkpoint, "data": args.data, "tasks": args.tasks, "eval_examples": args.eval_examples,
-              "steps": args.steps, "lr": args.lr, "micro_batch_size": args.batch,
-              "machine": platform.processor() or platform.machine(), "results": rows}
+              "commit": commit(), "checkpoint": args.checkpoint, "reward_model": args.reward_model,
+              "tasks": args.tasks, "steps": args.steps, "kl": "exact KL(policy || SFT) over the vocabulary at each "
+              "greedy answer token, mean per answer, then over answers", "start": start, "results": rows,
+              "wall_s": time.perf_counter() - t0, "machine": cpu_name(),
+              "cpus": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -21,6 +21,7 @@ from lmforge.data.preference_demo import make_pairs, unpair
 from lmforge.data.sft_demo import make_examples
 from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
+from lmforge.model.reward import RewardModel
 from lmforge.model.transformer import Transformer
 from tests.conftest import REPO, write_jsonl
 from tests.curate.warc_fixtures import PROSE, html_record, write_warc
@@ -155,36 +156,41 @@ def test_finetune_measures_full_lora_and_qlora(tmp_path):
     assert rows["qlora"]["weights_and_buffers_bytes"] < rows["full"]["weights_and_buffers_bytes"]
 
 
-@pytest.fixture()
-def sft_checkpoint(tmp_path, small_tokenizer_dir) -> Path:
-    path = tmp_path / "sft"
+def tiny_checkpoint(path: Path, tokenizer_dir: Path, seed: int, reward_head: bool = False) -> Path:
     path.mkdir()
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64, max_seq_len=128))
-    write_model_files(path, model, small_tokenizer_dir)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64, max_seq_len=256))
+    write_model_files(path, model, tokenizer_dir)
+    if reward_head:
+        RewardModel(model).save_head(path)
     write_checksums(path)
     return path
 
 
-def test_alignment_scores_a_paired_and_an_unpaired_method_before_and_after(tmp_path, sft_checkpoint):
+def test_alignment_runs_each_method_through_the_cli_and_scores_them_alike(tmp_path, small_tokenizer_dir):
+    sft = tiny_checkpoint(tmp_path / "sft", small_tokenizer_dir, seed=0)
+    reward = tiny_checkpoint(tmp_path / "reward", small_tokenizer_dir, seed=1, reward_head=True)
     data = tmp_path / "preference"
     data.mkdir()
     pairs = make_pairs(make_examples(12, seed=3))
     for name, rows in {"train": pairs[:8], "val": pairs[8:], "kto_train": unpair(pairs[:8]),
                        "kto_val": unpair(pairs[8:])}.items():
         write_jsonl(data / f"{name}.jsonl", rows)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", make_examples(16, seed=5))
     tasks = write_jsonl(tmp_path / "tasks.jsonl", make_examples(4, seed=4))
     out = tmp_path / "alignment.json"
-    stdout = run("alignment.py", "--checkpoint", sft_checkpoint, "--methods", "dpo", "kto", "--steps", 2, "--batch", 2,
-                 "--data", data, "--tasks", tasks, "--eval-examples", 4, "--out", tmp_path / "runs", "--json", out)
+    methods = ["dpo", "ppo", "grpo"]  # rs: a random model answers nothing right, so it writes no SFT data
+    stdout = run("alignment.py", "--checkpoint", sft, "--reward-model", reward, "--methods", *methods, "--quick",
+                 "--data", data, "--prompts", prompts, "--tasks", tasks, "--out", tmp_path / "runs", "--json", out)
     result = read_json(out)
-    assert [r["method"] for r in result["results"]] == ["dpo", "kto"]
+    assert [r["method"] for r in result["results"]] == methods
+    assert result["start"]["kl_per_token"] == pytest.approx(0.0, abs=1e-6) and result["start"]["examples"] == 4
     for r in result["results"]:
-        for key in ("exact_match_before", "exact_match_after", "logp_accuracy_before", "logp_accuracy_after"):
-            assert 0.0 <= r[key] <= 1.0, (key, r)
-        assert math.isfinite(r["logp_margin_before"]) and math.isfinite(r["logp_margin_after"])
-        assert positive(r["wall_s"])
-    assert "| dpo |" in stdout and "| kto |" in stdout
+        assert r["steps"] == 2 and r["examples"] == 4 and 0.0 <= r["exact_match"] <= 1.0, r
+        assert r["commands"][0].startswith(f"lmforge {r['method']} recipes/demo/{r['method']}.yaml ")
+        assert positive(r["wall_s"]) and r["kl_per_token"] > -1e-6 and math.isfinite(r["reward_mean"]), r
+        assert (Path(r["run_dir"]) / "final").is_dir()
+    assert all(f"| {m} |" in stdout for m in ["SFT (start)", *methods])
 
 
 def test_curate_signatures_and_pipeline_on_a_small_crawl(tmp_path):

@@ -37,6 +37,15 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimat
     raise ValueError(f"KL estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 
 
+def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """KL(π(·|s_t) ‖ π_ref(·|s_t)) at each position, summed over the vocabulary from both models'
+    logits (``... x V`` -> ``...``, float32): no estimator is needed where both distributions are
+    known, so this is exact whatever produced the tokens (greedy answers are not samples of π,
+    on which k1-k3 would be biased)."""
+    logp, ref = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref_logits.float(), -1)
+    return (logp.exp() * (logp - ref)).sum(-1)
+
+
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Each row's last response position (where the reward model's score is credited)."""
     m = mask.to(torch.bool)

@@ -9,6 +9,9 @@ alike) and is then a function of the model alone: ``Scorer(model) -> dict`` of f
   off by default.
 - ``pairwise_preference``: how often the model itself gives the chosen completion the higher
   log-probability (dpo's validation pairs, kto's held-out ``pairs:``).
+- ``held_out_scores``: one policy's greedy answers to held-out prompts, scored the ways every
+  alignment method can be compared on (``benchmarks/alignment.py``): exact match, a reward's
+  mean (the demo reward model's) and the exact KL to a reference model along the answers.
 - ``eval_tasks_scorer``: ``lmforge eval``'s tasks and suites (``train.eval_tasks``), which the
   training loop scores every ``eval_every`` steps, as ``eval/<task>/<metric>``.
 """
@@ -29,7 +32,12 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.evaluate import EvalSettings, MetricResult
 from lmforge.eval.suite import evaluate_all, load_tasks
 from lmforge.inference.engine import GenerationConfig, generate, release_decoding_view
+from lmforge.model.reward import model_inputs
 from lmforge.objectives.reference import completion_logprobs
+from lmforge.rl.kl import exact_kl
+from lmforge.rl.prompts import Prompt
+from lmforge.rl.rewards import Reward
+from lmforge.rl.rollout import Rollout, RolloutConfig, RolloutState, rollout_batch, sample_rollouts
 from lmforge.train.loop import autocast_context
 
 Scorer = Callable[[nn.Module], dict]
@@ -153,6 +161,53 @@ def pairwise_preference(model: nn.Module, rows: dict[str, torch.Tensor], batch_s
     (c, nc), (r, nr) = scores["chosen"], scores["rejected"]
     return {"pairs": len(c), "logp_accuracy": float((c > r).float().mean()),
             "avg_logp_accuracy": float((c / nc > r / nr).float().mean()), "logp_margin": float((c - r).mean())}
+
+
+@torch.no_grad()
+def held_out_scores(model: nn.Module, tok: Tokenizer, prompts: list[Prompt], max_new_tokens: int, *,
+                    reward: Reward | None = None, reference: nn.Module | None = None, batch_size: int = 32) -> dict:
+    """``model``'s greedy answers to ``prompts`` (through the rollout engine, stopping as the
+    stages' scorers do), scored by: ``exact_match`` against each prompt's reference answer (the
+    demo checker, as ``exact_match_accuracy``), ``reward_mean`` of ``reward`` (e.g. a reward
+    model) and, with a ``reference``, ``kl_per_token`` and ``kl_per_sequence`` (``answer_kl``)."""
+    greedy = RolloutConfig(n=1, temperature=0.0, max_new_tokens=max_new_tokens, shuffle=False)
+    groups = sample_rollouts(model, tok, prompts, greedy, RolloutState(0, len(prompts), shuffle=False), len(prompts))
+    release_decoding_view(model)
+    rollouts = [g[0] for g in groups]
+    scored = [r for r in rollouts if r.prompt.reference is not None]
+    out = {"examples": len(rollouts), "response_length_mean": sum(len(r.response_ids) for r in rollouts) / len(rollouts)}
+    if scored:
+        out["exact_match"] = sum(exact_match(r.text, r.prompt.reference) for r in scored) / len(scored)
+    if reward is not None:
+        out["reward_mean"] = sum(reward(rollouts).total) / len(rollouts)
+    if reference is not None:
+        out |= answer_kl(model, reference, rollouts, tok.pad_id, batch_size)
+    return out
+
+
+@torch.no_grad()
+def answer_kl(model: nn.Module, reference: nn.Module, rollouts: list[Rollout], pad_id: int,
+              batch_size: int = 32) -> dict:
+    """KL(π ‖ π_ref) along the responses, exact at each response token (``rl.kl.exact_kl``, summed over
+    the vocabulary, in float32): ``kl_per_token`` the mean over responses of each one's per-token
+    mean, ``kl_per_sequence`` the mean over responses of each one's sum."""
+    per_token, per_sequence = [], []
+    device = next(model.parameters()).device
+    was = model.training, reference.training
+    model.eval(), reference.eval()
+    try:
+        for start in range(0, len(rollouts), batch_size):
+            batch = rollout_batch(rollouts[start : start + batch_size], pad_id)
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            logits = model(ids, **model_inputs(ids, mask))[:, :-1]
+            ref_logits = reference(ids, **model_inputs(ids, mask))[:, :-1]
+            on = batch["response_mask"][:, 1:].to(device).float()
+            kl = (exact_kl(logits, ref_logits) * on).sum(-1).cpu()
+            per_sequence += kl.tolist()
+            per_token += (kl / on.sum(-1).clamp(min=1).cpu()).tolist()
+    finally:
+        model.train(was[0]), reference.train(was[1])
+    return {"kl_per_token": sum(per_token) / len(per_token), "kl_per_sequence": sum(per_sequence) / len(per_sequence)}
 
 
 def eval_tasks_scorer(specs: list[str], tok: Tokenizer, batch_size: int = 16) -> Scorer | None:

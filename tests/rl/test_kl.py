@@ -4,7 +4,7 @@ against torchtune's ``get_rewards_ppo``, and the coefficient controller's closed
 import pytest
 import torch
 
-from lmforge.rl.kl import KLController, kl_estimate, kl_shaped_rewards, last_token_index
+from lmforge.rl.kl import KLController, exact_kl, kl_estimate, kl_shaped_rewards, last_token_index
 from tests.rl.references import load_torchtune_rlhf
 
 TT, _ = load_torchtune_rlhf()
@@ -115,3 +115,14 @@ def test_controller_state_dict_resumes_the_adapted_coefficient():
     b = KLController(coef=0.1, target=1.0, horizon=50)
     b.load_state_dict(a.state_dict())
     assert b.update(0.5, 10) == a.update(0.5, 10) and a.coef != 0.1
+
+
+def test_exact_kl_is_the_sum_over_the_vocabulary_and_zero_against_itself():
+    g = torch.Generator().manual_seed(0)
+    logits, ref = torch.randn(2, 3, 7, generator=g), torch.randn(2, 3, 7, generator=g)
+    p, q = torch.softmax(logits, -1), torch.softmax(ref, -1)
+    torch.testing.assert_close(exact_kl(logits, ref), (p * (p / q).log()).sum(-1))
+    torch.testing.assert_close(exact_kl(logits, ref),
+                               torch.nn.functional.kl_div(q.log(), p, reduction="none").sum(-1))
+    torch.testing.assert_close(exact_kl(logits, logits), torch.zeros(2, 3))
+    assert (exact_kl(logits, ref) > 0).all()

@@ -151,3 +151,26 @@ def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_a_constant(
     returns, mask = torch.tensor([[1.0, 2.0, 3.0, 0.0]]), torch.tensor([[1, 1, 1, 0]])
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert explained_variance(torch.full_like(returns, 5.0), returns, mask) == pytest.approx(0.0)
+
+
+def test_the_value_loss_fits_the_critic_to_the_batchs_returns(actor_critic, small_tokenizer, prompts):  # noqa: F811
+    """The critic's regression through the objective alone (advantages 0) makes the values the
+    rollout batch reads (``scored_values``) explain the returns: the value head and its trunk
+    are trained, at the positions they are read at."""
+    batches = source(actor_critic, small_tokenizer, prompts, gamma=0.9, lam=0.8)
+    micro = step_batches(batches)
+    for mb in micro:
+        mb["advantages"] = torch.zeros_like(mb["advantages"])
+    b = whole(micro)
+    mask = b["loss_mask"].bool()
+    before = explained_variance(b["old_values"], b["returns"], mask)
+    objective = PolicyObjective(batches.loss, vf_coef=1.0, value_clip=None)
+    optimizer = torch.optim.Adam([p for p in actor_critic.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(60):
+        optimizer.zero_grad()
+        sum(objective(actor_critic, mb).loss_sum for mb in micro).backward()
+        optimizer.step()
+    with torch.no_grad():
+        values = torch.cat([torch.zeros(len(mask), 1), scored_values(actor_critic, b["input_ids"], b["attention_mask"])], 1)
+    after = explained_variance(values, b["returns"], mask)
+    assert after > 0.9 and after > before + 0.5, (before, after)
