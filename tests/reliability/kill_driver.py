@@ -176,7 +176,7 @@ def _run_curate(spec: dict, run_dir: Path) -> None:
                             workers=1, known_duplicates=cfg.get("known_duplicates")))
 
 
-# metrics fields that depend on the machine's speed, not on the computation
+# metrics fields that depend on the machine's speed, not on the computation (and the time/<phase>_s split)
 _TIMING = {"tokens_per_s", "step_s", "memory_bytes", "mfu", "time", "elapsed_s"}
 
 
@@ -187,7 +187,7 @@ def _training_differences(done: Path, reference: Path, final: Callable[[Path], P
     from lmforge.train.metrics import read_metrics
 
     def records(run: Path) -> list[dict]:
-        return [{k: v for k, v in r.items() if k not in _TIMING} for r in read_metrics(run)]
+        return [{k: v for k, v in r.items() if k not in _TIMING and not k.startswith("time/")} for r in read_metrics(run)]
 
     problems = []
     got, want = records(done), records(reference)
