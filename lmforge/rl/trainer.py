@@ -55,8 +55,14 @@ from lmforge.inference.engine import release_decoding_view
 from lmforge.model.checkpoint import load_weights
 from lmforge.model.transformer import Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora, disable_adapters, lora_modules
-from lmforge.rl.advantages import (AllSum, grpo_advantages, local_sum, per_token, reinforce_pp_advantages,
-                                   rloo_advantages)
+from lmforge.rl.advantages import (
+    AllSum,
+    grpo_advantages,
+    local_sum,
+    per_token,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import STAT_PREFIX, token_logprobs
 from lmforge.rl.prompts import Prompt

@@ -28,7 +28,7 @@ from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tes
 STEPS = 4
 RUNS = {"separate": ["ppo.updates_per_batch=2"],
         "shared": ["lora={r: 4, alpha: 8}", "ppo.critic.kind=shared", "train.lr=1e-2", "ppo.updates_per_batch=1"],
-        "minibatches": ["ppo.updates_per_batch=2", "ppo.minibatches=2"]}  # minibatch i: the global rows i mod 2
+        "minibatches": ["ppo.updates_per_batch=1", "ppo.minibatches=2"]}  # minibatch i: the global rows i mod 2
 FIGURES = ("reward_mean", "reward_std", "score_regex", "response_length_mean", "ratio_mean", "ratio_max", "clip_frac",
            "approx_kl", "entropy", "kl", "kl_coef", "value_loss", "value_clip_frac", "explained_variance")
 
