@@ -98,15 +98,16 @@ def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     without a float64 copy of the whole (B, V) table: the totals of blocks of ``BLOCK``
     entries (float32 sums of 128 terms, rounded to about 1e-7 of the block's mass) locate
     the block, and the float64 running sum of that block alone locates the token in it. A
-    token of probability 0 is never chosen (the first entry *exceeding* u, and u clamped
-    below the block's sum where its float32 and float64 sums disagree)."""
+    token of probability 0 is never chosen (the first entry *exceeding* u times the total, that
+    product kept below the row's and then the block's sum, where float32 and float64 disagree)."""
     B, V = probs.shape
     blocks = (probs if V % BLOCK == 0 else nn.functional.pad(probs, (0, -V % BLOCK))).view(B, -1, BLOCK)
     totals = blocks.sum(-1).double()  # (B, blocks)
     ends = totals.cumsum(-1)
     starts = torch.cat((ends.new_zeros(B, 1), ends[:, :-1]), dim=1)
-    x = (u * ends[:, -1])[:, None]
-    block = torch.searchsorted(ends, x, right=True).clamp_(max=ends.shape[1] - 1)  # (B, 1)
+    total = ends[:, -1:]
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, total.new_zeros(())))  # below the total, however rounded
+    block = torch.searchsorted(ends, x, right=True)  # (B, 1)
     inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK)).squeeze(1).double().cumsum(-1)
     x = torch.minimum(x - starts.gather(1, block), torch.nextafter(inside[:, -1:], inside.new_zeros(())))
     return (block * BLOCK + torch.searchsorted(inside, x, right=True)).squeeze(1)
