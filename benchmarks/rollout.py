@@ -1,7 +1,7 @@
 """Rollout throughput: lmforge's rollouts (``rl.rollout.sample_rollouts`` through the engine)
 against transformers' ``generate(do_sample=True, num_return_sequences=n)``, same weights.
 
-    python benchmarks/rollout.py [--prompts 64] [--samples 8] [--new-tokens 128] [--max-batch 64 512] [--repeats 2]
+    python benchmarks/rollout.py [--prompts 64] [--samples 8] [--new-tokens 128] [--max-batch 512 64] [--repeats 2]
     python benchmarks/rollout.py --smoke          # a tiny model and shape, for tests/test_benchmarks.py
 
 Both sides hold the same weights (lmforge's random init of the ``tiny`` preset, mapped with
@@ -88,8 +88,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--max-batch", type=int, nargs="+", default=[64, 512],
-                        help="lmforge's rows decoding together (each value measured)")
+    parser.add_argument("--max-batch", type=int, nargs="+", default=[RolloutConfig.max_batch],
+                        help="lmforge's rows decoding together (each value measured; default: rollout.max_batch's)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)

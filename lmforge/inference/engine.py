@@ -162,7 +162,8 @@ class Batch:
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The rows ``rows`` (a row may repeat: ``n`` samples of one prompt), in that order."""
-        cache = KVCache(self.cache.k.index_select(1, rows), self.cache.v.index_select(1, rows), self.cache.length)
+        cache = KVCache(written_rows(self.cache.k, rows, self.cache.length),
+                        written_rows(self.cache.v, rows, self.cache.length), self.cache.length)
         key_mask = self.key_mask.index_select(0, rows) if self.key_mask is not None else None
         return Batch(cache, unpadded(key_mask, cache.length), self.next_positions.index_select(0, rows),
                      self.logits.index_select(0, rows))
@@ -173,6 +174,18 @@ class Batch:
         if self.key_mask is None:
             return torch.full((self.logits.shape[0],), length, device=self.logits.device)
         return length - self.key_mask[:, :length].int().argmax(dim=1)
+
+
+def written_rows(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """A new (layers, len(rows), heads, capacity, head_dim) cache holding the first ``length``
+    columns of ``rows``; the columns not yet written are not copied (a prompt's prefill copied
+    for its ``n`` samples has most of its columns still to come)."""
+    shape = list(cache.shape)
+    shape[1] = len(rows)
+    out = cache.new_empty(shape)
+    with torch.no_grad():  # a cache is never differentiated; out= refuses tensors that require grad
+        torch.index_select(cache[:, :, :, :length], 1, rows, out=out[:, :, :, :length])
+    return out
 
 
 def unpadded(key_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:

@@ -3,7 +3,9 @@
 Every filter takes its setting per row (a number, or a (B,) tensor), so rows of different
 requests share one batch. Draws come from each request's own ``torch.Generator`` (rows of
 one request draw together, in row order), so a seeded request samples the same tokens
-whatever else is in the batch, up to the float rounding of the batch's matmuls.
+whatever else is in the batch, up to the float rounding of the batch's matmuls. A draw costs
+one uniform number per row (inverse transform sampling, ``draw``), not one per vocabulary
+entry as ``torch.multinomial``'s exponential race does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 
 def per_row(value: float | int | torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -61,19 +64,53 @@ def min_p_filter(logits: torch.Tensor, min_p: float | torch.Tensor) -> torch.Ten
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row from ``probs`` (B, V); the rows sharing a generator (one request's, or
-    None for torch's global one) draw together in row order."""
-    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+def uniforms(n: int, generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """(n,) float64 draws from U[0, 1), row ``i``'s from ``generators[i]``; the rows sharing a
+    generator (one request's, or None for torch's global one) draw together in row order."""
+    u = torch.empty(n, dtype=torch.float64, device=device)
     groups: dict[int, list[int]] = {}
     by_id: dict[int, torch.Generator | None] = {}
     for row, gen in enumerate(generators):
         groups.setdefault(id(gen), []).append(row)
         by_id[id(gen)] = gen
     for key, rows in groups.items():
-        index = torch.tensor(rows, device=probs.device)
-        tokens[index] = torch.multinomial(probs[index], 1, generator=by_id[key]).squeeze(-1)
-    return tokens
+        values = torch.rand(len(rows), generator=by_id[key], dtype=torch.float64, device=device)
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            u[rows[0] : rows[0] + len(rows)] = values
+        else:
+            u[torch.tensor(rows, device=device)] = values
+    return u
+
+
+BLOCK = 128  # vocabulary entries per block of ``draw``'s two-level search
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row from ``probs`` (B, V), non-negative and not necessarily normalised:
+    inverse transform sampling at u ~ U[0, 1) from the row's generator (``uniforms``)."""
+    return inverse_transform(probs, uniforms(probs.shape[0], generators, probs.device))
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's first token whose cumulative probability exceeds ``u`` (B,) times the row's total.
+
+    The search has two levels, so that the sums that place a token are short and in float64
+    without a float64 copy of the whole (B, V) table: the totals of blocks of ``BLOCK``
+    entries (float32 sums of 128 terms, rounded to about 1e-7 of the block's mass) locate
+    the block, and the float64 running sum of that block alone locates the token in it. A
+    token of probability 0 is never chosen (the first entry *exceeding* u times the total, that
+    product kept below the row's and then the block's sum, where float32 and float64 disagree)."""
+    B, V = probs.shape
+    blocks = (probs if V % BLOCK == 0 else nn.functional.pad(probs, (0, -V % BLOCK))).view(B, -1, BLOCK)
+    totals = blocks.sum(-1).double()  # (B, blocks)
+    ends = totals.cumsum(-1)
+    starts = torch.cat((ends.new_zeros(B, 1), ends[:, :-1]), dim=1)
+    total = ends[:, -1:]
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, total.new_zeros(())))  # below the total, however rounded
+    block = torch.searchsorted(ends, x, right=True)  # (B, 1)
+    inside = blocks.gather(1, block[:, :, None].expand(B, 1, BLOCK)).squeeze(1).double().cumsum(-1)
+    x = torch.minimum(x - starts.gather(1, block), torch.nextafter(inside[:, -1:], inside.new_zeros(())))
+    return (block * BLOCK + torch.searchsorted(inside, x, right=True)).squeeze(1)
 
 
 def sample_next_token(
@@ -88,15 +125,17 @@ def sample_next_token(
     from softmax(logits / T) after top-k, top-p and min-p (transformers' order of warpers).
     ``generator`` is one for every row or one per row."""
     temperature = per_row(temperature, logits).float()
-    greedy = logits.argmax(dim=-1)
     hot = temperature.squeeze(-1) > 0
     if not bool(hot.any()):
-        return greedy
-    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)
+        return logits.argmax(dim=-1)
+    scaled = logits.float()
+    if not bool((temperature == 1.0).all()):
+        scaled = scaled / torch.where(temperature > 0, temperature, 1.0)
     scaled = min_p_filter(top_p_filter(top_k_filter(scaled, top_k), top_p), min_p)
     generators = generator if isinstance(generator, Sequence) else [generator] * logits.shape[0]
     if bool(hot.all()):
         return draw(scaled.softmax(dim=-1), generators)
+    greedy = logits.argmax(dim=-1)
     rows = hot.nonzero().squeeze(-1)
     greedy[rows] = draw(scaled[rows].softmax(dim=-1), [generators[i] for i in rows.tolist()])
     return greedy

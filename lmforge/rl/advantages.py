@@ -9,10 +9,15 @@ completion; ``per_token`` spreads it over the completion's tokens.
 
 GAE and REINFORCE++ treat a masked position as no time step at all: the recursion carries
 across it (verl's treatment of observation tokens), and its output is 0.
+
+The masked statistics (``masked_mean``, ``masked_var``, ``whiten``) take ``all_sum``, a function
+summing a tensor over the data-parallel ranks (an ``all_reduce``; the identity in one process),
+so that under torchrun they are those of the whole global batch from each rank's sums and counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -23,30 +28,41 @@ WHITEN_EPS = 1e-8  # TRL's / torchtune's / verl's whiten: (x - mean) * rsqrt(var
 
 GroupScale = Literal["group", "batch", "none"]
 ZeroVariance = Literal["keep", "drop"]
+AllSum = Callable[[torch.Tensor], torch.Tensor]  # a tensor summed over the data-parallel ranks
+
+
+def local_sum(x: torch.Tensor) -> torch.Tensor:
+    """``AllSum`` in one process: the tensor itself."""
+    return x
 
 
 # ----------------------------------------------------------------------------- masked statistics
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over the positions where ``mask`` is set (0 where none is)."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                all_sum: AllSum = local_sum) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is set (0 where none is); with ``dim``
+    None and ``all_sum``, over every rank's positions (one reduction of the sum and the count)."""
     m = mask.to(x.dtype)
     if dim is None:
-        return (x * m).sum() / m.sum().clamp(min=1)
+        total, count = all_sum(torch.stack(((x * m).sum(), m.sum())))
+        return total / count.clamp(min=1)
     return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``x`` over the masked positions, with Bessel's correction n/(n-1) by default
-    (as TRL's, torchtune's and verl's ``masked_var``)."""
-    n = int(mask.sum())
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, all_sum: AllSum = local_sum) -> torch.Tensor:
+    """Variance of ``x`` over the masked positions (of every rank, with ``all_sum``), with Bessel's
+    correction n/(n-1) by default (as TRL's, torchtune's and verl's ``masked_var``)."""
+    n = int(all_sum(mask.sum()))
     if n < (2 if unbiased else 1):
         raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked positions, got {n}")
-    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    var = masked_mean((x - masked_mean(x, mask, all_sum=all_sum)) ** 2, mask, all_sum=all_sum)
     return var * (n / (n - 1)) if unbiased else var
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, keep_mean: bool = False) -> torch.Tensor:
-    """Advantage whitening: ``(x - mean) / sqrt(var + 1e-8)`` over the masked positions, 0 elsewhere.
+def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, keep_mean: bool = False,
+           all_sum: AllSum = local_sum) -> torch.Tensor:
+    """Advantage whitening: ``(x - mean) / sqrt(var + 1e-8)`` over the masked positions (of every
+    rank, with ``all_sum``), 0 elsewhere.
 
     ``keep_mean=True`` adds the mean back (only the spread is normalised). Mind the references'
     naming: TRL's and verl's ``masked_whiten(shift_mean=True)`` is ``keep_mean=False`` here, while
@@ -54,7 +70,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, keep_mean: bool = 
     mean back, i.e. ``keep_mean=True``.
     """
     mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean, var = masked_mean(x, mask, all_sum=all_sum), masked_var(x, mask, all_sum=all_sum)
     out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     if keep_mean:
         out = out + mean
@@ -109,18 +125,19 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
 
 
 @torch.no_grad()
-def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
-                            gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            all_sum: AllSum = local_sum) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): critic-free, global batch normalisation.
 
         r_t = 1[t = last]·score − β·KL_t,   G_t = Σ_{s≥t} γ^{s−t} r_s,   A_t = (G_t − mean G) / std G
 
     with mean and std over every response token of the batch (pass the whole rollout batch, not a
-    micro-batch); ``token_rewards`` is ``kl.kl_shaped_rewards``'s output, the KL in the reward as
+    micro-batch; under torchrun this rank's share and ``all_sum``, so the statistics are the global
+    batch's); ``token_rewards`` is ``kl.kl_shaped_rewards``'s output, the KL in the reward as
     in the paper and verl's ``compute_reinforce_plus_plus_outcome_advantage``. Returns ``(A, G)``.
     """
     returns = discounted_returns(token_rewards, mask, gamma)
-    return whiten(returns, mask), returns
+    return whiten(returns, mask, all_sum=all_sum), returns
 
 
 # ----------------------------------------------------------------------------- outcome estimators

@@ -71,9 +71,6 @@ class PPOAdvantages:
     whitening, the KL and the explained variance are over every rank's tokens (``gather``), so
     the advantages are those of the whole batch in one process."""
 
-    whole_batch = False
-    name = "ppo"
-
     def __init__(self, cfg: PPOConfig):
         self.cfg = cfg
         self.kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)

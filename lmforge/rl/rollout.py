@@ -56,7 +56,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # the response is cut before the first of these
     stop_token_ids: list[int] | None = at_least(0, None)  # null: <|im_end|> and end of text for chat prompts, end of text otherwise
     seed: int = seed_field(0)
-    max_batch: int = positive(64)  # rows decoding together (a prompt's n samples count n)
+    max_batch: int = positive(512)  # rows decoding together (a prompt's n samples count n): a wave costs max_new_tokens steps
     shuffle: bool = True  # prompts in a seeded order per epoch, else in file order
 
     @property

@@ -56,7 +56,14 @@ from lmforge.inference.engine import release_decoding_view
 from lmforge.model.checkpoint import load_weights
 from lmforge.model.transformer import Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora, disable_adapters, lora_modules
-from lmforge.rl.advantages import grpo_advantages, per_token, reinforce_pp_advantages, rloo_advantages
+from lmforge.rl.advantages import (
+    AllSum,
+    grpo_advantages,
+    local_sum,
+    per_token,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import STAT_PREFIX, token_logprobs
 from lmforge.rl.prompts import Prompt
@@ -75,7 +82,7 @@ class RolloutBatchConfig:
 
     prompts_per_step: int = positive(8)  # prompts (groups of rollout.n responses) per rollout batch
     updates_per_batch: int = positive(1)  # μ: passes over each rollout batch (TRL's num_iterations, PPO's epochs)
-    minibatches: int = positive(1)  # optimizer steps per pass, each on its share of the batch's rows
+    minibatches: int = positive(1)  # optimizer steps per pass, minibatch i on the batch's rows i mod m
     zero_variance: Literal["keep", "drop"] = "keep"  # drop: DAPO's dynamic sampling (refilled, see max_refills)
     max_refills: int = at_least(0, 3)  # drop: extra rounds of sampling that replace the dropped groups
     samples_every: int = at_least(0, 10)  # steps between samples/step-N.jsonl dumps (0: none)
@@ -177,8 +184,9 @@ def aligned(logp: torch.Tensor) -> torch.Tensor:
     return torch.cat([logp.new_zeros(logp.shape[0], 1), logp.float()], 1)
 
 
-def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-token advantages (B, T) aligned with ``input_ids``, 0 off the response."""
+def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor], all_sum: AllSum = local_sum) -> torch.Tensor:
+    """Per-token advantages (B, T) aligned with ``input_ids``, 0 off the response; REINFORCE++'s
+    whitened over every rank's loss tokens (``all_sum``: the sum over the data-parallel ranks)."""
     scores, groups, mask = batch["rewards"], batch["group_ids"], batch["response_mask"]
     if estimator == "reinforce_pp":
         loss_mask = batch["loss_mask"]
@@ -186,9 +194,9 @@ def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor]) -> torch
         positions = torch.arange(mask.shape[1]).expand_as(mask)
         last = torch.where(mask, positions, -1).amax(-1)
         token_rewards[torch.arange(len(scores)), last] = scores
-        if not bool(loss_mask.any()):
+        if not int(all_sum(loss_mask.sum())):  # no rank has a loss token
             return torch.zeros_like(token_rewards)
-        return reinforce_pp_advantages(token_rewards, loss_mask)[0]
+        return reinforce_pp_advantages(token_rewards, loss_mask, all_sum=all_sum)[0]
     if estimator == "rloo":
         adv = rloo_advantages(scores, groups)
     else:
@@ -200,15 +208,14 @@ class GroupAdvantages:
     """GRPO's estimators as the rollout batch's ``estimate(batch, gather)``: (columns to add, figures
     to log) of this rank's share of a batch; ``gather(value)`` is every rank's value, in rank order
     (this one's at ``rank``).
-    PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs too;
-    ``whole_batch`` says it normalises over the whole batch without gathering (one process only)."""
+    PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs too.
+    ``all_sum`` sums a tensor over the data-parallel ranks (REINFORCE++'s global statistics)."""
 
-    def __init__(self, estimator: Estimator):
-        self.estimator, self.whole_batch = estimator, estimator == "reinforce_pp"
-        self.name = f"grpo.advantage={estimator}"
+    def __init__(self, estimator: Estimator, all_sum: AllSum = local_sum):
+        self.estimator, self.all_sum = estimator, all_sum
 
     def __call__(self, batch: dict[str, torch.Tensor], gather=None, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        return {"advantages": advantages_of(self.estimator, batch)}, {}
+        return {"advantages": advantages_of(self.estimator, batch, self.all_sum)}, {}
 
     def state_dict(self) -> dict:
         return {}
@@ -231,7 +238,8 @@ class RolloutBatches:
     ``estimate`` turns the scored batch into the columns the objective reads (default: GRPO's
     ``cfg.advantage``); ``critic`` (ids, mask) -> values (B, T-1), like the log-probs, adds the
     batch's ``values`` column for it (PPO). With ``cfg.minibatches`` m each pass over the batch is
-    m optimizer steps, each on the next 1/m of its rows."""
+    m optimizer steps, each on 1/m of its rows (rows i mod m, ``minibatch_order``: the same rows
+    under torchrun as in one process)."""
 
     def __init__(self, model: nn.Module, tok: Tokenizer, prompts: Sequence[Prompt], rollout: RolloutConfig,
                  cfg: RolloutBatchConfig, loss: PolicyLossConfig, reward: Reward, micro_batch_size: int, *,
@@ -240,15 +248,13 @@ class RolloutBatches:
                  sampler: Callable[[], nn.Module] | None = None, estimate=None,
                  critic: TokenLogprobs | None = None):
         cfg.check(rollout)
-        self.estimate = estimate if estimate is not None else GroupAdvantages(cfg.advantage)
+        self.estimate = estimate if estimate is not None else GroupAdvantages(cfg.advantage, self.all_sum)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef {loss.kl_coef} needs a reference policy")
         self.rank, self.dp = data_parallel_rank(parallel)
         if cfg.prompts_per_step % self.dp:
             raise ConfigError(f"grpo.prompts_per_step {cfg.prompts_per_step} must be a multiple of the {self.dp} "
                               f"data-parallel ranks: each samples whole groups")
-        if self.dp > 1 and self.estimate.whole_batch:
-            raise ConfigError(f"{self.estimate.name} whitens over the whole batch: one process only so far")
         self.model, self.tok, self.prompts, self.rollout, self.cfg = model, tok, list(prompts), rollout, cfg
         self.loss, self.reward, self.micro_batch_size = loss, reward, micro_batch_size
         self.precision, self.reference, self.mask_truncated, self.run_dir = precision, reference, mask_truncated, run_dir
@@ -300,6 +306,14 @@ class RolloutBatches:
         dist.all_gather_object(out, value, group=self.parallel.dp_flat.get_group())
         return out
 
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the data-parallel ranks (an all_reduce; ``x`` itself in one process)."""
+        if self.dp == 1:
+            return x
+        total = x.to(self.parallel.device, copy=True)
+        dist.all_reduce(total, group=self.parallel.dp_flat.get_group())
+        return total.to(x.device)
+
     def sample_share(self, model: nn.Module, needs: list[int]) -> list[list[Rollout]]:
         """This rank's ``needs[rank]`` next prompts of the global order, which the ranks before it
         take first; the state moves past every rank's."""
@@ -344,8 +358,8 @@ class RolloutBatches:
     def next_rollout_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
         """Sample, score and lay out the next rollout batch as ``minibatches x grad_accum`` micro-batches."""
         groups, sampled = self.draw_groups()
-        rollouts = [r for g in groups for r in g.rollouts]
-        batch = rollout_batch(rollouts, self.tok.pad_id, [t for g in groups for t in g.totals], self.mask_truncated)
+        rows = minibatch_order([(r, t) for g in groups for r, t in zip(g.rollouts, g.totals)], self.cfg.minibatches)
+        batch = rollout_batch([r for r, _ in rows], self.tok.pad_id, [t for _, t in rows], self.mask_truncated)
         slices = self.micro_batch_rows()
         self.add_logprobs(batch, slices)
         columns, figures = self.estimate(batch, self.gather, self.rank)
@@ -456,6 +470,14 @@ class RolloutBatches:
                              f"ranks, this run has {self.dp}: resume it with {len(shares)}, or from a checkpoint at "
                              f"the end of a batch (grpo.updates_per_batch steps)")
         self.buffer = [decode(mb) for mb in shares[self.rank]] if shares else []
+
+
+def minibatch_order(rows: list, minibatches: int) -> list:
+    """The rows with minibatch i's (rows i, i + m, i + 2m, ... of ``minibatches`` m) together, in
+    that order. Under torchrun each rank orders its own share so: a rank's rows start at a multiple
+    of m of the global batch, so minibatch i holds the same rows on every layout of ranks (the
+    global rows i mod m), and a 2-rank run's optimizer steps are one process's."""
+    return [rows[j] for i in range(minibatches) for j in range(i, len(rows), minibatches)]
 
 
 def encode(batch: dict[str, torch.Tensor]) -> dict:

@@ -27,7 +27,7 @@ Under torchrun it trains data-parallel with FSDP2 (full fine-tuning or LoRA), la
 `parallel:` section: each rank samples its share of every rollout batch, whole groups
 (`grpo.prompts_per_step` a multiple of the ranks), from a plain copy of the gathered policy
 (the engine's forwards differ in number between ranks, which a sharded model cannot run);
-the loss is the token mean over every rank's tokens:
+the loss is the token mean over every rank's tokens, REINFORCE++ whitens over them too:
 
   torchrun --standalone --nproc_per_node=2 -m lmforge grpo recipes/demo/grpo.yaml train.device=cpu
 """

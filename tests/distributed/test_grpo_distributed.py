@@ -2,11 +2,13 @@
 same prompts and global batch: each rank samples its two of the four prompts of a step (whole
 groups) from a plain copy of the gathered policy, and the loss is the token mean over both
 ranks' tokens. Full fine-tuning with a sharded frozen reference (KL term) and μ = 2 (the second
-step of each rollout batch off-policy), and LoRA (the reference: adapters disabled). Per-step
+step of each rollout batch off-policy), LoRA (the reference: adapters disabled), and REINFORCE++
+(whitened over both ranks' tokens) with two minibatches per pass (minibatch i: the global rows
+i mod 2 on both layouts). Per-step
 losses, gradient norms, rewards, RL figures and the final model match; a run stopped inside a
 rollout batch resumes on each rank's share of it.
 
-One launch of four short jobs (a tiny model, 4 steps each).
+One launch of five short jobs (a tiny model, 4 steps each).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tes
 
 STEPS = 4
 RUNS = {"full": ["objective.kl_coef=0.05", "grpo.updates_per_batch=2"],
-        "lora": ["lora={r: 4, alpha: 8}", "objective.kl_coef=0.05", "train.lr=1e-2"]}
+        "lora": ["lora={r: 4, alpha: 8}", "objective.kl_coef=0.05", "train.lr=1e-2"],
+        # REINFORCE++ whitens over both ranks' tokens (all_reduce); two optimizer steps per pass
+        "reinforce_pp": ["grpo.advantage=reinforce_pp", "grpo.minibatches=2"]}
 FIGURES = ("reward_mean", "reward_std", "score_regex", "response_length_mean", "response_length_max",
            "zero_variance_share", "ratio_mean", "ratio_max", "clip_frac", "approx_kl", "kl_ref", "entropy")
 

@@ -3,10 +3,11 @@ same prompts and global batch: each rank samples its two of the four prompts of 
 plain copy of the gathered policy, the critic's values come from the sharded ActorCritic, and
 the advantages are whitened over both ranks' tokens. A separate critic with full fine-tuning
 (the reference: the base sharded as the policy) and 2 PPO epochs, and a shared critic with LoRA
-(the reference: adapters disabled). Per-step losses, gradient norms, rewards, the PPO figures
+(the reference: adapters disabled), and two minibatches per epoch. Per-step losses, gradient
+norms, rewards, the PPO figures
 and the final policy and critic match.
 
-One launch of two short jobs (a tiny model, 4 steps each).
+One launch of three short jobs (a tiny model, 4 steps each).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tes
 
 STEPS = 4
 RUNS = {"separate": ["ppo.updates_per_batch=2"],
-        "shared": ["lora={r: 4, alpha: 8}", "ppo.critic.kind=shared", "train.lr=1e-2", "ppo.updates_per_batch=1"]}
+        "shared": ["lora={r: 4, alpha: 8}", "ppo.critic.kind=shared", "train.lr=1e-2", "ppo.updates_per_batch=1"],
+        "minibatches": ["ppo.updates_per_batch=1", "ppo.minibatches=2"]}  # minibatch i: the global rows i mod 2
 FIGURES = ("reward_mean", "reward_std", "score_regex", "response_length_mean", "ratio_mean", "ratio_max", "clip_frac",
            "approx_kl", "entropy", "kl", "kl_coef", "value_loss", "value_clip_frac", "explained_variance")
 

@@ -19,7 +19,7 @@ from lmforge.rl.objective import PolicyObjective, token_logprobs
 from lmforge.rl.prompts import Prompt
 from lmforge.rl.rewards import Scores
 from lmforge.rl.rollout import RolloutConfig, rollout_batch
-from lmforge.rl.trainer import GRPOConfig, RolloutBatches, advantages_of, reference_policy
+from lmforge.rl.trainer import GRPOConfig, RolloutBatches, advantages_of, minibatch_order, reference_policy
 
 STOPS = list(range(5, 45))  # a random model stops within a few tokens
 
@@ -193,3 +193,15 @@ def test_the_state_round_trips_inside_the_mu_steps_of_a_batch(model, small_token
     assert batches.state_dict() == restored.state_dict() and batches.state_dict()["buffer"] is None
     fresh, fresh_restored = step_batches(batches), step_batches(restored)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(fresh, fresh_restored))
+
+
+@pytest.mark.parametrize(("ranks", "m"), [(2, 2), (2, 4), (4, 2)])
+def test_each_minibatch_holds_the_same_rows_whatever_the_ranks(ranks, m):
+    rows = list(range(16))  # the global batch, rank r's share the r-th 16 / ranks rows
+    share = 16 // ranks
+    one = minibatch_order(rows, m)
+    for i in range(m):
+        per_rank = [minibatch_order(rows[r * share : (r + 1) * share], m)[i * share // m : (i + 1) * share // m]
+                    for r in range(ranks)]
+        assert sorted(x for part in per_rank for x in part) == sorted(one[i * 16 // m : (i + 1) * 16 // m])
+    assert one[: 16 // m] == list(range(0, 16, m))

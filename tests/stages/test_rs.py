@@ -23,6 +23,9 @@ from tests.conftest import REPO, write_jsonl
 
 # a random model's responses differ in length, so a length penalty ranks them; \S refuses blank ones
 REWARD = ["reward.components=[{kind: regex, pattern: '\\S'}]", "reward.length_penalty=1.0"]
+# pairs need a group whose best and worst differ: about a third of a random model's responses hold an
+# "e" (a length alone rarely differs: a response stops early at about 3% of samples of 8 tokens)
+PAIRS = ["output=pairs", "reward.components=[{kind: regex, pattern: e}]"]
 
 
 @pytest.fixture()
@@ -58,7 +61,7 @@ def test_the_best_of_k_becomes_sft_data_that_sft_reads(tmp_path, base_checkpoint
 
 
 def test_best_against_worst_becomes_pairs_that_dpo_reads(tmp_path, base_checkpoint, prompts, small_tokenizer):
-    summary = run_rs(recipe(tmp_path, base_checkpoint, prompts, "output=pairs"))
+    summary = run_rs(recipe(tmp_path, base_checkpoint, prompts, *PAIRS))
     records = lines(tmp_path / "rs" / "pairs.jsonl")
     assert summary["kept"] == len(records) and summary["kept"] + sum(summary["dropped"].values()) == 6
     assert records and all(r["rs"]["reward"] > r["rs"]["rejected_reward"] for r in records)
@@ -165,7 +168,7 @@ def test_a_lifecycle_runs_rs_then_sft_and_rs_pairs_then_dpo(tmp_path, base_check
         {"name": "rs", "verb": "rs", "overrides": [f"run_dir={tmp_path / 'rs'}", *common]},
         {"name": "sft", "verb": "sft", "overrides": [f"run_dir={tmp_path / 'sft'}", f"checkpoint={base_checkpoint}",
                                                      f"data.train=[{tmp_path / 'rs' / 'sft.jsonl'}]", *train]},
-        {"name": "rs_pairs", "verb": "rs", "overrides": [f"run_dir={tmp_path / 'rs-pairs'}", *common, "output=pairs"]},
+        {"name": "rs_pairs", "verb": "rs", "overrides": [f"run_dir={tmp_path / 'rs-pairs'}", *common, *PAIRS]},
         {"name": "dpo", "verb": "dpo", "overrides": [f"run_dir={tmp_path / 'dpo'}", f"checkpoint={base_checkpoint}",
                                                      f"data.train=[{tmp_path / 'rs-pairs' / 'pairs.jsonl'}]", *train]},
     ]
