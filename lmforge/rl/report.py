@@ -28,7 +28,7 @@ def curve_lines(stage_dir: Path, out: Path) -> list[str]:
             f"{last['response_length_mean']:.1f} tokens")
     if kl is not None:
         line += f", {kl} {first.get(kl, 0.0):.4f} → {last[kl]:.4f}"
-    return [line, "", f"![reward, KL and response length]({out.name})"]
+    return [line, "", f"![reward, KL and response length]({out.name})", ""]
 
 
 def plot_curves(records: list[dict], out: Path) -> Path:

@@ -169,7 +169,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
            f"{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
            adapter_line(res, "grpo", "recipes/demo/grpo.yaml")]
     curves = curve_lines(stage_dir, plot_path.with_name(plot_path.stem.removesuffix("-loss") + "-rl.png"))
-    return (out + exact_match_lines(res) + curves + time_split_line(res) + precision_line(res)
+    return (out + exact_match_lines(res) + time_split_line(res) + precision_line(res) + curves
             + loss_curve_lines(stage_dir, plot_path, ylabel="policy loss"))
 
 

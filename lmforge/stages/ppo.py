@@ -154,7 +154,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
            f"{res.get('wall_s', 0):.0f} s{' (LoRA)' if res.get('lora') else ''}; model in `{res.get('final_checkpoint')}`",
            adapter_line(res, "ppo", "recipes/demo/ppo.yaml")]
     curves = curve_lines(stage_dir, plot_path.with_name(plot_path.stem.removesuffix("-loss") + "-rl.png"))
-    return (out + exact_match_lines(res) + curves + time_split_line(res) + precision_line(res)
+    return (out + exact_match_lines(res) + time_split_line(res) + precision_line(res) + curves
             + loss_curve_lines(stage_dir, plot_path, ylabel="PPO loss"))
 
 
