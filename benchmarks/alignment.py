@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.generate import cpu_name
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Reward, RewardComponentConfig, RewardConfig
@@ -157,17 +157,6 @@ def table(start: dict, rows: list[dict]) -> str:
         lines.append(f"| {r['method']} | {100 * r['exact_match']:.1f}% | {r['reward_mean']:.2f} | "
                      f"{r['kl_per_token']:.3f} | {r['steps']} | {r['wall_s']:.0f} s |")
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def commit() -> str | None:

@@ -62,13 +62,14 @@ def build_pair(cfg: ModelConfig) -> tuple[Transformer, torch.nn.Module]:
 
 
 def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str | None:
