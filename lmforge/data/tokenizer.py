@@ -2,7 +2,8 @@
 
 The pre-tokenizer is the GPT-4 / Llama-3 split pattern (digits in groups of at most
 three, contractions, punctuation runs) followed by byte-level mapping, so every string
-round-trips exactly. Special tokens take the first ids: beginning and end of text,
+round-trips exactly; ``digit_group: 1`` splits every digit apart instead (Llama 1/2, PaLM),
+which a small model needs to copy and do arithmetic on numbers. Special tokens take the first ids: beginning and end of text,
 padding (never the same id as end-of-turn), then the ChatML turn markers.
 """
 
@@ -19,11 +20,14 @@ from tokenizers import Tokenizer as HFTokenizer
 from lmforge.core.config import at_least, positive
 from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json, read_json
 
-# Llama-3's pre-tokenization pattern (itself GPT-4's cl100k pattern).
-SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+
+def split_pattern(digit_group: int = 3) -> str:
+    """Llama-3's pre-tokenization pattern (itself GPT-4's cl100k pattern), with numbers cut
+    into runs of at most ``digit_group`` digits (3 in Llama 3)."""
+    return (
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{{1,{digit_group}}}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -42,6 +46,10 @@ class TokenizerConfig:
     extra_special_tokens: list[str] = field(default_factory=list)
     model_max_length: int = positive(2048)  # recorded in tokenizer_config.json for HF users
     max_train_chars: int | None = positive(None)  # cap on training text, None = use all of it
+    # numbers are cut into pre-tokens of at most this many digits before BPE: 3 as in GPT-4 and
+    # Llama 3; 1 gives every digit its own token (Llama 1/2, PaLM), so that "4600" is the
+    # tokens of "46" then "0", "0": what a small model needs to copy numbers and add them
+    digit_group: int = at_least(1, 3)
 
     def __post_init__(self) -> None:
         specials = self.special_tokens
@@ -121,7 +129,7 @@ def build_untrained(cfg: TokenizerConfig) -> tuple[HFTokenizer, trainers.BpeTrai
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split_pattern(cfg.digit_group)), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

@@ -73,6 +73,16 @@ def test_digits_are_split_into_groups_of_at_most_three(small_tokenizer):
     assert "".join(pieces) == "1234567" and all(len(p) <= 3 for p in pieces)
 
 
+def test_digit_group_one_gives_every_digit_its_own_token_in_transformers_too(corpus_texts, tmp_path):
+    tok = train_tokenizer([*corpus_texts, "1234567 4600 46 " * 50], TokenizerConfig(vocab_size=512, digit_group=1))
+    text = "How many centimetres are in 46 metres? 4600, and 3.14159."
+    pieces = [tok.decode([i]) for i in tok.encode(text)]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("46" "4600" "3" "14159")
+    tok.save(tmp_path)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+
+
 def test_compression_counts_bytes_and_tokens(small_tokenizer, corpus_texts):
     stats = compression_stats(small_tokenizer, corpus_texts[:5])
     n_bytes = sum(len(t.encode()) for t in corpus_texts[:5])
