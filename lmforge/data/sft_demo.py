@@ -61,8 +61,12 @@ TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 
-def make_examples(n: int, seed: int = 0, tasks: list[str] | None = None) -> list[dict]:
-    """``n`` distinct examples ``{"task", "answer", "messages"}``, cycling through ``tasks`` in order."""
+def make_examples(n: int, seed: int = 0, tasks: list[str] | None = None, patience: int = 1000) -> list[dict]:
+    """``n`` distinct examples ``{"task", "answer", "messages"}``, cycling through ``tasks`` in order.
+
+    A task that has run out of new questions (``patience`` draws in a row that repeat one
+    already made) leaves the cycle and the others go on, so ``n`` may exceed what the small
+    tasks hold: reversal has 144 questions, unit conversion 294."""
     names = tasks or list(TASKS)
     unknown = [t for t in names if t not in TASKS]
     if unknown:
@@ -70,16 +74,21 @@ def make_examples(n: int, seed: int = 0, tasks: list[str] | None = None) -> list
     rng = random.Random(seed)
     seen: set[str] = set()
     out: list[dict] = []
-    attempts = 0
+    active = list(names)
+    turn = 0
     while len(out) < n:
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot make {n} distinct examples of tasks {names}")
-        name = names[len(out) % len(names)]
-        question, answer = TASKS[name](rng)
-        if question in seen:
+        if not active:
+            raise ValueError(f"cannot make {n} distinct examples of tasks {names}: they hold {len(out)}")
+        name = active[turn % len(active)]
+        for _ in range(patience):
+            question, answer = TASKS[name](rng)
+            if question not in seen:
+                break
+        else:
+            active.remove(name)  # exhausted: the next task takes this turn
             continue
         seen.add(question)
+        turn += 1
         out.append({"task": name, "answer": answer, "messages": [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": question},
@@ -96,9 +105,14 @@ def split_examples(examples: list[dict], val_fraction: float = 0.1) -> tuple[lis
     return train, val
 
 
-def write_demo(directory: str | Path, n: int, seed: int = 0, val_fraction: float = 0.1) -> dict[str, int]:
-    """Write ``train.jsonl`` and ``val.jsonl`` into ``directory``; returns the example counts."""
+def write_demo(directory: str | Path, n: int, seed: int = 0, val_fraction: float = 0.1,
+               max_val: int | None = None) -> dict[str, int]:
+    """Write ``train.jsonl`` and ``val.jsonl`` into ``directory``; returns the example counts.
+    ``max_val`` keeps only the first that many validation examples: the rest of the validation
+    side is left out of both files (never trained on), so a large training set can keep a small,
+    fixed held-out set (the same first ones for any ``n``, as examples come in a fixed order)."""
     train, val = split_examples(make_examples(n, seed), val_fraction)
+    val = val if max_val is None else val[:max_val]
     for name, rows in (("train", train), ("val", val)):
         atomic_write_text(Path(directory) / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return {"train": len(train), "val": len(val)}

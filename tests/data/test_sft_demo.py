@@ -75,6 +75,29 @@ def test_exact_match(prediction, answer, expected):
     assert exact_match(prediction, answer) is expected
 
 
+def test_an_exhausted_task_leaves_the_cycle_and_the_others_go_on():
+    examples = make_examples(400, seed=0, tasks=["reversal", "counting"])
+    questions = [e["messages"][1]["content"] for e in examples]
+    assert len(set(questions)) == 400
+    assert sum(e["task"] == "reversal" for e in examples) == 144  # 12 x 12 words: every one made
+    assert examples[:288] == make_examples(288, seed=0, tasks=["reversal", "counting"])  # a prefix
+    with pytest.raises(ValueError, match="cannot make 200 distinct examples of tasks \\['reversal'\\]: they hold 144"):
+        make_examples(200, seed=0, tasks=["reversal"])
+
+
+def test_max_val_keeps_the_first_held_out_examples_and_trains_on_none_of_the_rest(tmp_path):
+    small, big = tmp_path / "small", tmp_path / "big"
+    write_demo(small, 300, seed=0)
+    counts = write_demo(big, 3000, seed=0, max_val=10)
+    assert counts["val"] == 10
+    val_small = (small / "val.jsonl").read_text().splitlines()
+    assert (big / "val.jsonl").read_text().splitlines() == val_small[:10]
+    _, all_val = split_examples(make_examples(3000, seed=0))
+    held_out = {e["messages"][1]["content"] for e in all_val}
+    train = [json.loads(line)["messages"][1]["content"] for line in (big / "train.jsonl").read_text().splitlines()]
+    assert len(train) == counts["train"] == 3000 - len(all_val) and not held_out & set(train)
+
+
 def test_unknown_task_is_an_error():
     with pytest.raises(ValueError, match="unknown demo tasks"):
         make_examples(3, tasks=["poetry"])
