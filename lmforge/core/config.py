@@ -428,9 +428,10 @@ def _coerce(value: Any, tp: Any, key: str, source: str | Sources) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1 and dataclasses.is_dataclass(options[0]) and isinstance(value, dict):
+            return _coerce(value, options[0], key, source)  # a section's own error names the key inside it
+        for arg in options:
             try:
                 return _coerce(value, arg, key, source)
             except ConfigError:

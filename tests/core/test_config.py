@@ -73,6 +73,22 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
         load_config(Recipe, None, ["trian.lr=1"])
 
 
+@dataclass
+class WithOptionalSection:
+    lora: ModelCfg | None = None
+
+
+def test_an_optional_sections_errors_name_the_key_inside_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"'lora\.n_layers' must be int, got 'four' \(str\)"):
+        load_config(WithOptionalSection, None, ["lora.n_layers=four"])
+    with pytest.raises(ConfigError, match=r"unknown key 'lora\.n_layer'.*did you mean 'lora\.n_layers'"):
+        load_config(WithOptionalSection, write(tmp_path, "lora:\n  n_layer: 3\n"))
+    with pytest.raises(ConfigError, match=r"'lora' must be a mapping or null, got 5 \(int\)"):
+        load_config(WithOptionalSection, None, ["lora=5"])
+    assert load_config(WithOptionalSection, None, ["lora.n_layers=3"]).lora.n_layers == 3
+    assert load_config(WithOptionalSection, None, []).lora is None
+
+
 def test_wrong_type_names_key_value_and_expected_type(tmp_path):
     with pytest.raises(ConfigError, match=r"'model\.n_layers' must be int, got 'four' \(str\)"):
         load_config(Recipe, None, ["model.n_layers=four"])
