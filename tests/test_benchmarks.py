@@ -230,3 +230,33 @@ def test_serve_answers_every_request_over_http_and_in_process(tmp_path):
         assert r["generated_tokens"] == 12  # exactly max_tokens per request on both sides (ignore_eos)
         assert positive(r["requests_per_s"], r["tokens_per_s"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["wall_s"])
     assert positive(result["http_overhead_ratio"]) and {"cpu", "torch"} <= set(result["machine"])
+
+
+def test_copying_gain_is_none_at_init_and_large_once_a_model_learns_to_copy(tmp_path):
+    from benchmarks.copying import copying_nll
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=160, max_seq_len=64)
+    model = Transformer(cfg)
+    model.init_weights()
+    first, second = copying_nll(model, cfg.vocab_size, length=12, rows=16, seed=1, low=32)
+    assert abs(first - second) < 0.2 and abs(first - math.log(160)) < 0.5  # uniform guesses, both copies
+    # 300 steps on sequences that repeat (Adam, lr 3e-3) grow induction heads in a 2-layer model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        half = torch.randint(32, 160, (32, 12))
+        ids = torch.cat([half, half], 1)
+        logp = torch.log_softmax(model(ids), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        opt.zero_grad()
+        (-logp[:, 11:].mean()).backward()
+        opt.step()
+    model.eval()
+    first, second = copying_nll(model, cfg.vocab_size, length=12, rows=16, seed=1, low=32)
+    assert first - second > 2.0, (first, second)
+    # the script, on a saved checkpoint of it
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_model_files(ckpt, model, None)
+    write_checksums(ckpt)
+    row = json.loads(run("copying.py", ckpt, "--length", 12, "--rows", 16, "--seed", 1, "--low", 32).splitlines()[-1])
+    assert row["copying_gain"] == pytest.approx(first - second, abs=1e-3) and positive(row["first_copy_nll"], row["second_copy_nll"])

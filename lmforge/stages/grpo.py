@@ -50,7 +50,7 @@ from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import GRPOConfig, RolloutBatches, SamplingCopy, reference_policy
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
-from lmforge.stages.scoring import ScoreConfig, named_scorer
+from lmforge.stages.scoring import ScoreConfig, named_scorer, task_changes
 from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
@@ -131,8 +131,9 @@ def exact_match_lines(res: dict) -> list[str]:
     before, after = (res.get("before") or {}).get("exact_match"), (res.get("after") or {}).get("exact_match")
     if not (before and after):
         return []
+    by_task = task_changes(before, after)
     return [f"- exact match on {after['examples']} held-out tasks: **{100 * before['exact_match']:.1f}% before, "
-            f"{100 * after['exact_match']:.1f}% after**"]
+            f"{100 * after['exact_match']:.1f}% after**" + (f" (right answers by task: {by_task})" if by_task else "")]
 
 
 def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> FinetuneStage:

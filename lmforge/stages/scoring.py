@@ -70,8 +70,8 @@ def named_scorer(cfg: ScoreConfig, tok: Tokenizer, val: list[str]) -> Scorer | N
     """The recipe's scorer (None for ``score.name: none``), its tasks read now."""
     if cfg.name == "none":
         return None
-    prompts, answers = exact_match_tasks(tok, cfg.files(val), cfg.max_examples)
-    return lambda model: {"exact_match": exact_match_accuracy(model, tok, prompts, answers, cfg.max_new_tokens)}
+    prompts, answers, tasks = exact_match_tasks(tok, cfg.files(val), cfg.max_examples)
+    return lambda model: {"exact_match": exact_match_accuracy(model, tok, prompts, answers, cfg.max_new_tokens, tasks)}
 
 
 def combined(*scorers: Scorer | None) -> Scorer | None:
@@ -82,14 +82,16 @@ def combined(*scorers: Scorer | None) -> Scorer | None:
     return lambda model: {key: value for scorer in given for key, value in scorer(model).items()}
 
 
-def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tuple[list[list[int]], list[str]]:
-    """Prompts (ChatML up to the generation prompt) and reference answers of conversations ending
-    with the assistant, of conversational ``prompt``/``chosen`` pairs (the chosen answer), or of
-    desirable ``prompt``/``completion`` examples."""
+def exact_match_tasks(tok: Tokenizer, paths: list[str],
+                      max_examples: int) -> tuple[list[list[int]], list[str], list[str | None]]:
+    """Prompts (ChatML up to the generation prompt), reference answers and ``task`` fields (None
+    where a record has none) of conversations ending with the assistant, of conversational
+    ``prompt``/``chosen`` pairs (the chosen answer), or of desirable ``prompt``/``completion`` examples."""
     prompts: list[list[int]] = []
     answers: list[str] = []
+    tasks: list[str | None] = []
     if not paths:
-        return prompts, answers
+        return prompts, answers, tasks
     for _, record in read_sft_records(paths):
         if not isinstance(record, dict):
             continue
@@ -106,28 +108,42 @@ def exact_match_tasks(tok: Tokenizer, paths: list[str], max_examples: int) -> tu
             continue
         prompts.append(chat_prompt_ids(tok, context))
         answers.append(answer["content"])
+        tasks.append(record["task"] if isinstance(record.get("task"), str) else None)
         if len(prompts) >= max_examples:
             break
-    return prompts, answers
+    return prompts, answers, tasks
 
 
 def exact_match_accuracy(model: nn.Module, tok: Tokenizer, prompts: list[list[int]], answers: list[str],
-                         max_new_tokens: int) -> dict | None:
+                         max_new_tokens: int, tasks: list[str | None] | None = None) -> dict | None:
     """Greedy answers to the prompts, scored by exact match against the references (greedy decoding
-    draws no random numbers, so scoring on rank 0 alone leaves every rank's generator the same)."""
+    draws no random numbers, so scoring on rank 0 alone leaves every rank's generator the same).
+    With ``tasks`` (each prompt's task name, or None), also ``correct/<task>`` and ``count/<task>``:
+    how many of each task's prompts are answered right, of how many."""
     if not prompts:
         return None
     was_training = model.training
     model.eval()
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                            stop_token_ids=[tok.token_to_id("<|im_end|>"), tok.eos_id])
-    correct = 0
+    right: list[bool] = []
     for i in range(0, len(prompts), 32):
         results = generate(model, prompts[i : i + 32], gen, tok)
-        correct += sum(exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32]))
+        right += [exact_match(r.text, a) for r, a in zip(results, answers[i : i + 32])]
     release_decoding_view(model)  # training may follow: don't hold a second copy of the weights through it
     model.train(was_training)
-    return {"exact_match": correct / len(prompts), "examples": len(prompts)}
+    out = {"exact_match": sum(right) / len(prompts), "examples": len(prompts)}
+    for task in sorted({t for t in tasks or [] if t is not None}):
+        of_task = [ok for ok, t in zip(right, tasks) if t == task]
+        out[f"correct/{task}"], out[f"count/{task}"] = sum(of_task), len(of_task)
+    return out
+
+
+def task_changes(before: dict, after: dict) -> str:
+    """``counting 3 -> 5 of 19, sorting 0 -> 0 of 15``: each task's right answers in two
+    ``exact_match_accuracy`` results ('' when they were not counted by task)."""
+    names = sorted(k.removeprefix("count/") for k in after if k.startswith("count/") and k in before)
+    return ", ".join(f"{n} {before[f'correct/{n}']} → {after[f'correct/{n}']} of {after[f'count/{n}']}" for n in names)
 
 
 def preference_scorer(rows: dict[str, torch.Tensor], batch_size: int, device: torch.device,

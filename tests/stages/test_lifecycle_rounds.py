@@ -162,3 +162,27 @@ def test_the_shipped_iterative_recipes_parse_and_resolve_every_round(monkeypatch
                 assert bundled or any(path == m or path.startswith(m + "/") for m in made), (
                     f"{planned.name} reads {path}, which no earlier stage writes")
             made.append(str(stage_dir))
+
+
+def test_the_longer_demo_reads_and_writes_only_its_own_run_directory(monkeypatch):
+    from lmforge.core.config import to_dict
+
+    monkeypatch.chdir(REPO)
+    recipe = load_config(LifecycleRecipe, REPO / "recipes" / "demo" / "longer.yaml")
+    plans = resolve_stages(recipe)
+    cfgs = {p.name: cfg for p, _, cfg, _ in plans}
+    assert list(cfgs) == ["curate", "tokenizer", "prepare", "pretrain", "sft", "grpo"]
+
+    def strings(x):
+        if isinstance(x, dict):
+            return [s for v in x.values() for s in strings(v)]
+        if isinstance(x, (list, tuple)):
+            return [s for v in x for s in strings(v)]
+        return [x] if isinstance(x, str) else []
+
+    for name, cfg in cfgs.items():  # nothing of `make demo`'s runs/demo is read or overwritten
+        runs = [s for s in strings(to_dict(cfg)) if s.startswith("runs/")]
+        assert runs and all(s.startswith("runs/longer/") for s in runs), (name, runs)
+    assert cfgs["tokenizer"].tokenizer.digit_group == 1
+    assert cfgs["sft"].train.max_steps == 1000 and "data/sft/train_large.jsonl" in cfgs["sft"].data.train
+    assert cfgs["grpo"].checkpoint == "runs/longer/sft" and cfgs["grpo"].train.lr == 2e-4
