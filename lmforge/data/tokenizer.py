@@ -3,8 +3,9 @@
 The pre-tokenizer is the GPT-4 / Llama-3 split pattern (digits in groups of at most
 three, contractions, punctuation runs) followed by byte-level mapping, so every string
 round-trips exactly; ``digit_group: 1`` splits every digit apart instead (Llama 1/2, PaLM),
-which a small model needs to copy and do arithmetic on numbers. Special tokens take the first ids: beginning and end of text,
-padding (never the same id as end-of-turn), then the ChatML turn markers.
+which a small model needs to copy and do arithmetic on numbers. Special tokens take the first
+ids: beginning and end of text, padding (never the same id as end-of-turn), then the ChatML
+turn markers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def split_pattern(digit_group: int = 3) -> str:
         r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     )
 
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
@@ -47,8 +49,8 @@ class TokenizerConfig:
     model_max_length: int = positive(2048)  # recorded in tokenizer_config.json for HF users
     max_train_chars: int | None = positive(None)  # cap on training text, None = use all of it
     # numbers are cut into pre-tokens of at most this many digits before BPE: 3 as in GPT-4 and
-    # Llama 3; 1 gives every digit its own token (Llama 1/2, PaLM), so that "4600" is the
-    # tokens of "46" then "0", "0": what a small model needs to copy numbers and add them
+    # Llama 3; 1 gives every digit its own token (Llama 1/2, PaLM), so that "4600" begins with
+    # the tokens of "46": what a small model needs to copy numbers and add them
     digit_group: int = at_least(1, 3)
 
     def __post_init__(self) -> None:
