@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmforge.core.config import ConfigError, at_least, in_range, positive
-from lmforge.rl.advantages import gae, masked_mean, whiten
+from lmforge.rl.advantages import AllSum, gae, local_sum, masked_mean, whiten
 from lmforge.rl.critic import CriticConfig
 from lmforge.rl.kl import KLController, KLEstimator, kl_shaped_rewards
 from lmforge.rl.rollout import RolloutConfig
@@ -53,23 +53,23 @@ class PPOConfig(RolloutBatchConfig):
         super().check(rollout)
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """1 − Var(R − V) / Var(R) over the masked tokens: 1 a perfect critic, 0 no better than a constant."""
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor | None = None,
+                       all_sum: AllSum = local_sum) -> float:
+    """1 − Var(R − V) / Var(R) over the masked tokens (of every rank, with ``all_sum``): 1 a perfect
+    critic, 0 no better than a constant."""
     mask = torch.ones_like(returns, dtype=torch.bool) if mask is None else mask
-    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    diff = returns - values
-    var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        return masked_mean((x - masked_mean(x, mask, all_sum=all_sum)) ** 2, mask, all_sum=all_sum)
+
+    var_r, var_d = var(returns), var(returns - values)
     return float(1 - var_d / var_r) if float(var_r) > 0 else 0.0
-
-
-def one_process(value):
-    return [value]
 
 
 class PPOAdvantages:
     """The rollout batch's ``estimate`` for PPO (module docstring). Under data parallelism the
-    whitening, the KL and the explained variance are over every rank's tokens (``gather``), so
-    the advantages are those of the whole batch in one process."""
+    whitening, the KL and the explained variance are over every rank's tokens (sums and counts
+    through ``all_sum``), so the advantages are those of the whole batch in one process."""
 
     def __init__(self, cfg: PPOConfig):
         self.cfg = cfg
@@ -77,7 +77,7 @@ class PPOAdvantages:
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor],
-                 gather=one_process, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                 all_sum: AllSum = local_sum) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         mask, values = batch["loss_mask"], batch["values"]
         has = mask.any(-1)  # a response with no loss token (mask_truncated) has no time step
         rewards, kl = torch.zeros_like(values), torch.zeros_like(values)
@@ -87,19 +87,15 @@ class PPOAdvantages:
                                                       self.cfg.kl_estimator)
         advantages, returns = gae(rewards, values, mask, self.cfg.gamma, self.cfg.lam)
         on = mask.bool()
-        ranks = gather((advantages[on], values[on], returns[on], kl.sum(-1)[has]))
-        everyone = [torch.cat([r[i] for r in ranks]) for i in range(4)]
-        if self.cfg.whiten_advantages and len(everyone[0]) > 1:
-            offset = sum(len(r[0]) for r in ranks[:rank])
-            whitened = whiten(everyone[0])[offset : offset + int(on.sum())]
-            advantages = torch.zeros_like(advantages)
-            advantages[on] = whitened
-        kl_per_completion = float(everyone[3].mean()) if len(everyone[3]) else 0.0
+        tokens, kl_sum, completions = all_sum(torch.stack((on.sum(), kl.sum(-1)[has].sum(), has.sum())).double())
+        if self.cfg.whiten_advantages and tokens > 1:
+            advantages = whiten(advantages, on, all_sum=all_sum)
+        kl_per_completion = float(kl_sum / completions) if completions else 0.0
         figures = {"kl": kl_per_completion, "kl_coef": self.kl.coef,
-                   "value_mean": float(everyone[1].mean()) if len(everyone[1]) else 0.0,
-                   "returns_mean": float(everyone[2].mean()) if len(everyone[2]) else 0.0,
-                   "explained_variance": explained_variance(everyone[1], everyone[2])}
-        self.kl.update(kl_per_completion, sum(len(r[3]) for r in ranks))
+                   "value_mean": float(masked_mean(values, on, all_sum=all_sum)),
+                   "returns_mean": float(masked_mean(returns, on, all_sum=all_sum)),
+                   "explained_variance": explained_variance(values, returns, on, all_sum)}
+        self.kl.update(kl_per_completion, int(completions))
         return {"advantages": advantages, "returns": returns, "old_values": values}, figures
 
     def state_dict(self) -> dict:

@@ -205,17 +205,17 @@ def advantages_of(estimator: Estimator, batch: dict[str, torch.Tensor], all_sum:
 
 
 class GroupAdvantages:
-    """GRPO's estimators as the rollout batch's ``estimate(batch, gather)``: (columns to add, figures
-    to log) of this rank's share of a batch; ``gather(value)`` is every rank's value, in rank order
-    (this one's at ``rank``).
-    PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs too.
-    ``all_sum`` sums a tensor over the data-parallel ranks (REINFORCE++'s global statistics)."""
+    """GRPO's estimators as the rollout batch's ``estimate(batch, all_sum)``: (columns to add,
+    figures to log) of this rank's share of a batch; ``all_sum`` sums a tensor over the
+    data-parallel ranks (REINFORCE++'s global statistics).
+    PPO's (``rl.ppo.PPOAdvantages``) reads the critic's values and the reference's log-probs too."""
 
-    def __init__(self, estimator: Estimator, all_sum: AllSum = local_sum):
-        self.estimator, self.all_sum = estimator, all_sum
+    def __init__(self, estimator: Estimator):
+        self.estimator = estimator
 
-    def __call__(self, batch: dict[str, torch.Tensor], gather=None, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        return {"advantages": advantages_of(self.estimator, batch, self.all_sum)}, {}
+    def __call__(self, batch: dict[str, torch.Tensor],
+                 all_sum: AllSum = local_sum) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return {"advantages": advantages_of(self.estimator, batch, all_sum)}, {}
 
     def state_dict(self) -> dict:
         return {}
@@ -248,7 +248,7 @@ class RolloutBatches:
                  sampler: Callable[[], nn.Module] | None = None, estimate=None,
                  critic: TokenLogprobs | None = None):
         cfg.check(rollout)
-        self.estimate = estimate if estimate is not None else GroupAdvantages(cfg.advantage, self.all_sum)
+        self.estimate = estimate if estimate is not None else GroupAdvantages(cfg.advantage)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef {loss.kl_coef} needs a reference policy")
         self.rank, self.dp = data_parallel_rank(parallel)
@@ -362,7 +362,7 @@ class RolloutBatches:
         batch = rollout_batch([r for r, _ in rows], self.tok.pad_id, [t for _, t in rows], self.mask_truncated)
         slices = self.micro_batch_rows()
         self.add_logprobs(batch, slices)
-        columns, figures = self.estimate(batch, self.gather, self.rank)
+        columns, figures = self.estimate(batch, self.all_sum)
         batch |= columns
         stats = self.statistics(sampled, groups) | figures
         if self.run_dir is not None and self.cfg.samples_every and step % self.cfg.samples_every == 0:
