@@ -4,6 +4,11 @@ Every reader yields a ``Document`` (id, text, and ``metadata["source"]``, the fi
 UTF-8, a missing or non-string text field) is an ``InputError`` naming the file and line,
 or, with ``skip_bad_records``, is skipped and counted in a ``SkipLog`` so that nothing is
 dropped without a trace.
+
+With ``messages_field`` set, JSONL and Parquet records hold conversations (TRL's ``messages``)
+instead of text: each becomes one document, its turns rendered in ChatML as ``lmforge sft``
+renders them (``data.chatml.chatml_text``), every token of it trained by pre-training. That is
+mid-training on chat data: the model sees the format and the tasks before fine-tuning.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmforge.core.io import InputError, expand_paths
+from lmforge.data.chatml import ExampleError, chatml_text, validate_messages
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -34,6 +40,7 @@ class DocumentsConfig:
     paths: list[str] = field(default_factory=list)  # files or glob patterns (``**`` allowed)
     text_field: str = "text"  # JSONL key / Parquet column holding the text
     id_field: str = "id"  # optional; missing ids become ``<file>:<line>``
+    messages_field: str | None = None  # a key / column of TRL `messages`: each conversation read as its ChatML text
     skip_bad_records: bool = False  # count and skip bad records instead of stopping
 
 
@@ -94,6 +101,9 @@ def read_file(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Do
         yield from _read_jsonl(path, cfg, skipped)
     elif fmt == "parquet":
         yield from _read_parquet(path, cfg, skipped)
+    elif cfg.messages_field is not None:
+        raise InputError(f"{path}: data.messages_field={cfg.messages_field!r} reads conversations from JSONL or "
+                         "Parquet records; a plain-text file holds none")
     else:
         yield from _read_text(path, cfg, skipped)
 
@@ -102,6 +112,22 @@ def _bad(cfg: DocumentsConfig, skipped: SkipLog, reason: str, where: str, detail
     if not cfg.skip_bad_records:
         raise InputError(f"{where}: {detail} (set data.skip_bad_records=true to skip and count such records)")
     skipped.add(reason, where, detail)
+
+
+def _record_text(value: object, missing: str, where: str, cfg: DocumentsConfig, skipped: SkipLog) -> str | None:
+    """The document text of a record's field: the text itself, or with ``messages_field`` the
+    conversation's ChatML; None (reported or counted) when the record is unusable."""
+    if cfg.messages_field is None:
+        return value if _usable_text(value, missing, where, cfg, skipped) else None
+    if value is None:
+        _bad(cfg, skipped, "missing_messages", where, missing)
+        return None
+    try:
+        validate_messages(value, cfg.messages_field, need_assistant=False)
+    except ExampleError as exc:
+        _bad(cfg, skipped, exc.reason, where, str(exc))
+        return None
+    return chatml_text(value)
 
 
 def _usable_text(text: object, missing: str, where: str, cfg: DocumentsConfig, skipped: SkipLog) -> bool:
@@ -304,12 +330,13 @@ def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[
         if not isinstance(record, dict):
             _bad(cfg, skipped, "not_an_object", where, f"expected a JSON object, got {type(record).__name__}")
             continue
-        missing = f"no {cfg.text_field!r} field (keys: {sorted(record)[:8]})"
-        if _usable_text(record.get(cfg.text_field), missing, where, cfg, skipped):
+        key = cfg.messages_field or cfg.text_field
+        text = _record_text(record.get(key), f"no {key!r} field (keys: {sorted(record)[:8]})", where, cfg, skipped)
+        if text is not None:
             doc_id = record.get(cfg.id_field)
             line = where.rsplit(":", 1)[1]
             yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{line}",
-                           text=record[cfg.text_field], metadata={"source": str(path)})
+                           text=text, metadata={"source": str(path)})
 
 
 def parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
@@ -373,9 +400,10 @@ def parquet_batches(pf: Any, path: Path, columns: list[str] | None = None, batch
 def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     pf = open_parquet(path)
     names = pf.schema_arrow.names
-    if cfg.text_field not in names:
-        raise InputError(f"{path}: no {cfg.text_field!r} column (columns: {names})")
-    columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field in names else [])
+    key = cfg.messages_field or cfg.text_field
+    if key not in names:
+        raise InputError(f"{path}: no {key!r} column (columns: {names})")
+    columns = [key] + ([cfg.id_field] if cfg.id_field in names else [])
     try:
         yield from _parquet_documents(path, pf, columns, cfg, skipped)
     except DamagedFile as exc:
@@ -392,8 +420,10 @@ def _parquet_documents(path: Path, pf: Any, columns: list[str], cfg: DocumentsCo
             if problem:
                 _bad(cfg, skipped, "invalid_utf8", where, problem)
                 continue
-            text, doc_id = record[cfg.text_field], record.get(cfg.id_field)
-            if _usable_text(text, f"{cfg.text_field!r} is null", where, cfg, skipped):
+            key = cfg.messages_field or cfg.text_field
+            doc_id = record.get(cfg.id_field)
+            text = _record_text(record[key], f"{key!r} is null", where, cfg, skipped)
+            if text is not None:
                 yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, metadata={"source": str(path)})
 
 

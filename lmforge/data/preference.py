@@ -36,14 +36,13 @@ import torch
 from lmforge.core.io import InputError
 from lmforge.data.chat import (
     IGNORE_INDEX,
-    ExampleError,
     OnBad,
     OnTooLong,
-    Segment,
     example_segments,
     read_sft_records,
     tokenize_segments,
 )
+from lmforge.data.chatml import ExampleError, Segment
 from lmforge.data.documents import SkipLog
 from lmforge.data.tokenizer import Tokenizer
 

@@ -23,7 +23,7 @@ import re
 import string
 from collections.abc import Sequence
 
-from lmforge.data.chat import IM_END
+from lmforge.data.chatml import IM_END
 from lmforge.data.sft_demo import normalize_answer
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)

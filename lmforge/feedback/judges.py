@@ -47,7 +47,8 @@ import torch
 
 from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_json
-from lmforge.data.chat import IM_END, chat_prompt_ids
+from lmforge.data.chat import chat_prompt_ids
+from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine, GenerationConfig, Request
 from lmforge.train.checkpoint import load_model

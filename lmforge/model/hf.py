@@ -346,7 +346,7 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-END_OF_TURN = "<|im_end|>"  # ChatML's end of a turn (lmforge.data.chat.IM_END; hf.py imports no data module)
+END_OF_TURN = "<|im_end|>"  # ChatML's end of a turn (lmforge.data.chatml.IM_END; hf.py imports no data module)
 
 
 def read_tokenizer_files(tokenizer_dir: Path) -> tuple[dict[str, int], dict] | None:

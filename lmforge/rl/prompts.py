@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.core.io import InputError
-from lmforge.data.chat import ExampleError, OnBad, chat_prompt_ids, read_sft_records, validate_messages
+from lmforge.data.chat import OnBad, chat_prompt_ids, read_sft_records
+from lmforge.data.chatml import ExampleError, validate_messages
 from lmforge.data.documents import SkipLog
 from lmforge.data.tokenizer import Tokenizer
 

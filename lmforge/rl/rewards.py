@@ -44,7 +44,8 @@ import torch
 
 from lmforge.core.config import ConfigError, at_least, in_range, positive
 from lmforge.core.io import InputError
-from lmforge.data.chat import IM_END, tokenize_segments
+from lmforge.data.chat import tokenize_segments
+from lmforge.data.chatml import IM_END
 from lmforge.data.sft_demo import exact_match as demo_exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.answers import edit_similarity, exact_match, final_answer, numeric_match

@@ -38,7 +38,7 @@ from torch import nn
 
 from lmforge.core.config import at_least, positive, seed_field, unit_interval
 from lmforge.core.io import InputError
-from lmforge.data.chat import IM_END
+from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine, FinishReason, Generation, GenerationConfig, Request
 from lmforge.rl.prompts import Prompt

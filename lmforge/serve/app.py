@@ -36,7 +36,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from lmforge.core.io import InputError
-from lmforge.data.chat import CHATML_TEMPLATE, IM_END, ExampleError, chat_prompt_ids, validate_messages
+from lmforge.data.chat import chat_prompt_ids
+from lmforge.data.chatml import CHATML_TEMPLATE, IM_END, ExampleError, validate_messages
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Generation, GenerationConfig
 from lmforge.inference.engine import Request as EngineRequest

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
-from lmforge.data.chat import CHATML_TEMPLATE
+from lmforge.data.chatml import CHATML_TEMPLATE
 from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config
 from lmforge.model.hf import (
     HF_WEIGHTS,

@@ -31,7 +31,8 @@ import torch
 from lmforge.core.config import at_least, load_config, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
-from lmforge.data.chat import IM_END, ExampleError, chat_prompt_ids, read_sft_records, validate_messages
+from lmforge.data.chat import chat_prompt_ids, read_sft_records
+from lmforge.data.chatml import IM_END, ExampleError, validate_messages
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.train.checkpoint import load_model

@@ -6,14 +6,13 @@ import pytest
 
 from lmforge.core.io import InputError
 from lmforge.data.chat import (
-    CHATML_TEMPLATE,
     IGNORE_INDEX,
     read_sft_examples,
-    render_chatml,
     tokenize_conversation,
     tokenize_example,
     tokenize_segments,
 )
+from lmforge.data.chatml import CHATML_TEMPLATE, render_chatml
 from lmforge.data.documents import SkipLog
 from lmforge.data.tokenizer import Tokenizer
 from tests.conftest import write_jsonl

@@ -202,3 +202,46 @@ def test_a_control_character_in_a_json_string_is_named_once_with_its_column_and_
         read([p])
     assert str(exc.value) == (f"{p}:2: malformed JSON: Invalid control character at column 14 "
                               "(set data.skip_bad_records=true to skip and count such records)")
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4"}]
+CHAT_TEXT = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+
+
+def test_conversations_are_read_as_their_chatml_text_from_jsonl_and_parquet(tmp_path):
+    from lmforge.data.chatml import render_chatml
+
+    assert "".join(s for s, _ in render_chatml(CHAT)) == CHAT_TEXT  # what SFT renders
+    j, p = tmp_path / "c.jsonl", tmp_path / "c.parquet"
+    j.write_text(json.dumps({"messages": CHAT, "task": "arithmetic"}) + "\n" + json.dumps({"id": "q", "messages": CHAT[1:2]}) + "\n")
+    pq.write_table(pa.table({"messages": [CHAT]}), p)
+    docs = read([j, p], messages_field="messages")
+    assert [(d.id, d.text) for d in docs] == [("c.jsonl:1", CHAT_TEXT), ("q", "<|im_start|>user\n2 + 2?<|im_end|>\n"),
+                                              ("c.parquet:1", CHAT_TEXT)]
+
+
+@pytest.mark.parametrize("record, reason, message", [
+    ({"text": "no conversation"}, "missing_messages", r"c\.jsonl:2: no 'messages' field \(keys: \['text'\]\)"),
+    ({"messages": "hi"}, "bad_messages", r"c\.jsonl:2: 'messages' must be a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown_role", r"c\.jsonl:2: messages\[0\] has unknown role 'robot'"),
+    ({"messages": [{"role": "user", "content": " "}]}, "empty_turn", r"c\.jsonl:2: messages\[0\] \(user\) is empty"),
+])
+def test_a_bad_conversation_is_an_error_naming_the_line_or_is_counted(tmp_path, record, reason, message):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(InputError, match=message):
+        read([p], messages_field="messages")
+    skipped = SkipLog()
+    assert [d.text for d in read([p], skip=True, skipped=skipped, messages_field="messages")] == [CHAT_TEXT]
+    assert dict(skipped.by_reason) == {reason: 1}
+
+
+def test_conversations_from_a_plain_text_file_or_a_missing_column_are_errors(tmp_path):
+    t, p = tmp_path / "a.txt", tmp_path / "d.parquet"
+    t.write_text("prose\n")
+    pq.write_table(pa.table({"text": ["x"]}), p)
+    with pytest.raises(InputError, match=r"a\.txt: data\.messages_field='messages' reads conversations from JSONL or Parquet"):
+        read([t], messages_field="messages")
+    with pytest.raises(InputError, match=r"no 'messages' column \(columns: \['text'\]\)"):
+        read([p], messages_field="messages")

@@ -189,7 +189,8 @@ def test_chosen_and_rejected_share_one_tokenization_of_a_prompt_ending_in_a_spac
 
 
 def test_conversational_completions_tokenized_apart_equal_the_whole_rendered_text(small_tokenizer):
-    from lmforge.data.chat import render_chatml, tokenize_segments
+    from lmforge.data.chat import tokenize_segments
+    from lmforge.data.chatml import render_chatml
 
     tok = small_tokenizer
     prompt, chosen = [USER], [{"role": "assistant", "content": " 5 "}]

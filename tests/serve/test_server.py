@@ -16,7 +16,8 @@ import pytest
 import requests
 import torch
 
-from lmforge.data.chat import IM_END, chat_prompt_ids
+from lmforge.data.chat import chat_prompt_ids
+from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.train.checkpoint import load_model

@@ -357,7 +357,7 @@ def test_chat_export_keeps_end_of_text_as_a_stop_token(tmp_path, chat_tokenizer_
 
 
 def test_export_merge_lora_keeps_the_chat_template(tmp_path, tokenizer_dir, vocab_size):
-    from lmforge.data.chat import CHATML_TEMPLATE
+    from lmforge.data.chatml import CHATML_TEMPLATE
     from lmforge.peft.adapters import save_adapter
     from lmforge.peft.lora import LoraConfig, apply_lora
 

@@ -164,25 +164,18 @@ def test_the_shipped_iterative_recipes_parse_and_resolve_every_round(monkeypatch
             made.append(str(stage_dir))
 
 
-def test_the_longer_demo_reads_and_writes_only_its_own_run_directory(monkeypatch):
-    from lmforge.core.config import to_dict
-
+def test_the_demo_mid_trains_on_the_sft_tasks_but_never_on_the_held_out_ones(monkeypatch):
     monkeypatch.chdir(REPO)
-    recipe = load_config(LifecycleRecipe, REPO / "recipes" / "demo" / "longer.yaml")
-    plans = resolve_stages(recipe)
+    plans = resolve_stages(load_config(LifecycleRecipe, REPO / "recipes" / "demo" / "lifecycle.yaml"))
     cfgs = {p.name: cfg for p, _, cfg, _ in plans}
-    assert list(cfgs) == ["curate", "tokenizer", "prepare", "pretrain", "sft", "grpo"]
-
-    def strings(x):
-        if isinstance(x, dict):
-            return [s for v in x.values() for s in strings(v)]
-        if isinstance(x, (list, tuple)):
-            return [s for v in x for s in strings(v)]
-        return [x] if isinstance(x, str) else []
-
-    for name, cfg in cfgs.items():  # nothing of `make demo`'s runs/demo is read or overwritten
-        runs = [s for s in strings(to_dict(cfg)) if s.startswith("runs/")]
-        assert runs and all(s.startswith("runs/longer/") for s in runs), (name, runs)
-    assert cfgs["tokenizer"].tokenizer.digit_group == 1
-    assert cfgs["sft"].train.max_steps == 1000 and "data/sft/train_large.jsonl" in cfgs["sft"].data.train
-    assert cfgs["grpo"].checkpoint == "runs/longer/sft" and cfgs["grpo"].train.lr == 2e-4
+    names = list(cfgs)
+    assert names.index("prepare") < names.index("prepare_chat") < names.index("pretrain") < names.index("sft")
+    chat = cfgs["prepare_chat"]
+    assert chat.data.messages_field == "messages" and chat.tokenizer == cfgs["tokenizer"].run_dir
+    mixture = {d.path: d.weight for d in cfgs["pretrain"].data.datasets}
+    assert mixture == {cfgs["prepare"].run_dir: 0.75, chat.run_dir: 0.25}
+    held_out = {json.loads(line)["messages"][1]["content"] for line in open("data/sft/val.jsonl")}
+    assert len(held_out) == 75 and cfgs["sft"].data.val == cfgs["grpo"].data.val == ["data/sft/val.jsonl"]
+    for path in chat.data.paths:  # the exact-match scores are of questions pre-training never saw
+        questions = {m["content"] for line in open(path) for m in json.loads(line)["messages"] if m["role"] == "user"}
+        assert questions and not questions & held_out, path

@@ -240,3 +240,24 @@ def test_a_file_that_goes_wholly_to_val_under_source_hash_is_warned_about(tmp_pa
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(f"all 1 documents of {tmp_path / 'one.txt'} went to the validation split" in w
                and "source_tail cuts a one-document file" in w for w in warnings)
+
+
+def test_conversations_are_tokenized_as_sft_tokenizes_them_with_their_special_tokens(tmp_path, small_tokenizer,
+                                                                                       small_tokenizer_dir):
+    from lmforge.data.chat import tokenize_segments
+    from lmforge.data.chatml import IM_END, IM_START, render_chatml
+
+    chats = [[{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]
+             for i in range(40)]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    data = DocumentsConfig(paths=[str(path)], messages_field="messages")
+    manifest = run_prepare(PrepareRecipe(run_dir=str(tmp_path / "out"), tokenizer=str(small_tokenizer_dir), data=data,
+                                         val_fraction=0.0))
+    shard, = open_shards(tmp_path / "out", "train")
+    starts = shard.doc_starts
+    stored = [shard.tokens[starts[j] : starts[j + 1]].tolist() for j in range(len(starts) - 1)]
+    # SFT's ids of the same conversation (BOS + the ChatML text), then prepare's EOS
+    assert stored == [tokenize_segments(small_tokenizer, render_chatml(m))[0] + [small_tokenizer.eos_id] for m in chats]
+    im_start, im_end = small_tokenizer.token_to_id(IM_START), small_tokenizer.token_to_id(IM_END)
+    assert all(d.count(im_start) == 2 and d.count(im_end) == 2 for d in stored)  # one special token each, not split
+    assert manifest["splits"]["train"]["n_docs"] == 40
