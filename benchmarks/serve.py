@@ -42,7 +42,8 @@ import torch
 from generate import cpu_name, git_commit  # this folder is the script's first import path
 
 from lmforge.core.config import load_config
-from lmforge.data.chat import IM_END, chat_prompt_ids
+from lmforge.data.chat import chat_prompt_ids
+from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
 from lmforge.inference.engine import Engine, GenerationConfig, Request
 from lmforge.model.checkpoint import write_checksums, write_model_files

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.data.chat import render_chatml
+from lmforge.data.chatml import render_chatml
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
 from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.train.checkpoint import load_model
