@@ -49,13 +49,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
     return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, all_sum: AllSum = local_sum) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, all_sum: AllSum = local_sum,
+               mean: torch.Tensor | None = None) -> torch.Tensor:
     """Variance of ``x`` over the masked positions (of every rank, with ``all_sum``), with Bessel's
-    correction n/(n-1) by default (as TRL's, torchtune's and verl's ``masked_var``)."""
+    correction n/(n-1) by default (as TRL's, torchtune's and verl's ``masked_var``); ``mean``, when
+    the caller has it, is ``masked_mean(x, mask)`` (one reduction fewer)."""
     n = int(all_sum(mask.sum()))
     if n < (2 if unbiased else 1):
         raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked positions, got {n}")
-    var = masked_mean((x - masked_mean(x, mask, all_sum=all_sum)) ** 2, mask, all_sum=all_sum)
+    mean = masked_mean(x, mask, all_sum=all_sum) if mean is None else mean
+    var = masked_mean((x - mean) ** 2, mask, all_sum=all_sum)
     return var * (n / (n - 1)) if unbiased else var
 
 
@@ -70,7 +73,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, keep_mean: bool = 
     mean back, i.e. ``keep_mean=True``.
     """
     mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
-    mean, var = masked_mean(x, mask, all_sum=all_sum), masked_var(x, mask, all_sum=all_sum)
+    mean = masked_mean(x, mask, all_sum=all_sum)
+    var = masked_var(x, mask, all_sum=all_sum, mean=mean)
     out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     if keep_mean:
         out = out + mean
