@@ -53,12 +53,15 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, all_s
                mean: torch.Tensor | None = None) -> torch.Tensor:
     """Variance of ``x`` over the masked positions (of every rank, with ``all_sum``), with Bessel's
     correction n/(n-1) by default (as TRL's, torchtune's and verl's ``masked_var``); ``mean``, when
-    the caller has it, is ``masked_mean(x, mask)`` (one reduction fewer)."""
-    n = int(all_sum(mask.sum()))
+    the caller has it, is ``masked_mean(x, mask)``. One reduction (squares and count together),
+    two without ``mean``."""
+    mean = masked_mean(x, mask, all_sum=all_sum) if mean is None else mean
+    m = mask.to(x.dtype)
+    squares, count = all_sum(torch.stack((((x - mean) ** 2 * m).sum(), m.sum())))
+    n = int(count)
     if n < (2 if unbiased else 1):
         raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked positions, got {n}")
-    mean = masked_mean(x, mask, all_sum=all_sum) if mean is None else mean
-    var = masked_mean((x - mean) ** 2, mask, all_sum=all_sum)
+    var = squares / n
     return var * (n / (n - 1)) if unbiased else var
 
 

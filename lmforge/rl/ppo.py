@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmforge.core.config import ConfigError, at_least, in_range, positive
-from lmforge.rl.advantages import AllSum, gae, local_sum, masked_mean, whiten
+from lmforge.rl.advantages import AllSum, gae, local_sum, masked_mean, masked_var, whiten
 from lmforge.rl.critic import CriticConfig
 from lmforge.rl.kl import KLController, KLEstimator, kl_shaped_rewards
 from lmforge.rl.rollout import RolloutConfig
@@ -58,11 +58,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     """1 − Var(R − V) / Var(R) over the masked tokens (of every rank, with ``all_sum``): 1 a perfect
     critic, 0 no better than a constant."""
     mask = torch.ones_like(returns, dtype=torch.bool) if mask is None else mask
-
-    def var(x: torch.Tensor) -> torch.Tensor:
-        return masked_mean((x - masked_mean(x, mask, all_sum=all_sum)) ** 2, mask, all_sum=all_sum)
-
-    var_r, var_d = var(returns), var(returns - values)
+    var_r = masked_var(returns, mask, unbiased=False, all_sum=all_sum)
+    var_d = masked_var(returns - values, mask, unbiased=False, all_sum=all_sum)
     return float(1 - var_d / var_r) if float(var_r) > 0 else 0.0
 
 
@@ -94,7 +91,7 @@ class PPOAdvantages:
         figures = {"kl": kl_per_completion, "kl_coef": self.kl.coef,
                    "value_mean": float(masked_mean(values, on, all_sum=all_sum)),
                    "returns_mean": float(masked_mean(returns, on, all_sum=all_sum)),
-                   "explained_variance": explained_variance(values, returns, on, all_sum)}
+                   "explained_variance": explained_variance(values, returns, on, all_sum) if tokens else 0.0}
         self.kl.update(kl_per_completion, int(completions))
         return {"advantages": advantages, "returns": returns, "old_values": values}, figures
 
