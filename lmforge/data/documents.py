@@ -43,6 +43,11 @@ class DocumentsConfig:
     messages_field: str | None = None  # a key / column of TRL `messages`: each conversation read as its ChatML text
     skip_bad_records: bool = False  # count and skip bad records instead of stopping
 
+    @property
+    def read_field(self) -> str:
+        """The key / column each record's document comes from."""
+        return self.messages_field or self.text_field
+
 
 @dataclass
 class Document:
@@ -323,6 +328,7 @@ def parse_jsonl_line(raw: bytes) -> Any:
 
 
 def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
+    key = cfg.read_field
     for where, record in jsonl_records(path):
         if isinstance(record, BadRecord):
             _bad(cfg, skipped, record.reason, where, record.detail)
@@ -330,7 +336,6 @@ def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[
         if not isinstance(record, dict):
             _bad(cfg, skipped, "not_an_object", where, f"expected a JSON object, got {type(record).__name__}")
             continue
-        key = cfg.messages_field or cfg.text_field
         text = _record_text(record.get(key), f"no {key!r} field (keys: {sorted(record)[:8]})", where, cfg, skipped)
         if text is not None:
             doc_id = record.get(cfg.id_field)
@@ -400,7 +405,7 @@ def parquet_batches(pf: Any, path: Path, columns: list[str] | None = None, batch
 def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     pf = open_parquet(path)
     names = pf.schema_arrow.names
-    key = cfg.messages_field or cfg.text_field
+    key = cfg.read_field
     if key not in names:
         raise InputError(f"{path}: no {key!r} column (columns: {names})")
     columns = [key] + ([cfg.id_field] if cfg.id_field in names else [])
@@ -412,7 +417,7 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
 
 def _parquet_documents(path: Path, pf: Any, columns: list[str], cfg: DocumentsConfig,
                        skipped: SkipLog) -> Iterator[Document]:
-    row = 0
+    row, key = 0, cfg.read_field
     for batch in parquet_batches(pf, path, columns):
         for record, problem in parquet_rows(batch):
             row += 1
@@ -420,7 +425,6 @@ def _parquet_documents(path: Path, pf: Any, columns: list[str], cfg: DocumentsCo
             if problem:
                 _bad(cfg, skipped, "invalid_utf8", where, problem)
                 continue
-            key = cfg.messages_field or cfg.text_field
             doc_id = record.get(cfg.id_field)
             text = _record_text(record[key], f"{key!r} is null", where, cfg, skipped)
             if text is not None:
