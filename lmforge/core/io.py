@@ -246,3 +246,41 @@ def read_json(path: str | Path, what: str = "file") -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def check_output_dir(path: str | Path, key: str) -> Path:
+    """``path`` when a folder can be made there and written into, else ``InputError`` naming
+    ``key``: checked before any work, so a run does not compute everything and then fail to save.
+    The test is real and leaves nothing: a file is created and removed in the nearest folder
+    that exists (``path`` itself, or the parent it would be made in)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{key} = {path}: exists and is not a folder; choose a folder (new or existing)")
+    _probe_nearest_folder(path, path, key)
+    return path
+
+
+def _probe_nearest_folder(folder: Path, named: Path, key: str) -> None:
+    existing = folder.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{key} = {named}: {existing} is a file, so no folder can be made under it")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lmforge-probe.", suffix=".tmp", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"{key} = {named}: cannot write in {existing} ({exc.strerror or exc})") from exc
+
+
+def check_output_file(path: str | Path, key: str) -> Path:
+    """``path`` when a file can be written there (its folder made and writable, and ``path``
+    not a folder or a read-only file), else ``InputError`` naming ``key``."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{key} = {path}: is a folder; give a file name")
+    if path.exists() and not (path.is_file() and os.access(path, os.W_OK)):
+        raise InputError(f"{key} = {path}: exists and cannot be replaced (not a regular, writable file)")
+    _probe_nearest_folder(path.parent, path, key)
+    return path
