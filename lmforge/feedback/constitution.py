@@ -16,7 +16,8 @@ the three texts the paper's two phases use:
       revision: Rewrite the answer so that ...
       comparison: Which answer gives the correct result?
 
-The file is read with ``yaml.safe_load``. No principles, a principle without one of its
+The file is read with ``lmforge.core.untrusted.load_yaml``: safe tags only, aliases bounded,
+a syntax error one line ``file:line:col: what``. No principles, a principle without one of its
 three texts (or with an empty one), a duplicate name and an unknown key are ``InputError``s
 naming the file and the principle (its index and name).
 """
@@ -27,9 +28,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from lmforge.core.io import InputError
+from lmforge.core.untrusted import load_yaml
 
 TEXTS = ("critique", "revision", "comparison")
 PRINCIPLE_KEYS = ("name", *TEXTS)
@@ -61,10 +61,7 @@ def load_constitution(path: str | Path) -> Constitution:
     if not path.is_file():
         raise InputError(f"constitution not found: {path}")
     raw = path.read_bytes()
-    try:
-        data = yaml.safe_load(raw.decode("utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not a readable YAML file: {exc}") from exc
+    data = load_yaml(raw, path)
     if not isinstance(data, dict):
         raise InputError(f"{path}: a constitution is a mapping with 'name' and 'principles', got {type(data).__name__}")
     unknown = sorted(set(data) - set(TOP_KEYS))
