@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses loaded from YAML with dotted command-line overrides.
 
 A recipe is a YAML mapping whose shape is a dataclass tree. ``load_config`` reads the
-file with ``yaml.safe_load``, applies ``a.b.c=value`` overrides, and builds the
+file with ``core.untrusted.load_yaml`` (safe tags, aliases bounded), applies ``a.b.c=value`` overrides, and builds the
 dataclasses, checking every value against its annotation. Mistakes are reported with
 the dotted key, the offending value and, for unknown keys, the closest valid key.
 """
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from lmforge.core.io import InputError
+from lmforge.core.untrusted import load_yaml
 
 T = TypeVar("T")
 
@@ -191,11 +194,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not path.is_file():
             raise ConfigError(f"recipe not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {_yaml_error(exc)}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+            loaded = load_yaml(path.read_bytes(), path)
+        except InputError as exc:  # one line, file:line:col; aliases bounded
+            raise ConfigError(str(exc)) from exc
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -207,17 +208,6 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         return from_dict(cls, data, source="overrides")  # every value given comes from an override
     keys = {item.partition("=")[0].strip(): item.strip() for item in overrides or []}
     return from_dict(cls, data, source=Sources(str(path), keys, overrides_label))
-
-
-def _yaml_error(exc: yaml.YAMLError) -> str:
-    """A YAML error in one line, at the file's line and column (PyYAML names the text it read
-    ``"<unicode string>"``, not the file, and spreads the message over several lines)."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None)
-    if mark is None or problem is None:
-        return " ".join(str(exc).split())
-    context = getattr(exc, "context", None)
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
 def parse_scalar(text: str) -> Any:
@@ -233,8 +223,8 @@ def parse_scalar(text: str) -> Any:
     except ValueError:
         pass
     try:
-        return yaml.safe_load(stripped) if stripped else ""
-    except yaml.YAMLError:
+        return load_yaml(stripped, "override") if stripped else ""
+    except InputError:
         return text
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from lmforge.core.config import dump_config, save_config
-from lmforge.core.io import InputError, atomic_write_json, read_json
+from lmforge.core.io import InputError, atomic_write_json, check_output_dir, read_json
 
 log = logging.getLogger("lmforge")
 
@@ -76,6 +76,7 @@ def acquire_run_dir(run_dir: str | Path) -> bool:
     key = os.path.realpath(run_dir)
     if key in _held:
         return False
+    check_output_dir(run_dir, "run_dir")
     if not run_dir.exists():
         _created.add(key)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from typing import Any
 from lmforge.core.config import ConfigError, at_least, dump_config, load_config, to_dict
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
+from lmforge.core.untrusted import path_name
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.report_card import ReportCardConfig, card_lines, check_stages, score_stages
 
@@ -105,7 +106,7 @@ def planned_stages(recipe: LifecycleRecipe) -> list[PlannedStage]:
             found = [m for m in PLACEHOLDER.findall(text) if m in PLACEHOLDERS]
             if found:
                 raise ValueError(f"{key} = {text!r}: {{{found[0]}}} is replaced only in rounds.stages")
-        planned.append(PlannedStage(spec.name or spec.verb, spec))
+        planned.append(PlannedStage(path_name(spec.name or spec.verb, f"stages[{i}].name"), spec))
     planned += expand_rounds(recipe.rounds)
     seen: dict[str, str] = {}
     for p in planned:
@@ -146,7 +147,7 @@ def expand_rounds(rounds: RoundsConfig) -> list[PlannedStage]:
                                  "<name>_r<r>)")
             recipe = substitute(spec.recipe, values, f"{key}.recipe") if spec.recipe is not None else None
             overrides = [substitute(o, values, f"{key}.overrides[{j}]") for j, o in enumerate(spec.overrides)]
-            name = f"{spec.name or spec.verb}_r{r}"
+            name = path_name(f"{spec.name or spec.verb}_r{r}", f"{key}.name")
             out.append(PlannedStage(name, StageSpec(name, spec.verb, recipe, overrides), r))
     return out
 
@@ -227,8 +228,14 @@ def resolve_stages(recipe: LifecycleRecipe) -> list[tuple]:
     plans = []
     for stage in planned:
         name, spec = stage.name, stage.spec
-        if spec.verb not in VERBS_BY_NAME or spec.verb == "run":
-            raise ConfigError(f"stage {name!r}: unknown verb {spec.verb!r} (verbs: {', '.join(VERBS_BY_NAME)})")
+        if spec.verb == "run":
+            raise ConfigError(f"stage {name!r}: verb 'run' cannot be a stage (a lifecycle inside a lifecycle): "
+                              "list that lifecycle's stages here instead")
+        if spec.verb not in VERBS_BY_NAME:
+            verbs = [v for v in VERBS_BY_NAME if v != "run"]
+            close = difflib.get_close_matches(str(spec.verb), verbs, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"stage {name!r}: unknown verb {spec.verb!r}{hint} (verbs: {', '.join(verbs)})")
         module = VERBS_BY_NAME[spec.verb].load()
         try:
             cfg = load_config(module.RECIPE, spec.recipe, spec.overrides)

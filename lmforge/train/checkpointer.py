@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 
 from lmforge.core.config import to_dict
 from lmforge.core.io import InputError
 from lmforge.core.run import log, record_config
+from lmforge.core.untrusted import read_yaml
 from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.train.checkpoint import (
@@ -262,8 +262,8 @@ def _log_recipe_changes(ckpt: Path, recipe: Any) -> None:
     if recipe is None or not saved_path.is_file():
         return
     try:
-        saved = yaml.safe_load(saved_path.read_text())
-    except (OSError, yaml.YAMLError):
+        saved = read_yaml(saved_path)
+    except (OSError, InputError):  # a damaged or hostile config.yaml: nothing to compare against
         return
     for key, (before, now) in _differences(saved, to_dict(recipe)).items():
         log.warning("resuming with a changed setting: %s was %r, now %r", key, before, now)

@@ -241,8 +241,18 @@ def test_a_yaml_syntax_error_names_the_file_and_line_in_one_line(tmp_path, capsy
     recipe.write_text("data:\n  paths: [a.jsonl]\n  text_field: : x\n")
     assert main(["prepare", str(recipe)]) == 2
     line = one_error_line(capsys, "prepare")
-    assert line == f"{recipe}: invalid YAML: line 3, column 15: mapping values are not allowed here"
+    assert line == f"{recipe}:3:15: mapping values are not allowed here"
     assert "<unicode string>" not in line
+
+
+def test_a_recipe_of_nested_aliases_is_refused_before_it_is_expanded(tmp_path, capsys):
+    from tests.core.test_untrusted import BOMB
+
+    recipe = tmp_path / "pretrain.yaml"
+    recipe.write_text("metadata_bomb:\n" + "".join(f"  {line}\n" for line in BOMB.splitlines()))
+    assert main(["pretrain", str(recipe)]) == 2
+    assert re.fullmatch(rf"{re.escape(str(recipe))}:\d+:\d+: aliases expand this document past .*",
+                        one_error_line(capsys, "pretrain"))
 
 
 def test_a_checkpoint_path_that_does_not_exist_is_said_to_not_exist(tmp_path, capsys):
@@ -261,3 +271,23 @@ def test_a_hugging_face_folder_given_as_a_checkpoint_points_to_lmforge_import(tm
     line = one_error_line(capsys, "generate")
     assert line.startswith(f"{hf}: a Hugging Face model folder, not an lmforge checkpoint")
     assert f"lmforge import {hf} <checkpoint_dir>" in line
+
+
+@pytest.mark.parametrize("verb", ["tokenizer", "pretrain"])
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_a_run_dir_that_is_a_file_is_one_line_before_any_work(verb, where, tmp_path, corpus_jsonl,
+                                                             small_tokenizer_dir, capsys):
+    existing = tmp_path / "taken"
+    existing.write_text("mine\n")
+    run_dir = existing if where == "file" else existing / "run"
+    if verb == "pretrain":
+        assert main(["prepare", f"run_dir={tmp_path / 'data'}", f"tokenizer={small_tokenizer_dir}",
+                     f"data.paths=[{corpus_jsonl}]"]) == 0
+        capsys.readouterr()
+    before = sorted(tmp_path.rglob("*"))
+    args = {"tokenizer": [f"data.paths=[{corpus_jsonl}]", "tokenizer.vocab_size=300"],
+            "pretrain": [f"tokenizer={small_tokenizer_dir}", f"data.datasets=[{{path: {tmp_path / 'data'}}}]",
+                         "train.max_steps=2", "train.warmup_steps=0"]}[verb]
+    assert main([verb, f"run_dir={run_dir}", *args]) == 2
+    assert f"run_dir = {run_dir}: " in one_error_line(capsys, verb)
+    assert existing.read_text() == "mine\n" and sorted(tmp_path.rglob("*")) == before

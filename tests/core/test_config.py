@@ -114,7 +114,7 @@ def test_override_must_have_key_and_value():
 
 def test_yaml_is_loaded_safely(tmp_path):
     p = write(tmp_path, "run_dir: !!python/object/apply:os.system ['echo pwned']\n")
-    with pytest.raises(ConfigError, match="invalid YAML"):
+    with pytest.raises(ConfigError, match=r":1:10: could not determine a constructor for the tag .*python/object/apply"):
         load_config(Recipe, p)
 
 

@@ -69,6 +69,28 @@ def test_unknown_verb_is_named():
         run_lifecycle(load_config(LifecycleRecipe, None, ["stages=[{name: x, verb: pretrian}]"]))
 
 
+def test_a_nested_lifecycle_is_refused_as_such_not_as_an_unknown_verb():
+    with pytest.raises(ConfigError, match="verb 'run' cannot be a stage") as info:
+        run_lifecycle(load_config(LifecycleRecipe, None, ["stages=[{name: x, verb: run}]"]))
+    assert "unknown verb" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"unknown verb 'pretrian'; did you mean 'pretrain'\?") as info:
+        run_lifecycle(load_config(LifecycleRecipe, None, ["stages=[{name: x, verb: pretrian}]"]))
+    assert " run," not in str(info.value).partition("verbs:")[2]  # the list offers only verbs a stage can be
+
+
+@pytest.mark.parametrize("override", [
+    "stages=[{name: ../../../ESCAPED, verb: tokenizer}]",
+    "stages=[{name: /tmp/ESCAPED, verb: tokenizer}]",
+    "stages=[{name: '', verb: ''}]",
+    "rounds={count: 1, stages: [{name: ../up, verb: tokenizer}]}",
+])
+def test_a_stage_or_round_name_that_is_a_path_is_refused_before_anything_runs(override, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"(stages|rounds\.stages)\[0\]\.name = .*not a path"):
+        run_lifecycle(load_config(LifecycleRecipe, None, [f"run_dir={tmp_path / 'a' / 'b' / 'run'}", override]))
+    assert list(tmp_path.iterdir()) == []  # no figure, no run directory, nothing above run_dir
+
+
 def test_a_stage_whose_outputs_were_removed_or_whose_inputs_changed_runs_again(lifecycle, tmp_path, corpus_jsonl):
     run_lifecycle(load_config(LifecycleRecipe, lifecycle))
     import shutil
