@@ -19,7 +19,7 @@ import types
 from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from lmforge import __version__
-from lmforge.core.config import ConfigError, dump_config, load_config, parse_scalar, type_name
+from lmforge.core.config import ConfigError, dump_config, load_config, parse_scalar, plugins, type_name
 from lmforge.core.io import InputError
 from lmforge.core.run import setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
@@ -281,6 +281,14 @@ def write_error(exc: OSError) -> str:
     return f"{where}{exc.strerror or exc} (outputs written before are unchanged)"
 
 
+def plugin_lines(found: list[tuple[str, str]]) -> str:
+    """``--print-config``'s closing comment: the Python code the recipe will import and run."""
+    if not found:
+        return "# plugins: none (this recipe imports and runs no code of yours)\n"
+    lines = ["# plugins: this recipe imports and runs these functions when its stage starts"]
+    return "\n".join([*lines, *(f"#   {key}: {spec}" for key, spec in found)]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in VERBS_BY_NAME:
@@ -305,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 recipe, overrides = None, [recipe, *overrides]
             cfg = load_config(module.RECIPE, recipe, overrides, overrides_label="command-line override")
         if args.print_config:
-            sys.stdout.write(dump_config(cfg))
+            sys.stdout.write(dump_config(cfg) + plugin_lines(getattr(module, "recipe_plugins", plugins)(cfg)))
             return 0
         refuse_torchrun(verb)
         module.run(cfg)

@@ -102,6 +102,27 @@ def seed_field(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
     return in_range(default, 0, SEED_MAX, **kwargs)
 
 
+def plugin_field(default: Any = None) -> Any:
+    """A ``module:function`` a recipe names: Python code lmforge imports and runs (a reward, a
+    judge). Imported when the stage starts, never while the recipe is read; ``plugins`` lists
+    them, and ``--print-config`` shows the list."""
+    return dataclasses.field(default=default, metadata={"plugin": True})
+
+
+def plugins(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """``(dotted key, "module:function")`` of every plugin field set in a dataclass tree."""
+    found = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if f.metadata.get("plugin") and value is not None:
+            found.append((key, value))
+        items = [(key, value)] if not isinstance(value, (list, tuple)) else [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+        for item_key, item in items:
+            if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                found += plugins(item, f"{item_key}.")
+    return found
+
+
 def field_range(f: dataclasses.Field) -> Range | None:
     """The range a field declares, if any."""
     return f.metadata.get("range")
@@ -547,6 +568,8 @@ __all__ = [
     "in_range",
     "load_config",
     "parse_scalar",
+    "plugin_field",
+    "plugins",
     "positive",
     "save_config",
     "seed_field",

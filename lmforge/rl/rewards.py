@@ -42,7 +42,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.config import ConfigError, at_least, in_range, positive
+from lmforge.core.config import ConfigError, at_least, in_range, plugin_field, positive
 from lmforge.core.io import InputError
 from lmforge.data.chat import tokenize_segments
 from lmforge.data.chatml import IM_END
@@ -69,7 +69,7 @@ class RewardComponentConfig:
     rel_tol: float = at_least(0, 1e-6)  # numeric_match
     pattern: str | None = None  # regex: found in the response -> 1
     path: str | None = None  # reward_model: `lmforge reward`'s run directory or final/ checkpoint
-    function: str | None = None  # callable: "module:function", called as function(response_text, prompt)
+    function: str | None = plugin_field()  # callable: "module:function" (a plugin: Python code run as the stage starts), called as function(response_text, prompt)
     batch_size: int = positive(16)  # reward_model: rows scored together
 
     @property

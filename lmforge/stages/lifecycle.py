@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.core.config import ConfigError, at_least, dump_config, load_config, to_dict
+from lmforge.core.config import ConfigError, at_least, dump_config, load_config, plugins, to_dict
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.core.untrusted import path_name
@@ -248,6 +248,12 @@ def resolve_stages(recipe: LifecycleRecipe) -> list[tuple]:
     return plans
 
 
+def stage_plugins(recipe: LifecycleRecipe) -> list[tuple[str, str]]:
+    """Every plugin (``module:function``) the lifecycle's stages will import, keyed by stage:
+    what ``lmforge run ... --print-config`` lists."""
+    return [(f"{stage.name}: {key}", spec) for stage, _, cfg, _ in resolve_stages(recipe) for key, spec in plugins(cfg)]
+
+
 def start_model(recipe: LifecycleRecipe, plans: list[tuple]) -> str | None:
     """``rounds.start`` when the report card should score it as its own column: no stage of the
     lifecycle wrote it (such a stage is scored under its own name)."""
@@ -402,3 +408,4 @@ def stage_report(r: dict, run_dir: Path) -> list[str]:
 
 RECIPE = LifecycleRecipe
 run = run_lifecycle
+recipe_plugins = stage_plugins  # what --print-config lists for this verb

@@ -291,3 +291,27 @@ def test_a_run_dir_that_is_a_file_is_one_line_before_any_work(verb, where, tmp_p
     assert main([verb, f"run_dir={run_dir}", *args]) == 2
     assert f"run_dir = {run_dir}: " in one_error_line(capsys, verb)
     assert existing.read_text() == "mine\n" and sorted(tmp_path.rglob("*")) == before
+
+
+def test_print_config_lists_every_plugin_without_importing_it(tmp_path, capsys):
+    marker = tmp_path / "IMPORTED"
+    (tmp_path / "my_plugin_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                               "def brevity(text, prompt):\n    return 0.0\n")
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("reward:\n  components:\n    - kind: exact_match\n"
+                      "    - {kind: callable, name: short, function: my_plugin_mod:brevity}\n")
+    life = tmp_path / "life.yaml"
+    life.write_text(f"run_dir: {tmp_path / 'run'}\nstages:\n  - {{name: rl, verb: grpo, recipe: {recipe}}}\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert main(["grpo", str(recipe), "--print-config"]) == 0
+        out = capsys.readouterr().out
+        assert out.endswith("# plugins: this recipe imports and runs these functions when its stage starts\n"
+                            "#   reward.components[1].function: my_plugin_mod:brevity\n")
+        assert main(["run", str(life), "--print-config"]) == 0
+        assert capsys.readouterr().out.endswith("#   rl: reward.components[1].function: my_plugin_mod:brevity\n")
+        assert not marker.exists() and "my_plugin_mod" not in sys.modules  # named, not imported
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert main(["tokenizer", "--print-config"]) == 0
+    assert capsys.readouterr().out.endswith("# plugins: none (this recipe imports and runs no code of yours)\n")
