@@ -22,7 +22,11 @@ prefill's forward also gives every prompt token's log-probability (the head over
 positions, not only the last), which is what scoring a text needs (an ``echo`` completion).
 
 A server streams and cancels through the same engine: a request's ``on_token`` is called with
-each token as it is chosen, and ``cancel`` drops a request from the queue or the batch.
+each token as it is chosen, and ``cancel`` drops a request from the queue or the batch. A
+request is checked when submitted (token ids in the vocabulary, a seed the generator takes,
+prompt + max_new_tokens within the context); an error that still comes from one request (its
+seed, its prefill, its callback, its stop strings) fails that request alone: it leaves the
+batch, ``take_failures`` reports it, and the other rows decode on as if it had never been there.
 
     results = generate(model, [[bos, *tok.encode("Once upon")]], GenerationConfig(temperature=0), tok)
 """
@@ -46,6 +50,7 @@ from lmforge.model.fused import fused_copy, is_plain, onednn_packs
 from lmforge.model.transformer import KVCache, positions_and_mask
 
 FinishReason = Literal["stop", "length"]
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -75,6 +80,8 @@ class GenerationConfig:
         if not 0.0 <= self.min_p <= 1.0 or self.repetition_penalty <= 0 or self.top_logprobs < 0:
             raise ValueError(f"need 0 <= min_p <= 1, repetition_penalty > 0 and top_logprobs >= 0; got "
                              f"{self.min_p}, {self.repetition_penalty}, {self.top_logprobs}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed {self.seed} is outside [-2^63, 2^64 - 1], what torch's generator takes")
 
 
 @dataclass
@@ -349,6 +356,7 @@ class Engine:
         self.done: dict[int, list[Row]] = {}
         self.ids = itertools.count()
         self.cancelled: set[int] = set()  # requests with rows still in the batch, to drop at the next step
+        self.failures: dict[int, Exception] = {}  # request id -> what failed it, until take_failures
 
     def submit(self, request: Request) -> int:
         """Queue a request; returns its id. Bad requests are refused here, before any work."""
@@ -357,6 +365,10 @@ class Engine:
             raise ValueError("every prompt needs at least one token (add a BOS token to an empty prompt)")
         if cfg.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the text")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab}): "
+                             f"{[t for t in prompt if not 0 <= t < vocab][:5]}")
         max_len = self.model.cfg.max_seq_len
         if len(prompt) + cfg.max_new_tokens > max_len:
             raise ValueError(
@@ -376,6 +388,17 @@ class Engine:
             self.cancelled.add(request_id)
         self.done.pop(request_id, None)
 
+    def fail(self, request_id: int, error: Exception) -> None:
+        """Fail one request alone: it leaves the queue or the batch (its rows at once, within the
+        step), and ``take_failures`` reports it; the other requests are not touched."""
+        self.failures.setdefault(request_id, error)
+        self.cancel(request_id)
+
+    def take_failures(self) -> list[tuple[int, Exception]]:
+        """The requests failed since the last call, with their errors; they are never returned by ``step``."""
+        failures, self.failures = list(self.failures.items()), {}
+        return failures
+
     @property
     def active(self) -> int:
         """Requests waiting or decoding."""
@@ -386,6 +409,8 @@ class Engine:
         with torch.inference_mode():
             while self.queue or self.rows:
                 yield from self.step()
+                for _, error in self.take_failures():
+                    raise error
 
     def step(self) -> list[tuple[int, list[Generation]]]:
         """Admit waiting requests into free slots, choose every row's next token, let finished rows
@@ -395,8 +420,9 @@ class Engine:
         if not self.rows:
             return []
         tokens = self.choose_tokens()
-        keep = [i for i, row in enumerate(self.rows) if row.finish is None]
-        finished = [row for row in self.rows if row.finish is not None]
+        failed = self.cancelled  # requests a row of which failed while choosing its token
+        keep = [i for i, row in enumerate(self.rows) if row.finish is None and row.request not in failed]
+        finished = [row for row in self.rows if row.finish is not None and row.request not in failed]
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, dtype=torch.long, device=tokens.device)
             self.rows = [self.rows[i] for i in keep]
@@ -430,18 +456,22 @@ class Engine:
         if not taken:
             return
         device = self.model.embed.weight.device
+        starts = []  # (request id, request, generator, stop ids) of the requests that could start
+        for request_id, request in taken:
+            try:
+                starts.append((request_id, request, *self.start(request, device)))
+            except Exception as exc:  # noqa: BLE001 - one request's failure fails it alone
+                self.fail(request_id, exc)
+        if not starts:
+            return
+        extra = max([r.config.max_new_tokens for _, r, *_ in starts] + [r.config.max_new_tokens for r in self.rows]) - 1
+        starts, (fresh, scores) = self.isolated_prefill(starts, 0 if self.rows else extra)
+        if not starts:
+            return
+        taken = [(request_id, request) for request_id, request, *_ in starts]
         new_rows = []
-        score = {i: r.config.top_logprobs for i, (_, r) in enumerate(taken) if r.config.prompt_logprobs}
-        extra = max([r.config.max_new_tokens for _, r in taken] + [r.config.max_new_tokens for r in self.rows]) - 1
-        fresh, scores = scored_prefill(self.net, [r.prompt for _, r in taken], 0 if self.rows else extra, score)
-        for index, (request_id, request) in enumerate(taken):
+        for index, (request_id, request, generator, stop_ids) in enumerate(starts):
             cfg = request.config
-            generator = request.generator
-            if generator is None and cfg.seed is not None:
-                generator = torch.Generator(device).manual_seed(cfg.seed)
-            stop_ids = cfg.stop_token_ids
-            if stop_ids is None:
-                stop_ids = [self.tokenizer.eos_id] if self.tokenizer is not None else []
             for sample in range(cfg.n):
                 row = Row(request_id, sample, list(request.prompt), cfg, generator, set(stop_ids),
                           top_logprobs=[] if cfg.top_logprobs else None, on_token=request.on_token,
@@ -458,6 +488,39 @@ class Engine:
             fresh = merge(self.batch, fresh, extra)
         self.rows, self.batch = self.rows + new_rows, fresh
         self.settings = RowSettings.of(self.rows, device)
+
+    def start(self, request: Request, device: torch.device) -> tuple[torch.Generator | None, list[int]]:
+        """A request's generator (``config.seed``'s unless it brings one) and stop token ids."""
+        cfg = request.config
+        generator = request.generator
+        if generator is None and cfg.seed is not None:
+            generator = torch.Generator(device).manual_seed(cfg.seed)
+        stop_ids = cfg.stop_token_ids
+        if stop_ids is None:
+            stop_ids = [self.tokenizer.eos_id] if self.tokenizer is not None else []
+        return generator, stop_ids
+
+    def isolated_prefill(self, starts: list, extra: int) -> tuple[list, tuple[Batch | None, dict[int, PromptScores]]]:
+        """The prefill of the starting requests together; if it fails, each alone finds the ones that
+        fail (they fail, alone) and the rest are prefilled together. A failure of the rest is the batch's."""
+        def together(items: list) -> tuple[Batch, dict[int, PromptScores]]:
+            score = {i: r.config.top_logprobs for i, (_, r, *_) in enumerate(items) if r.config.prompt_logprobs}
+            return scored_prefill(self.net, [r.prompt for _, r, *_ in items], extra, score)
+
+        try:
+            return starts, together(starts)
+        except Exception as exc:  # noqa: BLE001 - find the request that failed it
+            if len(starts) == 1:
+                self.fail(starts[0][0], exc)
+                return [], (None, {})
+        good = []
+        for item in starts:
+            try:
+                scored_prefill(self.net, [item[1].prompt], 0)
+                good.append(item)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(item[0], exc)
+        return (good, together(good)) if good else ([], (None, {}))
 
     def choose_tokens(self) -> torch.Tensor:
         """Each row's next token from its logits, recorded with its log-probability; marks finished rows."""
@@ -477,7 +540,12 @@ class Engine:
         k = settings.top_logprobs
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
-            self.record(row, token, chosen[i], (top_ids[i], top_values[i]) if k else None)
+            if row.request in self.cancelled:  # another sample of its request failed this step
+                continue
+            try:
+                self.record(row, token, chosen[i], (top_ids[i], top_values[i]) if k else None)
+            except Exception as exc:  # noqa: BLE001 - its callback or stop strings: the request fails alone
+                self.fail(row.request, exc)
         return tokens
 
     def record(self, row: Row, token: int, logprob: float, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:

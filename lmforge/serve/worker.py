@@ -5,7 +5,8 @@ and returns a ``Ticket``; the engine thread admits it into the continuously batc
 and every token it keeps (``Request.on_token``) and the finished generations are handed back
 to the handler's asyncio loop as events on the ticket's queue. ``cancel`` (a client gone
 mid-stream) takes the request out of the queue or the batch at the engine's next step, so
-its slot goes to the next waiting request.
+its slot goes to the next waiting request. A request the engine fails alone gets its error
+event; a step that fails as a whole fails the requests it held, and the engine is rebuilt.
 
 At most ``max_pending`` requests are held at once (decoding or waiting); one more is refused
 (``QueueFull``, HTTP 429) instead of waiting without bound.
@@ -155,6 +156,11 @@ class EngineWorker:
             if ticket is not None:
                 self.stats["finished"] += 1
                 self.close(ticket, "done", generations)
+        for engine_id, error in self.engine.take_failures():  # one request's error: the others decode on
+            ticket = self.tickets.pop(engine_id, None)
+            log.warning("a request failed alone: %s: %s", type(error).__name__, error)
+            if ticket is not None:
+                self.close(ticket, "error", error)
 
     def close(self, ticket: Ticket, *event: Any) -> None:
         ticket.closed = True

@@ -549,3 +549,91 @@ def test_scoring_prompts_adds_no_forward_pass(model):
         return len(calls)
 
     assert block_calls(True) == block_calls(False) == 3  # one prefill of all prompts + two decode steps
+
+
+# --------------------------------------------------------------------------- one bad request among good ones
+
+
+def sampled(seed: int, max_new_tokens: int = 8, **kw) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed, stop_token_ids=[], **kw)
+
+
+GOOD = [(PROMPTS[0], 3), (PROMPTS[1], 4), (PROMPTS[2], 5)]  # (prompt, seed) of the good requests
+
+
+def alone(model, prompt, config) -> list[list[int]]:
+    return [g.tokens for g in generate(model, [prompt], config)]
+
+
+def run_with_failures(engine: Engine) -> tuple[dict, dict]:
+    """Every finished request's generations, and every failed one's error."""
+    done, failed = {}, {}
+    while engine.queue or engine.rows:
+        done.update(engine.step())
+        failed.update(engine.take_failures())
+    return done, failed
+
+
+def test_a_seed_outside_the_generators_range_is_refused():
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            GenerationConfig(seed=seed)
+    for seed in (2**64 - 1, -(2**63), 0):
+        torch.Generator().manual_seed(GenerationConfig(seed=seed).seed)  # the ends of the range are the generator's
+
+
+def test_a_prompt_token_outside_the_vocabulary_is_refused_at_submit(model):
+    for bad in ([0, 512], [0, -1]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            Engine(model).submit(Request(bad, greedy(2)))
+
+
+@pytest.mark.parametrize("how", ["seed", "prefill", "callback"])
+def test_one_failing_request_fails_alone_and_the_others_decode_as_alone(model, how):
+    # each way a request can still fail inside the engine, though submit checks it: its seed
+    # when its generator is made (as 2^64 did), its prefill, its streaming callback mid-decode
+    def on_token(sample, token, logprob, top):
+        if how == "callback" and sample == 1:
+            raise RuntimeError("the client's callback broke")
+
+    engine = Engine(model)
+    good = [engine.submit(Request(p, sampled(seed))) for p, seed in GOOD[:2]]
+    prompt, config = list(PROMPTS[0]), sampled(9, n=2)
+    bad = engine.submit(Request(prompt, config, on_token=on_token))
+    good.append(engine.submit(Request(GOOD[2][0], sampled(GOOD[2][1]))))
+    if how == "seed":
+        config.seed = 2**64  # past the check, as a request that slipped through would be
+    elif how == "prefill":
+        prompt.append(10**6)  # an id past the embedding, past submit's check
+    done, failed = run_with_failures(engine)
+    assert list(failed) == [bad] and bad not in done
+    assert {"seed": "Overflow", "prefill": "index out of range", "callback": "broke"}[how] in str(failed[bad])
+    for request_id, (p, seed) in zip(good, GOOD):
+        assert [g.tokens for g in done[request_id]] == alone(model, p, sampled(seed))
+    assert not engine.rows and not engine.done and engine.batch is None
+
+
+def test_a_request_failing_mid_decode_frees_its_rows_for_the_next_in_the_queue(model):
+    calls = []
+
+    def breaks(sample, token, logprob, top):
+        calls.append(token)
+        if len(calls) == 3:  # the second step's first token
+            raise RuntimeError("gone")
+
+    engine = Engine(model, max_batch=2)
+    bad = engine.submit(Request(PROMPTS[0], sampled(1, 20, n=2), on_token=breaks))
+    waiting = engine.submit(Request(PROMPTS[1], sampled(4)))  # needs the two rows the bad one holds
+    engine.step()
+    assert len(engine.rows) == 2 and engine.queue
+    done, failed = run_with_failures(engine)
+    assert list(failed) == [bad] and [g.tokens for g in done[waiting]] == alone(model, PROMPTS[1], sampled(4))
+
+
+def test_run_raises_a_failed_requests_error_for_a_caller_in_process(model):
+    engine = Engine(model)
+    config = sampled(1)
+    engine.submit(Request(PROMPTS[0], config))
+    config.seed = 2**64
+    with pytest.raises(ValueError, match="Overflow"):
+        list(engine.run())
