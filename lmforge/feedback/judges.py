@@ -14,13 +14,17 @@ Three backends, chosen by which of ``checkpoint``, ``base_url`` or ``function`` 
   with the chat rendered as ``lmforge sft`` trained on it (ChatML, ``data.chat``);
 - ``EndpointJudge``: any OpenAI-compatible ``/chat/completions`` endpoint (``lmforge serve``,
   vLLM, a hosted model), with the API key read from the environment variable ``api_key_env``,
-  a timeout, retries with exponential backoff on timeouts, connection errors, HTTP 429 and 5xx,
+  a deadline per request (``timeout_s`` from connecting to the last byte, so a server that
+  trickles its reply cannot hold a request longer), retries with exponential backoff on
+  timeouts, connection errors, replies cut short, HTTP 429 and 5xx,
   ``concurrency`` requests in flight, and a cache on disk: one JSON file per request, named by
   the SHA-256 of the URL and the request body and written atomically, so a rerun sends nothing
   already answered (and a run stopped by an error keeps what was answered before it);
-- ``CallableJudge``: a Python function ``module:function`` called with each ``Chat`` (return
-  the text) or ``Comparison`` (return the probability that (A) is the better response, or a
-  text naming (A) or (B)): rules, tests, a custom scorer.
+- ``CallableJudge``: a Python function ``module:function`` (a plugin: its module is imported
+  when the stage starts, not when the recipe is read) called with each ``Chat`` (return the
+  text) or ``Comparison`` (return the probability that (A) is the better response, or a text
+  naming (A) or (B)): rules, tests, a custom scorer. One that raises is an error naming the
+  function and the item.
 
 ``lmforge serve`` answers ``/chat/completions`` with the engine's own log-probs (the chat API's
 ``logprobs.content[i].top_logprobs``), so a checkpoint served and the same checkpoint in
@@ -30,10 +34,14 @@ process give the same answers and the same soft labels (``tests/feedback/test_en
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
+import http.client
 import importlib
+import io
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -73,7 +81,8 @@ class JudgeConfig:
     base_url: str | None = None  # an OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # the endpoint's model name
     api_key_env: str | None = "OPENAI_API_KEY"  # the environment variable holding the key; unset or null: none sent
-    function: str | None = None  # module:function, called with each Chat or Comparison
+    function: str | None = field(default=None, metadata={"plugin": True})  # module:function (a plugin), called with
+    # each Chat or Comparison; imported when the stage starts
     max_new_tokens: int = positive(128)  # critiques and revisions
     temperature: float = at_least(0, 0.0)  # critiques and revisions; comparisons are always greedy
     top_p: float = unit_interval(1.0, low_open=True)
@@ -84,7 +93,7 @@ class JudgeConfig:
     max_batch: int = positive(32)  # checkpoint: rows decoding together
     dtype: Literal["float32", "bfloat16"] = "float32"  # checkpoint
     device: str = "auto"  # checkpoint: auto = cuda when available, else cpu
-    timeout_s: float = positive(120.0)  # endpoint: per request
+    timeout_s: float = positive(120.0)  # endpoint: per request, from connecting to the reply's last byte
     max_retries: int = at_least(0, 4)  # endpoint: after the first try, on timeouts, connection errors, 429, 5xx
     backoff_s: float = at_least(0, 1.0)  # endpoint: the first retry waits this, each next one twice as long
     concurrency: int = positive(4)  # endpoint: requests in flight
@@ -234,6 +243,115 @@ class CheckpointJudge:
 RETRIED_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
 
+class DeadlineSocket:
+    """A connected socket whose every send and receive waits at most until ``deadline``
+    (``time.monotonic``): a socket timeout alone bounds each read, so a server sending a byte
+    a second would hold a request for as long as it likes. As with ``socket.makefile``, closing
+    it while a reader is open (urllib does, once the headers are read) closes it with the reader."""
+
+    def __init__(self, sock, deadline: float):
+        self.sock, self.deadline = sock, deadline
+        self.readers, self.closing = 0, False
+
+    def arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.sock.settimeout(left)
+
+    def sendall(self, data, *flags) -> None:
+        self.arm()
+        self.sock.sendall(data, *flags)
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        self.arm()
+        return self.sock.recv_into(buffer, nbytes, flags)
+
+    def makefile(self, mode: str = "rb", *args, **kwargs) -> io.BufferedReader:  # http.client reads the reply here
+        self.readers += 1
+        return io.BufferedReader(DeadlineReader(self))
+
+    def release(self) -> None:
+        self.readers -= 1
+        if self.closing and not self.readers:
+            self.sock.close()
+
+    def close(self) -> None:
+        self.closing = True
+        if not self.readers:
+            self.sock.close()
+
+    def __getattr__(self, name: str):  # fileno, setsockopt, shutdown...
+        return getattr(self.sock, name)
+
+
+class DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: DeadlineSocket):
+        self.sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self.sock.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.sock.release()
+        super().close()
+
+
+class DeadlineConnection:
+    """For an ``http.client`` connection class: once connected (TLS included), its socket keeps ``deadline``."""
+
+    def __init__(self, *args, deadline: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = DeadlineSocket(self.sock, self.deadline)
+
+
+class DeadlineHTTPConnection(DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class DeadlineHTTPSConnection(DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+class DeadlineHandler:
+    """For a ``urllib`` handler: its connections keep ``deadline`` (proxies and the rest of urllib unchanged)."""
+
+    CONNECTIONS = {http.client.HTTPConnection: DeadlineHTTPConnection,
+                   http.client.HTTPSConnection: DeadlineHTTPSConnection}
+
+    def __init__(self, deadline: float):
+        super().__init__()
+        self.deadline = deadline
+
+    def do_open(self, http_class, req, **kwargs):
+        return super().do_open(functools.partial(self.CONNECTIONS[http_class], deadline=self.deadline), req, **kwargs)
+
+
+class DeadlineHTTPHandler(DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+class DeadlineHTTPSHandler(DeadlineHandler, urllib.request.HTTPSHandler):
+    pass
+
+
+def post_within(request: urllib.request.Request, timeout_s: float) -> bytes:
+    """The body of the reply to ``request``, all of it within ``timeout_s`` seconds of now
+    (``TimeoutError`` otherwise); HTTP errors raise ``urllib.error.HTTPError`` as ``urlopen`` does."""
+    deadline = time.monotonic() + timeout_s
+    opener = urllib.request.build_opener(DeadlineHTTPHandler(deadline), DeadlineHTTPSHandler(deadline))
+    with opener.open(request, timeout=timeout_s) as response:
+        return response.read()
+
+
 class EndpointJudge:
     """An OpenAI-compatible ``/chat/completions`` endpoint (see the module docstring)."""
 
@@ -286,8 +404,7 @@ class EndpointJudge:
             self.requests_sent += 1
             request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
-                    raw = response.read()
+                raw = post_within(request, self.cfg.timeout_s)
                 break
             except urllib.error.HTTPError as exc:
                 message = error_message(exc)
@@ -302,6 +419,8 @@ class EndpointJudge:
                 reason = getattr(exc, "reason", exc)
                 last = f"timed out after {self.cfg.timeout_s:g} s" if isinstance(reason, TimeoutError) \
                     else f"{type(reason).__name__}: {reason}"
+            except http.client.HTTPException as exc:  # a reply cut short (IncompleteRead), a bad status line
+                last = f"a broken HTTP reply: {exc!r}"
             if attempt + 1 < attempts:
                 self.sleep(self.cfg.backoff_s * 2**attempt)
         else:
@@ -330,8 +449,24 @@ class EndpointJudge:
 
     def map(self, items: Sequence[Chat | Comparison], compare: bool) -> list[dict]:
         bodies = [self.body(item.messages, compare, item.key) for item in items]
+        failed = threading.Event()  # the first failure ends the batch: requests not yet sent never are
+
+        def answer(key: str, body: dict) -> dict | None:
+            if failed.is_set():
+                return None
+            try:
+                return self.answer(key, body)
+            except BaseException:
+                failed.set()
+                raise
+
         with concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency) as pool:
-            return list(pool.map(self.answer, [item.key for item in items], bodies))
+            futures = [pool.submit(answer, item.key, body) for item, body in zip(items, bodies)]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                failed.set()
+                raise
 
     def generate(self, chats: Sequence[Chat]) -> list[str]:
         return [choice["text"] for choice in self.map(chats, compare=False)]
@@ -356,7 +491,7 @@ def error_message(exc: urllib.error.HTTPError) -> str:
     """The API's ``error.message`` of an HTTP error, else the start of its body."""
     try:
         raw = exc.read()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return str(exc.reason)
     try:
         return str(json.loads(raw)["error"]["message"])
@@ -368,13 +503,14 @@ def error_message(exc: urllib.error.HTTPError) -> str:
 
 
 def import_function(spec: str) -> Callable:
+    """The function ``spec`` (module:function) names: a plugin, imported only when the stage starts."""
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ConfigError(f"judge.function = {spec!r}: write it as module:function (e.g. mypackage.rules:judge)")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"judge.function = {spec!r}: cannot import it: {exc}") from exc
+    except Exception as exc:  # ImportError, no such attribute, or whatever the module raised while importing
+        raise ConfigError(f"judge.function = {spec!r}: cannot import it: {exc!r} (is it on PYTHONPATH?)") from exc
     if not callable(fn):
         raise ConfigError(f"judge.function = {spec!r} is not callable")
     return fn
@@ -387,10 +523,17 @@ class CallableJudge:
     def __init__(self, cfg: JudgeConfig):
         self.spec, self.fn = cfg.function, import_function(cfg.function)
 
+    def call(self, item: Chat | Comparison):
+        """``fn(item)``; raising is an error naming the function and the item."""
+        try:
+            return self.fn(item)
+        except Exception as exc:
+            raise JudgeError(f"{item.key}: the judge function {self.spec} raised {exc!r}") from exc
+
     def generate(self, chats: Sequence[Chat]) -> list[str]:
         out = []
         for chat in chats:
-            text = self.fn(chat)
+            text = self.call(chat)
             if not isinstance(text, str):
                 raise JudgeError(f"{chat.key}: {self.spec} returned {type(text).__name__} for a chat, not a text")
             out.append(text)
@@ -399,7 +542,7 @@ class CallableJudge:
     def compare(self, comparisons: Sequence[Comparison]) -> list[Answer]:
         out = []
         for c in comparisons:
-            value = self.fn(c)
+            value = self.call(c)
             if isinstance(value, str):
                 out.append(Answer(value))
             elif isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0:

@@ -38,3 +38,8 @@ def mute(chat: Chat) -> str:
     """A critic with nothing to say (its revisions must never be asked for)."""
     assert chat.key.endswith("critique"), chat.key
     return ""
+
+
+def raises(item: Chat | Comparison) -> float:
+    """A rule with a bug."""
+    raise RuntimeError("the rule broke")

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible judge: retries with backoff, timeouts, malformed JSON, refusals and
-the API key against a local fake endpoint that counts its requests; the cache makes a rerun
+"""The OpenAI-compatible judge: retries with backoff, timeouts, a deadline per request against a
+server trickling its reply, replies cut short, malformed JSON, refusals and the API key
+against a local fake endpoint that counts its requests; the cache makes a rerun
 send none; and `lmforge serve` running a tiny model as the endpoint gives `cai label` the
 same labels as the same checkpoint judging in process."""
 
@@ -41,10 +42,12 @@ def shorter_answer(body: dict) -> dict:
 
 class FakeEndpoint:
     """A local /v1/chat/completions: each request takes the next scripted reply
-    (status, body bytes or dict, delay), then answers by ``shorter_answer``; every request is kept."""
+    (status, body bytes or dict, delay; or a function writing the raw reply itself), then answers
+    by ``shorter_answer``; every request is kept."""
 
     def __init__(self):
         self.script, self.requests = [], []
+        self.stop = threading.Event()  # set on close: a trickling reply stops
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,6 +56,12 @@ class FakeEndpoint:
                 fake.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
                 status, reply, delay = fake.script.pop(0) if fake.script else (200, shorter_answer(body), 0)
                 time.sleep(delay)
+                if callable(reply):
+                    try:
+                        reply(self, fake.stop)
+                    except (BrokenPipeError, ConnectionResetError):  # the client gave up (its deadline)
+                        pass
+                    return
                 data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
                 try:
                     self.send_response(status)
@@ -71,6 +80,7 @@ class FakeEndpoint:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
+        self.stop.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -125,6 +135,82 @@ def test_a_timeout_is_retried_then_an_error(endpoint):
     j = judge(endpoint, max_retries=1, backoff_s=0.0, timeout_s=0.2)
     with pytest.raises(JudgeError, match=r"failed after 2 attempt\(s\): timed out after 0.2 s"):
         j.compare([COMPARISON])
+
+
+def trickle(where: str, every_s: float = 0.25):
+    """A reply whose status line and headers (``where="headers"``) or body trickle in a byte every
+    ``every_s`` s: about 2 minutes in all, each read of it far shorter than any timeout."""
+    def send(handler, stop):
+        data = json.dumps(completion("(A)")).encode() + b" " * 400
+        head = (f"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                .encode())
+        slow = head + data if where == "headers" else data
+        if where == "body":
+            handler.wfile.write(head)
+        for i in range(len(slow)):
+            if stop.is_set():
+                return
+            handler.wfile.write(slow[i:i + 1])
+            time.sleep(every_s)
+    return send
+
+
+def cut_short(handler, stop):
+    """A reply 50 bytes shorter than its Content-Length, then the connection closes."""
+    data = json.dumps(completion("(A)")).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(data) + 50))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def within(seconds: float, fn) -> tuple[dict, float]:
+    """``fn()``'s value or exception, and the seconds it took; a test failure if it is still running
+    after ``seconds`` (it runs in a daemon thread, so a hang fails the test instead of hanging it)."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread, start = threading.Thread(target=target, daemon=True), time.monotonic()
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    return box, time.monotonic() - start
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_a_server_trickling_its_reply_is_cut_off_at_each_attempts_deadline(endpoint, where):
+    endpoint.script = [(200, trickle(where), 0)] * 2
+    j = judge(endpoint, max_retries=1, backoff_s=0.0, timeout_s=1.0)
+    # Each attempt ends at its deadline: every read waits at most what is left of the attempt's
+    # timeout_s, so 2 attempts take 2 x 1 s plus thread scheduling; 3 s more covers a loaded
+    # 2-core machine. A timeout per read (the code before) would wait out the ~2 minute reply.
+    box, elapsed = within(1.0 * (1 + 1) + 3.0, lambda: j.compare([COMPARISON]))
+    assert isinstance(box.get("error"), JudgeError), box
+    assert str(box["error"]).endswith("failed after 2 attempt(s): timed out after 1 s (answers already judged are "
+                                      "kept; rerun to resume)")
+    assert len(endpoint.requests) == 2 and elapsed >= 2 * 1.0  # both attempts ran to their deadline
+
+
+def test_a_reply_shorter_than_its_content_length_is_retried(endpoint):
+    endpoint.script = [(200, cut_short, 0)]
+    j = judge(endpoint, max_retries=1, backoff_s=0.5)
+    assert j.generate([Chat("k", [{"role": "user", "content": "hi"}])]) == ["a critique"]
+    assert len(endpoint.requests) == 2 and j.sleeps == [0.5]
+
+
+def test_a_reply_cut_short_every_time_is_one_line_naming_the_item(endpoint):
+    endpoint.script = [(200, cut_short, 0)] * 2
+    with pytest.raises(JudgeError) as err:
+        judge(endpoint, max_retries=1, backoff_s=0.0).compare([COMPARISON])
+    message = str(err.value)
+    assert re.fullmatch(r"p.jsonl:3 samples 0,1 \(x, y\): \S+ failed after 2 attempt\(s\): a broken HTTP reply: "
+                        r"IncompleteRead\(\d+ bytes read, 50 more expected\) \(.*\)", message), message
+    assert len(endpoint.requests) == 2
 
 
 @pytest.mark.parametrize("reply, message", [
@@ -191,6 +277,47 @@ def test_cai_label_through_an_endpoint_resumes_from_its_cache_without_a_request(
     again = run_cai(r)  # every answer is in the cache now
     assert len(endpoint.requests) == sent + len(resent) and again == summary
     assert summary["answers_read_by"] == {"parsed": 2 * summary["pairs_judged"]} and summary["pairs_judged"] > 0
+
+
+def cai_command(tmp_path, judge_checkpoint, prompts, *overrides) -> list[str]:
+    return ["cai", "label", f"run_dir={tmp_path / 'cai'}", f"checkpoint={judge_checkpoint}", f"data.prompts=[{prompts}]",
+            f"constitution={CONSTITUTION}", "rollout.n=3", "rollout.max_new_tokens=6", "device=cpu", *overrides]
+
+
+def test_lmforge_cai_stops_at_the_deadline_of_a_trickling_endpoint_with_one_error_line(endpoint, tmp_path,
+                                                                                       judge_checkpoint, prompts,
+                                                                                       capsys):
+    from lmforge.cli.main import main
+
+    endpoint.script = [(200, trickle("body"), 0)] * 100
+    command = cai_command(tmp_path, judge_checkpoint, prompts, f"judge.base_url={endpoint.url}", "judge.model=m",
+                          "judge.timeout_s=1", "judge.max_retries=0", "judge.concurrency=2")
+    # The first failed comparison ends the batch (requests not yet sent are cancelled): the 2 in
+    # flight end at their 1 s deadline; 30 s covers loading the tiny policy and sampling on a loaded
+    # machine. Before, each request waited out its ~2 minute reply.
+    box, elapsed = within(1.0 + 30.0, lambda: main(command))
+    err = capsys.readouterr().err
+    assert box == {"value": 2}, (box, err)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"lmforge cai: error: \S+ samples \d,\d \([xy], [xy]\): \S+ failed after 1 attempt\(s\): timed out "
+                        r"after 1 s \(.*\)", errors[0]), errors[0]
+    assert len(endpoint.requests) <= 2  # only the requests in flight were sent
+
+
+def test_lmforge_cai_reports_an_endpoint_cutting_its_replies_short_as_one_error_line(endpoint, tmp_path,
+                                                                                     judge_checkpoint, prompts, capsys):
+    from lmforge.cli.main import main
+
+    endpoint.script = [(200, cut_short, 0)] * 100
+    code = main(cai_command(tmp_path, judge_checkpoint, prompts, f"judge.base_url={endpoint.url}", "judge.model=m",
+                            "judge.max_retries=1", "judge.backoff_s=0", "judge.concurrency=1"))
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"lmforge cai: error: \S+ samples \d,\d \([xy], [xy]\): \S+ failed after 2 attempt\(s\): a broken "
+                        r"HTTP reply: IncompleteRead\(.*\) \(.*\)", errors[0]), errors[0]
+    assert len(endpoint.requests) == 2
 
 
 pytest.importorskip("fastapi")
