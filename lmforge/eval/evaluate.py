@@ -64,6 +64,42 @@ FILTERS = {"regex": {"regex_pattern", "group_select", "fallback"}, "remove_white
 SELECTIONS = {"take_first", "take_first_k", "majority_vote"}
 
 
+def _is_regex(value: object) -> bool:
+    try:
+        re.compile(value)  # type: ignore[arg-type]
+    except (re.error, TypeError):
+        return False
+    return isinstance(value, str)
+
+
+def _non_negative(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+# option -> (is it valid, what it must be): the options of METRICS and FILTERS, checked as read
+OPTION_RULES: dict[str, tuple[Any, str]] = {
+    **{key: (lambda v: isinstance(v, bool), "true or false") for key in ("ignore_case", "ignore_punctuation",
+                                                                         "ignore_numbers")},
+    "regexes_to_ignore": (lambda v: isinstance(v, list) and all(map(_is_regex, v)), "a list of regular expressions"),
+    "rel_tol": (_non_negative, "a number >= 0"),
+    "abs_tol": (_non_negative, "a number >= 0"),
+    "regex_pattern": (_is_regex, "a regular expression"),
+    "group_select": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer (negative: from the end)"),
+    "fallback": (lambda v: isinstance(v, str), "a string"),
+    "k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+}
+
+
+def check_options(task: Task, key: str, owner: str, options: dict[str, Any]) -> None:
+    """Each option's type, named by the task key and its metric or filter, before anything is scored."""
+    for option, value in options.items():
+        valid, what = OPTION_RULES[option]
+        if option == "k" and owner == "pass_at_k":  # one k or a list of them, checked against repeats below
+            continue
+        if not valid(value):
+            raise task.error(key, f"{owner}: {option} must be {what}, got {value!r}")
+
+
 @dataclass
 class MetricSpec:
     name: str
@@ -127,8 +163,9 @@ def metric_specs(task: Task) -> list[MetricSpec]:
         if bad:
             raise task.error("metric_list", f"{name}: unknown option(s) {', '.join(sorted(bad))}"
                                             f"{' (options: ' + ', '.join(sorted(allowed)) + ')' if allowed else ''}")
+        check_options(task, "metric_list", name, options)
         aggregation = entry.get("aggregation", aggregation)
-        if aggregation not in AGGREGATIONS:
+        if not isinstance(aggregation, str) or aggregation not in AGGREGATIONS:
             raise task.error("metric_list", f"{name}: unknown aggregation {aggregation!r} "
                                             f"(choose from {', '.join(AGGREGATIONS)})")
         if name == "pass_at_k":
@@ -137,7 +174,10 @@ def metric_specs(task: Task) -> list[MetricSpec]:
             if not ks or not all(isinstance(k, int) and 1 <= k <= task.repeats for k in ks):
                 raise task.error("metric_list", f"pass_at_k: k must be integers in [1, repeats={task.repeats}]; got {ks!r}")
             options["k"] = ks
-        specs.append(MetricSpec(name, aggregation, bool(entry.get("higher_is_better", higher)), options))
+        higher = entry.get("higher_is_better", higher)
+        if not isinstance(higher, bool):
+            raise task.error("metric_list", f"{name}: higher_is_better must be true or false, got {higher!r}")
+        specs.append(MetricSpec(name, aggregation, higher, options))
     return specs
 
 
@@ -150,23 +190,27 @@ def filter_pipelines(task: Task) -> list[tuple[str, list[tuple[str, dict]]]]:
         raise task.error("filter_list", "must be a list of {name: NAME, filter: [{function: ...}, ...]}")
     out = []
     for entry in spec:
-        if not isinstance(entry, dict) or "name" not in entry or not isinstance(entry.get("filter"), list):
-            raise task.error("filter_list", f"each entry needs name and a filter list; got {entry!r}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] \
+                or not isinstance(entry.get("filter"), list):
+            raise task.error("filter_list", f"each entry needs a name (a string) and a filter list; got {entry!r}")
         steps = []
         for step in entry["filter"]:
             function = step.get("function") if isinstance(step, dict) else None
-            if function not in FILTERS:
+            if not isinstance(function, str) or function not in FILTERS:
                 raise task.error("filter_list", f"{entry['name']}: unknown filter function {function!r} "
                                                 f"(lmforge eval has: {', '.join(FILTERS)})")
             options = {k: v for k, v in step.items() if k != "function"}
             bad = set(options) - FILTERS[function]
             if bad:
                 raise task.error("filter_list", f"{entry['name']}: {function}: unknown option(s) {', '.join(sorted(bad))}")
+            if function == "take_first_k" and "k" not in options:
+                raise task.error("filter_list", f"{entry['name']}: take_first_k needs k (how many responses to keep)")
+            check_options(task, "filter_list", f"{entry['name']}: {function}", options)
             if steps and steps[-1][0] in SELECTIONS and function not in SELECTIONS:
                 raise task.error("filter_list", f"{entry['name']}: {function} after {steps[-1][0]}: per-response "
                                                 "steps must come before the selection (take_first, ...)")
             steps.append((function, options))
-        out.append((str(entry["name"]), steps))
+        out.append((entry["name"], steps))
     return out
 
 

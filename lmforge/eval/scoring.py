@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -37,8 +38,8 @@ from lmforge.train.loop import resolve_device
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DEFAULT_MAX_GEN_TOKS = 256
-GENERATION_KEYS = {"until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens", "do_sample",
-                   "temperature", "top_p", "top_k"}
+MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # first one set wins
+GENERATION_KEYS = {"until", *MAX_TOKEN_KEYS, "do_sample", "temperature", "top_p", "top_k"}
 
 
 def load_checkpoint(path: str, device: str = "auto", dtype: str = "float32") -> tuple[nn.Module, Tokenizer]:
@@ -153,19 +154,46 @@ def loglikelihood_rolling(model: nn.Module, tok: Tokenizer, texts: Sequence[str]
     return totals
 
 
-def generation_config(kwargs: dict, eos_text: str, default_max: int = DEFAULT_MAX_GEN_TOKS) -> tuple[GenerationConfig, list[str]]:
-    """The harness's ``normalize_gen_kwargs`` + ``handle_stop_sequences``: the engine's config and the stop strings."""
+def check_generation_kwargs(kwargs: object) -> None:
+    """``ValueError`` naming the key for generation kwargs of a wrong type or range, which would
+    otherwise fail deep in the engine or, for a negative temperature, decode greedily unasked."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a mapping of options (until, max_gen_toks, ...), got {kwargs!r}")
     unknown = set(kwargs) - GENERATION_KEYS
     if unknown:
-        raise ValueError(f"generation_kwargs {sorted(unknown)} are not supported (supported: {sorted(GENERATION_KEYS)})")
+        raise ValueError(f"generation_kwargs {sorted(map(str, unknown))} are not supported "
+                         f"(supported: {sorted(GENERATION_KEYS)})")
+
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def integer(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    until = kwargs.get("until")
+    if not (until is None or isinstance(until, str) or isinstance(until, (list, tuple)) and all(isinstance(u, str) for u in until)):
+        raise ValueError(f"generation_kwargs.until must be a stop string or a list of stop strings, got {until!r}")
+    rules = {
+        **{key: (lambda v: integer(v) and v >= 1, "an integer >= 1") for key in MAX_TOKEN_KEYS},
+        "temperature": (lambda v: number(v) and v >= 0, "a number >= 0 (0 decodes greedily)"),
+        "top_p": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+        "top_k": (lambda v: integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+        "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    }
+    for key, (valid, what) in rules.items():
+        value = kwargs.get(key)
+        if value is not None and not valid(value):
+            raise ValueError(f"generation_kwargs.{key} must be {what}, got {value!r}")
+
+
+def generation_config(kwargs: dict, eos_text: str, default_max: int = DEFAULT_MAX_GEN_TOKS) -> tuple[GenerationConfig, list[str]]:
+    """The harness's ``normalize_gen_kwargs`` + ``handle_stop_sequences``: the engine's config and the stop strings."""
+    check_generation_kwargs(kwargs)
     until = kwargs.get("until")
     until = [] if until is None else [until] if isinstance(until, str) else list(until)
-    if not all(isinstance(u, str) for u in until):
-        raise ValueError(f"generation_kwargs.until must be a string or a list of strings, got {kwargs.get('until')!r}")
     if eos_text not in until:
         until.append(eos_text)
-    max_gen = next((kwargs[k] for k in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
-                    if kwargs.get(k) is not None), default_max)
+    max_gen = next((kwargs[k] for k in MAX_TOKEN_KEYS if kwargs.get(k) is not None), default_max)
     temperature = float(kwargs.get("temperature", 0.0))
     do_sample = kwargs.get("do_sample")
     sample = temperature > 0.0 if do_sample is None else bool(do_sample) and temperature > 0.0

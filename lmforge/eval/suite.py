@@ -34,7 +34,7 @@ from torch import nn
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.eval.evaluate import EvalSettings, MetricResult, evaluate_task
+from lmforge.eval.evaluate import EvalSettings, MetricResult, evaluate_task, filter_pipelines, metric_specs
 from lmforge.eval.tasks import Task, limited, load_task, read_yaml
 
 SUITE_KEYS = {"group", "task", "core"}
@@ -166,6 +166,10 @@ def load_tasks(specs: list[str]) -> tuple[list[Task], list[Suite]]:
     """Every task of ``specs`` (task files, bundled names, suites) read and checked, and the suites."""
     files, suites = expand(specs)
     tasks = [load_task(f) for f in files]
+    for task in tasks:  # metrics and filters too, so a bad one stops the run before any task is scored
+        metric_specs(task)
+        if task.output_type == "generate_until":
+            filter_pipelines(task)
     names = [t.name for t in tasks]
     if len(set(names)) < len(names):
         raise InputError(f"two tasks are named the same ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "

@@ -6,8 +6,10 @@ paths relative to the YAML file), ``test_split``/``validation_split``/``training
 ``fewshot_split``, ``output_type``, ``doc_to_text``/``doc_to_target``/``doc_to_choice`` (a
 field name, a Jinja2 template, an int or a list, as the harness reads each), ``description``,
 ``target_delimiter``, ``fewshot_delimiter``, ``num_fewshot``, ``generation_kwargs``,
-``repeats``, ``metric_list`` and ``filter_list``. The YAML is read with ``yaml.safe_load``:
-Python code in a task (the harness's ``!function``) is refused with its line.
+``repeats``, ``metric_list`` and ``filter_list``. The file is untrusted input: its YAML is read
+with safe tags only and aliases bounded (``core.untrusted``), Python code in a task (the
+harness's ``!function``) is refused with its line, and its Jinja2 templates render in a
+sandbox, so a template can read a document's fields but not reach Python's internals.
 
 The prompt is built as the harness builds it without a chat template: the description, then
 each few-shot example as ``text + target_delimiter + target + fewshot_delimiter``, then the
@@ -34,12 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 import yaml
 
 from lmforge.core.io import InputError, sha256_file
-from lmforge.data.documents import BadRecord, DocumentsConfig, jsonl_records, read_documents
+from lmforge.core.untrusted import _BoundedLoader, path_name, sandboxed_jinja
+from lmforge.data.documents import BadRecord, DocumentsConfig, SkipLog, jsonl_records, read_documents
 from lmforge.data.shards import MANIFEST, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.eval.scoring import check_generation_kwargs
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
 DEFAULT_METRICS = {  # the harness's DEFAULT_METRIC_REGISTRY
@@ -67,7 +72,7 @@ def _regex_replace(text: str, pattern: str, repl: str, count: int = 0) -> str:
     return re.sub(pattern, repl, text, count=count)
 
 
-JINJA = jinja2.Environment(loader=jinja2.BaseLoader(), undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+JINJA = sandboxed_jinja(keep_trailing_newline=True)
 JINJA.filters["regex_replace"] = _regex_replace  # the harness's one custom filter
 
 
@@ -117,12 +122,12 @@ class Task:
     def generation_kwargs(self) -> dict:
         """The harness's TaskConfig defaults: no ``until`` means the few-shot delimiter."""
         kwargs = dict(self.get("generation_kwargs", {}))
+        until = [self.fewshot_delimiter] if self.fewshot_delimiter else []
         if not kwargs:
-            return {"until": [self.fewshot_delimiter], "do_sample": False, "temperature": 0.0,
-                    "max_gen_toks": DEFAULT_MAX_GEN_TOKS}
-        if "temperature" in kwargs:
-            kwargs["temperature"] = float(kwargs["temperature"])
-        kwargs.setdefault("until", [self.fewshot_delimiter])
+            return {"until": until, "do_sample": False, "temperature": 0.0, "max_gen_toks": DEFAULT_MAX_GEN_TOKS}
+        if isinstance(kwargs.get("temperature"), int) and not isinstance(kwargs["temperature"], bool):
+            kwargs["temperature"] = float(kwargs["temperature"])  # 1 and 1.0 seed the same draws
+        kwargs.setdefault("until", until)
         return kwargs
 
     # ---- documents
@@ -165,6 +170,9 @@ class Task:
                 raise self.error(key, f"bad Jinja2 template {template!r}: {exc.message}") from exc
         try:
             return compiled.render(**doc)
+        except jinja2.sandbox.SecurityError as exc:
+            raise self.error(key, f"{self.source_of(doc)}: the template {template!r} is refused: {exc} (a task "
+                                  "template may use the document's fields, not Python's internals)") from exc
         except jinja2.UndefinedError as exc:
             raise self.error(key, f"{self.source_of(doc)}: {exc.message} (the template {template!r} needs it; "
                                   f"the document has {', '.join(doc) or 'no fields'})") from exc
@@ -330,16 +338,18 @@ def limited(docs: list[dict], limit: float | None) -> list[dict]:
 
 
 def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
-    """The task file's mapping and the line of each top-level key."""
+    """The task file's mapping and the line of each top-level key; a document whose aliases
+    would expand past ``core.untrusted.MAX_YAML_NODES`` nodes is refused at its first alias."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise InputError(f"{path}: task file not found") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read the task file: {exc}") from exc
+    loader = _BoundedLoader(text)  # one parse gives both the data and its key lines
     try:
-        config = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader) if isinstance(config, dict) else None
+        node = loader.get_single_node()  # measures the expanded size before anything expands it
+        config = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -350,10 +360,12 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
                        "use a field name or a Jinja2 template")
         raise InputError(f"{where}: {problem}") from exc
     except yaml.YAMLError as exc:
-        raise InputError(f"{path}: not valid YAML: {exc}") from exc
+        raise InputError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    finally:
+        loader.dispose()
     if not isinstance(config, dict):
         raise InputError(f"{path}: a task file must be a YAML mapping of keys (task, dataset_path, ...)")
-    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
     return config, lines
 
 
@@ -371,6 +383,36 @@ def check_keys(config: dict, path: Path, lines: dict[str, int]) -> None:
     if output_type not in OUTPUT_TYPES:
         raise InputError(f"{path}:{lines.get('output_type', '?')}: output_type: unknown {output_type!r}; "
                          f"choose one of {', '.join(OUTPUT_TYPES)}")
+
+
+def check_values(config: dict, path: Path, lines: dict[str, int]) -> None:
+    """The types and ranges of the keys read as given, so that a wrong one is named here, with its
+    line, instead of failing as a traceback once documents are scored."""
+    def bad(key: str, message: str) -> InputError:
+        return InputError(f"{path}:{lines.get(key, '?')}: {key}: {message}, got {config[key]!r}")
+
+    def integer(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    texts = ("task", "task_alias", "training_split", "validation_split", "test_split", "fewshot_split",
+             "description", "target_delimiter", "fewshot_delimiter", "output_type")
+    for key in texts:
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise bad(key, "must be a string")
+    if config.get("num_fewshot") is not None and not (integer(config["num_fewshot"]) and config["num_fewshot"] >= 0):
+        raise bad("num_fewshot", "must be an integer >= 0 (the few-shot examples before each document)")
+    if config.get("repeats") is not None and not (integer(config["repeats"]) and config["repeats"] >= 1):
+        raise bad("repeats", "must be an integer >= 1 (the samples generated per document)")
+    if config.get("generation_kwargs") is not None:
+        where = f"{path}:{lines.get('generation_kwargs', '?')}"
+        kwargs = config["generation_kwargs"]
+        try:
+            check_generation_kwargs(kwargs)
+        except ValueError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        until = kwargs.get("until")
+        if until is not None and not all([until] if isinstance(until, str) else until):
+            raise InputError(f"{where}: generation_kwargs.until: a stop string must not be empty, got {until!r}")
 
 
 def data_files(config: dict, path: Path, lines: dict[str, int]) -> dict[str, list[Path]]:
@@ -405,8 +447,13 @@ def read_split(files: list[Path], task_path: Path) -> tuple[list[dict], list[str
     for file in files:
         if not file.is_file():
             raise InputError(f"{task_path}: dataset_kwargs.data_files: {file} not found (paths are relative to the task file)")
-        if file.suffix == ".json" and file.read_text(encoding="utf-8").lstrip().startswith("["):
-            records = json.loads(file.read_text(encoding="utf-8"))
+        if file.suffix == ".json" and file.read_bytes().lstrip().startswith(b"["):
+            try:
+                records = json.loads(file.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from exc
             items = [(f"{file}[{i}]", r) for i, r in enumerate(records)]
         else:
             items = list(jsonl_records(file))
@@ -433,12 +480,14 @@ def load_task(path: str | Path) -> Task:
         return raw_text_task(path)
     config, lines = read_yaml(path)
     check_keys(config, path, lines)
+    check_values(config, path, lines)
     splits, sources, digests = {}, {}, {}
     for split, files in data_files(config, path, lines).items():
         splits[split], sources[split] = read_split(files, path)
         for f in files:
             digests[str(f.name)] = sha256_file(f)
-    task = Task(str(config.get("task") or path.stem), path, config, lines, splits, sources, digests)
+    name = path.stem if config.get("task") is None else path_name(config["task"], f"{path}:{lines['task']}: task")
+    task = Task(name, path, config, lines, splits, sources, digests)
     docs = task.split(task_key(task))
     if not docs:
         raise InputError(f"{path}: the split {task.eval_split()!r} has no documents")
@@ -487,7 +536,11 @@ def raw_text_task(path: Path) -> Task:
     ``loglikelihood_rolling`` task over each whole document."""
     if not path.is_file():
         raise InputError(f"{path}: not found")
-    documents = list(read_documents(DocumentsConfig(paths=[str(path)])))
+    skipped = SkipLog()  # counted, then refused: every record is scored, or none
+    documents = list(read_documents(DocumentsConfig(paths=[str(path)], skip_bad_records=True), skipped))
+    if skipped.total:
+        raise InputError(f"{skipped.examples[0]} ({skipped.total} bad record(s) in the file; lmforge eval scores "
+                         "every record, so fix or remove them)")
     if not documents:
         raise InputError(f"{path}: no documents with text")
     config = {"task": path.stem, "dataset_path": "json", "test_split": "train", "output_type": "loglikelihood_rolling",

@@ -9,6 +9,7 @@ import torch
 from lmforge.eval.scoring import (
     encode_pair,
     generate_until,
+    generation_config,
     load_checkpoint,
     loglikelihood_pairs,
     loglikelihood_rolling,
@@ -65,3 +66,20 @@ def test_sampled_generation_is_seeded_per_request_not_per_batch(lm):
     assert generate_until(model, tok, requests, seed=8, batch_size=4) != forward
     greedy = generate_until(model, tok, [("Q: one\nA:", {"until": ["\n"], "max_gen_toks": 5})] * 2)
     assert greedy[0] == greedy[1]
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    ({"temperature": -1.0, "do_sample": True}, "temperature"),  # was decoded greedily, unasked
+    ({"until": 5}, "until"),
+    ({"max_gen_toks": "32"}, "max_gen_toks"),
+    ({"top_p": 0.0, "temperature": 1.0}, "top_p"),
+])
+def test_generation_kwargs_out_of_range_are_refused_naming_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=rf"generation_kwargs\.{key} must be"):
+        generation_config(kwargs, "<eos>")
+
+
+def test_generation_kwargs_in_range_give_the_engine_config():
+    config, stops = generation_config({"until": "\n", "temperature": 0.5, "do_sample": True, "max_gen_toks": 7}, "<eos>")
+    assert (config.temperature, config.max_new_tokens, stops) == (0.5, 7, ["\n", "<eos>"])
+    assert generation_config({"temperature": 0.5, "do_sample": False}, "<eos>")[0].temperature == 0.0
