@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from lmforge.core.config import at_least, load_config, positive, seed_field
-from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, check_output_dir
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
 from lmforge.eval.evaluate import EvalSettings, MetricResult, results_table
 from lmforge.eval.scoring import load_checkpoint
@@ -64,6 +64,10 @@ def recipe_from_args(args: argparse.Namespace) -> EvalRecipe:
     tasks = [t for t in args.tasks if t not in overrides]
     recipe = load_config(EvalRecipe, None, [*overrides, *args.overrides])
     recipe = dataclasses.replace(recipe, checkpoint=args.checkpoint, tasks=tasks)
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise InputError(f"--num-fewshot must be 0 or more (the few-shot examples per document), got {args.num_fewshot}")
+    if args.limit is not None and args.limit <= 0:
+        raise InputError(f"--limit must be positive (documents per task, or below 1 a share of them), got {args.limit:g}")
     for key, value in (("limit", args.limit), ("num_fewshot", args.num_fewshot), ("run_dir", args.out)):
         if value is not None:
             recipe = dataclasses.replace(recipe, **{key: value})
@@ -76,6 +80,8 @@ def run_eval(recipe: EvalRecipe) -> dict:
         raise InputError("no tasks: give task files with --tasks a.yaml b.yaml (or tasks='[...]')")
     if recipe.limit is not None and recipe.limit <= 0:
         raise InputError(f"limit must be positive, got {recipe.limit}")
+    if recipe.run_dir is not None:  # before any work: a place that cannot take results.json would lose it all
+        check_output_dir(recipe.run_dir, "run_dir (--out)")
     tasks, suites = load_tasks(recipe.tasks)  # every file checked before the model loads
     model, tok = load_checkpoint(recipe.checkpoint, recipe.device, recipe.dtype)
     settings = EvalSettings(limit=recipe.limit, num_fewshot=recipe.num_fewshot, fewshot_seed=recipe.fewshot_seed,

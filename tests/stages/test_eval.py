@@ -79,3 +79,71 @@ def test_bad_task_is_one_line_naming_the_file(tmp_path, tiny_checkpoint, capsys)
     assert main(["eval", str(tiny_checkpoint), "--tasks", str(task)]) == 2
     err = capsys.readouterr().err
     assert "bad.yaml:2: output_type: unknown 'ranking'" in err and len(err.strip().splitlines()) == 1
+
+
+HOSTILE_YAML = """\
+task: hostile
+dataset_path: json
+dataset_kwargs:
+  data_files: docs.jsonl
+test_split: train
+doc_to_text: "{{ q }}"
+doc_to_target: a
+generation_kwargs: {until: ["\\n"], max_gen_toks: 3}
+"""
+
+
+def hostile_task(tmp_path, line: str):
+    (tmp_path / "docs.jsonl").write_text('{"q": "1 + 1 =", "a": "2"}\n', encoding="utf-8")
+    key = line.split(":")[0]
+    text = "".join(f"{x}\n" for x in HOSTILE_YAML.splitlines() if not x.startswith(f"{key}:")) + line + "\n"
+    (tmp_path / "t.yaml").write_text(text, encoding="utf-8")
+    return tmp_path / "t.yaml", len(text.splitlines())
+
+
+@pytest.mark.parametrize("line", [
+    "doc_to_text: \"{{ cycler.__init__.__globals__.os.system('touch PWNED') }}{{ q }}\"",
+    "description: \"{{ lipsum.__globals__['os'].popen('touch PWNED').read() }}\"",
+])
+def test_a_task_template_that_runs_a_command_is_refused_and_runs_nothing(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                         capsys, line):
+    monkeypatch.chdir(tmp_path)
+    task, lineno = hostile_task(tmp_path, line)
+    assert main(["eval", str(tiny_checkpoint), "--tasks", str(task), "device=cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"t.yaml:{lineno}: {line.split(':')[0]}: " in err and "docs.jsonl:1: the template" in err and "refused" in err
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num-fewshot", "-5"], "--num-fewshot must be 0 or more"),
+    (["--limit", "0"], "--limit must be positive"),
+])
+def test_a_negative_flag_is_refused_naming_it(tmp_path, tiny_checkpoint, capsys, args, message):
+    task, _ = hostile_task(tmp_path, "num_fewshot: 0")
+    assert main(["eval", str(tiny_checkpoint), "--tasks", str(task), *args, "device=cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_negative_temperature_with_sampling_is_refused_not_decoded_greedily(tmp_path, tiny_checkpoint, capsys):
+    task, lineno = hostile_task(tmp_path, "generation_kwargs: {temperature: -1, do_sample: true, max_gen_toks: 3}")
+    assert main(["eval", str(tiny_checkpoint), "--tasks", str(task), "device=cpu"]) == 2
+    assert f"t.yaml:{lineno}: generation_kwargs.temperature must be a number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out", ["existing-file", "/proc/lmforge-eval-out"])
+def test_an_out_that_cannot_take_the_results_is_refused_before_any_task_is_scored(tmp_path, tiny_checkpoint, capsys,
+                                                                                 monkeypatch, out):
+    import lmforge.stages.eval as stage
+
+    scored = []
+    monkeypatch.setattr(stage, "evaluate_all", lambda *a, **k: scored.append(a) or [])
+    (tmp_path / "existing-file").write_text("not a folder\n", encoding="utf-8")
+    task, _ = hostile_task(tmp_path, "num_fewshot: 0")
+    out = out if out.startswith("/") else str(tmp_path / out)
+    assert main(["eval", str(tiny_checkpoint), "--tasks", str(task), "--out", out, "device=cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"run_dir (--out) = {out}: " in err and len(err.splitlines()) == 1
+    assert scored == [] and (tmp_path / "existing-file").read_text() == "not a folder\n"
