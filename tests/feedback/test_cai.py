@@ -157,6 +157,27 @@ def test_revise_writes_the_final_revisions_as_sft_data_and_every_round_in_the_tr
     assert again == summary and lines(tmp_path / "rev" / "trace.jsonl") == trace
 
 
+@pytest.mark.parametrize("what", ["revise", "label"])
+def test_names_in_a_constitution_never_become_paths(tmp_path, judge_checkpoint, prompts, what):
+    """Constitution and principle names are only recorded (trace, summary), never file names:
+    names like ``../../x`` write nothing outside run_dir."""
+    constitution = tmp_path / "c.yaml"
+    constitution.write_text("name: ../../x\nprinciples:\n"
+                            + "".join(f"  - {{name: '{n}', critique: c, revision: r, comparison: q}}\n"
+                                      for n in ("../../x", str(tmp_path / "abs"), "..")))
+    run_dir = tmp_path / "a" / "b" / "run"
+    before = set(tmp_path.rglob("*"))
+    critic = "critic" if what == "revise" else "shorter"
+    summary = run_cai(recipe(run_dir, judge_checkpoint, prompts, f"constitution={constitution}",
+                             f"judge.function=tests.feedback.rules:{critic}",
+                             *(["rollout.n=1"] if what == "revise" else []), what=what))
+    new = set(tmp_path.rglob("*")) - before
+    assert {p for p in new if run_dir not in (p, *p.parents)} == {tmp_path / "a", tmp_path / "a" / "b"}
+    used = summary["principles"] if what == "revise" else {p["principle"] for r in lines(run_dir / "judgements.jsonl")
+                                                           for p in r["pairs"]}
+    assert set(used) <= {"../../x", str(tmp_path / "abs"), ".."} and used
+
+
 def test_an_interrupted_revise_run_resumes_to_the_uninterrupted_runs_files(tmp_path, judge_checkpoint, prompts):
     args = ["rollout.n=1", "revise.rounds=2", "judge.function=tests.feedback.rules:critic"]
     run_cai(recipe(tmp_path / "whole", judge_checkpoint, prompts, *args, what="revise"))
