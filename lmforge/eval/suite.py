@@ -33,6 +33,7 @@ from torch import nn
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log
+from lmforge.core.untrusted import path_name
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.evaluate import EvalSettings, MetricResult, evaluate_task, filter_pipelines, metric_specs
 from lmforge.eval.tasks import Task, limited, load_task, read_yaml
@@ -91,6 +92,7 @@ def load_suite(path: str | Path) -> Suite:
     name, members = config.get("group"), config.get("task")
     if not isinstance(name, str) or not name:
         raise InputError(f"{where('group')}: group: the suite's name (a string) is needed")
+    path_name(name, f"{where('group')}: group")  # a results key, as a task's name is
     if not isinstance(members, list) or not members or not all(isinstance(m, str) for m in members):
         raise InputError(f"{where('task')}: task: a non-empty list of task files (relative to the suite) is needed")
     tasks = []
