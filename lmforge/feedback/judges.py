@@ -81,8 +81,7 @@ class JudgeConfig:
     base_url: str | None = None  # an OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # the endpoint's model name
     api_key_env: str | None = "OPENAI_API_KEY"  # the environment variable holding the key; unset or null: none sent
-    function: str | None = field(default=None, metadata={"plugin": True})  # module:function (a plugin), called with
-    # each Chat or Comparison; imported when the stage starts
+    function: str | None = field(default=None, metadata={"plugin": True})  # module:function, imported at stage start
     max_new_tokens: int = positive(128)  # critiques and revisions
     temperature: float = at_least(0, 0.0)  # critiques and revisions; comparisons are always greedy
     top_p: float = unit_interval(1.0, low_open=True)
@@ -94,7 +93,7 @@ class JudgeConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # checkpoint
     device: str = "auto"  # checkpoint: auto = cuda when available, else cpu
     timeout_s: float = positive(120.0)  # endpoint: per request, from connecting to the reply's last byte
-    max_retries: int = at_least(0, 4)  # endpoint: after the first try, on timeouts, connection errors, 429, 5xx
+    max_retries: int = at_least(0, 4)  # endpoint: after the first try, on timeouts, connection errors, cut replies, 429, 5xx
     backoff_s: float = at_least(0, 1.0)  # endpoint: the first retry waits this, each next one twice as long
     concurrency: int = positive(4)  # endpoint: requests in flight
     cache: bool = True  # endpoint: keep every answer on disk (run_dir/judge-cache) and reuse it
