@@ -13,7 +13,13 @@ drops the last entry drops the generated token. ``usage`` counts the prompt once
 generated token, the stop token included.
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with
-``data: [DONE]``; a client that goes away mid-stream has its request cancelled in the engine.
+``data: [DONE]``; a client that goes away mid-stream has its request cancelled in the engine,
+and a stream that fails sends an error event, then ``[DONE]``.
+
+What one request can cost the others is bounded: a body past ``max_body_bytes`` is a 413
+(``limits.BodyLimits``), a text longer than the context could hold (``max_len`` tokens times
+the longest token's characters) is a 400 before it is tokenized, and prompts are tokenized on
+a worker thread, not on the event loop that answers every other client.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from lmforge.core.io import InputError
@@ -41,6 +49,7 @@ from lmforge.data.chatml import CHATML_TEMPLATE, IM_END, ExampleError, validate_
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Generation, GenerationConfig
 from lmforge.inference.engine import Request as EngineRequest
+from lmforge.serve.limits import BodyLimits
 from lmforge.serve.protocol import (
     APIError,
     ChatRequest,
@@ -55,6 +64,7 @@ from lmforge.serve.protocol import (
 from lmforge.serve.worker import EngineWorker, QueueFull, Ticket
 
 STATIC = Path(__file__).parent / "static"
+log = logging.getLogger("lmforge.serve")
 
 
 @dataclass
@@ -66,7 +76,22 @@ class Served:
     name: str
     max_len: int  # the model's context, prompt + completion
     vocab_size: int
-    api_key: str | None = None
+    api_key: str | None = None  # None: no key; an empty one is refused (it would let in an empty Bearer key)
+    max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a key, or None to serve without one")
+        # no text longer than this fits the context: a token spans at most this many characters
+        self.max_text_chars = self.max_len * max(map(len, self.tokenizer.hf.get_vocab(with_added_tokens=True)))
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context, before the work of tokenizing it."""
+        if chars > self.max_text_chars:
+            raise APIError(400, f"the {param} has {chars} characters, more than this model's context of {self.max_len} "
+                                f"tokens can hold (at most {self.max_text_chars}): shorten the {param}",
+                           param=param, code="context_length_exceeded")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -91,6 +116,7 @@ def create_app(served: Served) -> FastAPI:
 
     app = FastAPI(title="lmforge", lifespan=lifespan)
     app.state.served = served
+    app.add_middleware(BodyLimits, max_bytes=served.max_body_bytes, timeout_s=served.body_timeout_s)
     install_error_handlers(app)
     auth = [Depends(authorize(served))]
 
@@ -117,16 +143,20 @@ def create_app(served: Served) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' (a text) or 'messages' (a conversation)", param="prompt")
         if body.messages is not None:
-            tokens = chat_prompt_ids(served.tokenizer, checked_messages(body.messages))
+            tokens = await run_in_threadpool(chat_prompt, served, body.messages)
         else:
-            tokens = text_tokens(served.tokenizer, body.prompt, body.add_special_tokens)
+            tokens = await run_in_threadpool(text_tokens, served, body.prompt, body.add_special_tokens, "prompt")
         return {"count": len(tokens), "max_model_len": served.max_len, "tokens": tokens}
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest) -> dict:
         served.check_model(body.model)
-        check_token_ids(served, body.tokens, "tokens")
-        return {"prompt": served.tokenizer.decode(body.tokens)}
+
+        def text() -> str:
+            check_token_ids(served, body.tokens, "tokens")
+            return served.tokenizer.decode(body.tokens)
+
+        return {"prompt": await run_in_threadpool(text)}
 
     @app.get("/tokenizer_info", dependencies=auth)
     async def tokenizer_info() -> dict:
@@ -196,8 +226,17 @@ def checked_messages(messages: list) -> list[dict]:
     return conversation
 
 
-def text_tokens(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return ([tokenizer.bos_id] if add_special_tokens else []) + tokenizer.encode(text)
+def chat_prompt(served: Served, messages: list) -> list[int]:
+    """The ChatML prompt's token ids of a conversation that can fit the context (on a worker thread)."""
+    served.check_chars(sum(len(m.content) for m in messages), "messages")
+    return chat_prompt_ids(served.tokenizer, checked_messages(messages))
+
+
+def text_tokens(served: Served, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """A text's token ids (BOS first with ``add_special_tokens``), if it can fit the context.
+    ``encode_batch`` lets go of the interpreter lock while it runs, as ``encode`` does not."""
+    served.check_chars(len(text), param)
+    return ([served.tokenizer.bos_id] if add_special_tokens else []) + served.tokenizer.encode_batch([text])[0]
 
 
 def check_token_ids(served: Served, tokens: list[int], param: str) -> None:
@@ -207,7 +246,7 @@ def check_token_ids(served: Served, tokens: list[int], param: str) -> None:
 
 
 def completion_prompts(served: Served, body: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """Each prompt of a completion request as (its text, its token ids)."""
+    """Each prompt of a completion request as (its text, its token ids); on a worker thread."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -219,10 +258,11 @@ def completion_prompts(served: Served, body: CompletionRequest) -> list[tuple[st
     out = []
     for p in prompt:
         if isinstance(p, str):
-            out.append((p, text_tokens(served.tokenizer, p, body.add_special_tokens)))
+            out.append((p, text_tokens(served, p, body.add_special_tokens, "prompt")))
         else:
             if not p:
                 raise APIError(400, "a token-id prompt needs at least one token", param="prompt")
+            served.check_length(p, max(body.max_tokens, 1), "prompt")  # before looking at every id of a long list
             check_token_ids(served, p, "prompt")
             out.append((served.tokenizer.decode(p), list(p)))
     return out
@@ -315,7 +355,9 @@ class TextDelta:
 
 async def sse(served: Served, tickets: list[Ticket], events: asyncio.Queue, chunks) -> AsyncIterator[str]:
     """Server-sent events from ``chunks(event)`` (each a list of OpenAI chunk dicts) until every
-    request is done, then ``[DONE]``; a client that leaves cancels what is still decoding."""
+    request is done, then ``[DONE]``; a client that leaves cancels what is still decoding. A
+    failure (the engine's error event, or one here) is sent as OpenAI's error object, then
+    ``[DONE]``: the client learns why, and the connection ends as a stream does."""
     remaining = len(tickets)
     try:
         for chunk in chunks(None):
@@ -323,15 +365,18 @@ async def sse(served: Served, tickets: list[Ticket], events: asyncio.Queue, chun
         while remaining:
             event = await events.get()
             if event[1] == "error":
-                yield json.dumps(event_error(event[2]).body())
-                return
+                raise event[2]
             remaining -= event[1] == "done"
             for chunk in chunks(event):
                 yield json.dumps(chunk)
-        yield "[DONE]"
+    except Exception as exc:  # noqa: BLE001 - a leaving client is GeneratorExit or CancelledError, not caught
+        if not isinstance(exc, ValueError):
+            log.error("a stream failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        yield json.dumps((exc if isinstance(exc, APIError) else event_error(exc)).body())
     finally:
         for ticket in tickets:
             served.worker.cancel(ticket)
+    yield "[DONE]"
 
 
 # -------------------------------------------------------------------------- chat completions
@@ -350,7 +395,7 @@ async def chat(served: Served, body: ChatRequest):
     served.check_model(body.model)
     check_n(served, body.n)
     tok = served.tokenizer
-    prompt = chat_prompt_ids(tok, checked_messages(body.messages))
+    prompt = await run_in_threadpool(chat_prompt, served, body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = max(served.max_len - len(prompt), 1)  # as much as the context leaves
@@ -424,7 +469,7 @@ def completion_choice_logprobs(served: Served, prompt: list[int], g: Generation,
 async def complete(served: Served, body: CompletionRequest):
     served.check_model(body.model)
     check_n(served, body.n)
-    prompts = completion_prompts(served, body)
+    prompts = await run_in_threadpool(completion_prompts, served, body)
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens 0 generates nothing: it is for scoring a prompt, with echo: true and logprobs",
                        param="max_tokens")

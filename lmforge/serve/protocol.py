@@ -3,7 +3,9 @@
 Bodies are pydantic models in strict mode (a string where a number belongs is an error, not
 a conversion); fields the API has and lmforge does not use are accepted and ignored, as
 clients send them (``user``, zero penalties). vLLM's extra ``ignore_eos`` and
-``add_special_tokens`` are understood. Every error is OpenAI's JSON,
+``add_special_tokens`` are understood. A ``seed`` must be one torch's generator takes, in
+[-2^63, 2^64 - 1], and a ``stop`` string must not be empty (it would match at once): else a 400
+naming the field, before the request goes near the batch. Every error is OpenAI's JSON,
 ``{"error": {"message", "type", "param", "code"}}``, with an HTTP status of 4xx for the
 client's mistakes.
 """
@@ -15,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.inference.engine import SEED_RANGE
 
 
 class APIError(Exception):
@@ -36,7 +39,9 @@ class Body(BaseModel):
 NonNegative = Annotated[int, Field(ge=0)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+StopString = Annotated[str, Field(min_length=1)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
 class StreamOptions(Body):
@@ -51,7 +56,7 @@ class Sampling(Body):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     stop: Stop = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's: generate max_tokens tokens, whatever the model says

@@ -1,6 +1,8 @@
 """Running the app: uvicorn on a socket bound first, so ``port 0`` has its real port to print
 before the first request, in the foreground (``lmforge serve``) or on a thread (tests, the
-benchmark)."""
+benchmark). A connection must send a request head within ``head_timeout_s``
+(``limits.HeadDeadlineProtocol``); past ``max_connections`` open at once a request gets
+uvicorn's 503."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import threading
 
 import uvicorn
 from fastapi import FastAPI
+
+from lmforge.serve.limits import with_head_timeout
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -26,18 +30,21 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def uvicorn_server(app: FastAPI, log_level: str = "info") -> uvicorn.Server:
+def uvicorn_server(app: FastAPI, log_level: str = "info", head_timeout_s: float = 10.0,
+                   max_connections: int = 256) -> uvicorn.Server:
+    # uvicorn counts the connection asking among those open: its limit is one more than ours
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
-                                         timeout_graceful_shutdown=2))
+                                         timeout_graceful_shutdown=2, http=with_head_timeout(head_timeout_s),
+                                         limit_concurrency=max_connections + 1))
 
 
 class BackgroundServer:
     """The app served on a thread of this process: ``url`` once started, ``stop()`` to end it."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **limits):
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = uvicorn_server(app, log_level)
+        self.server = uvicorn_server(app, log_level, **limits)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="lmforge-http")
 

@@ -8,7 +8,10 @@ server-sent events; POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM'
 max_pending requests held at once a new one gets 429. Binds to 127.0.0.1 unless host says
 otherwise; port=0 (or --port 0) takes a free port. The first line printed is the URL.
 With api_key set (or --api-key, or the LMFORGE_API_KEY environment variable) the API needs
-the header `Authorization: Bearer <key>`.
+the header `Authorization: Bearer <key>`; an empty key is refused at startup (it would let in
+an empty Bearer key), so leave it out to serve without one. A client holds little: a body past
+max_body_bytes gets 413, one not sent within body_timeout_s 408; a connection that sends no
+whole request head within head_timeout_s is closed; past max_connections a request gets 503.
 
   lmforge serve checkpoint=runs/demo/sft --port 0
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -49,19 +52,25 @@ class ServeRecipe:
     host: str = "127.0.0.1"  # the address to listen on (0.0.0.0: every interface)
     port: int = in_range(8000, 0, 65535)  # 0 = a free port, printed
     model_name: str | None = None  # the model id clients send; null = the checkpoint as given
-    api_key: str | None = None  # clients must send 'Authorization: Bearer <key>'; null = LMFORGE_API_KEY or none
+    # clients must send 'Authorization: Bearer <key>'; null = LMFORGE_API_KEY or none; empty is refused
+    api_key: str | None = None
     max_batch: int = positive(16)  # rows decoding together in the engine's batch
     max_pending: int = positive(64)  # requests held at once (decoding or waiting); one more gets 429
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"  # auto = cuda when available, else cpu
     log_level: Literal["warning", "info", "debug"] = "info"
+    max_body_bytes: int = in_range(4 * 2**20, 1024, 2**30)  # a larger request body gets 413 before it is read
+    body_timeout_s: float = in_range(30.0, 0, 3600, low_open=True)  # a body not all sent by then gets 408
+    head_timeout_s: float = in_range(10.0, 0, 3600, low_open=True)  # a connection with no whole request head is closed
+    max_connections: int = in_range(256, 1, 65536)  # connections open at once; past it a request gets 503
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", help="YAML recipe (optional: defaults plus overrides also work)")
     parser.add_argument("--host", help="address to listen on (recipe key host; default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (recipe key port; 0 = a free one, printed)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (recipe key api_key)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (recipe key api_key; "
+                                          "leave it out to serve without a key: an empty one is refused)")
 
 
 def recipe_from_args(args: argparse.Namespace) -> ServeRecipe:
@@ -76,15 +85,28 @@ def recipe_from_args(args: argparse.Namespace) -> ServeRecipe:
     return cfg
 
 
+def api_key_of(recipe: ServeRecipe) -> str | None:
+    """The key clients must send: the recipe's (or --api-key's), else LMFORGE_API_KEY's, else None.
+    An empty or blank one is an error, not "no key": the flag was given, so a key was meant."""
+    key, source = recipe.api_key, "--api-key (recipe key api_key)"
+    if key is None:
+        key, source = os.environ.get("LMFORGE_API_KEY"), "LMFORGE_API_KEY"
+    if key is not None and not key.strip():
+        raise InputError(f"{source} is empty: give a key, or leave it out (unset) to serve without one")
+    if key is not None and key != key.strip():
+        raise InputError(f"{source} starts or ends with a space, which an Authorization header cannot carry: drop it")
+    return key
+
+
 def build_served(recipe: ServeRecipe) -> Served:
     """The model, its tokenizer and the engine's worker (not yet started) for ``create_app``."""
+    api_key = api_key_of(recipe)
     model, ckpt = load_model(recipe.checkpoint, device=resolve_device(recipe.device))
     model.to(DTYPES[recipe.dtype]).eval()
     tokenizer = Tokenizer.load(ckpt)
     worker = EngineWorker(Engine(model, tokenizer, max_batch=recipe.max_batch), max_pending=recipe.max_pending)
-    api_key = recipe.api_key if recipe.api_key is not None else os.environ.get("LMFORGE_API_KEY") or None
     return Served(worker, tokenizer, recipe.model_name or recipe.checkpoint, model.cfg.max_seq_len,
-                  model.cfg.vocab_size, api_key)
+                  model.cfg.vocab_size, api_key, recipe.max_body_bytes, recipe.body_timeout_s)
 
 
 def run_serve(recipe: ServeRecipe) -> None:
@@ -98,7 +120,8 @@ def run_serve(recipe: ServeRecipe) -> None:
     print(f"lmforge serve: {served.name!r} on {url} (chat page {url}/, API {url}/v1)", flush=True)
     log.info("serve: max_batch %d, max_pending %d, %s on %s, API key %s", recipe.max_batch, recipe.max_pending,
              recipe.dtype, served.worker.engine.model.embed.weight.device, "required" if served.api_key else "off")
-    uvicorn_server(create_app(served), recipe.log_level).run(sockets=[sock])
+    uvicorn_server(create_app(served), recipe.log_level, recipe.head_timeout_s,
+                   recipe.max_connections).run(sockets=[sock])
 
 
 RECIPE = ServeRecipe

@@ -39,8 +39,11 @@ def start_server(checkpoint, **recipe):
     from lmforge.serve.server import BackgroundServer
     from lmforge.stages.serve import ServeRecipe, build_served
 
-    served = build_served(ServeRecipe(checkpoint=str(checkpoint), model_name=MODEL_NAME, device="cpu", **recipe))
-    return BackgroundServer(create_app(served)).start(), served
+    cfg = ServeRecipe(checkpoint=str(checkpoint), model_name=MODEL_NAME, device="cpu", **recipe)
+    served = build_served(cfg)
+    background = BackgroundServer(create_app(served), head_timeout_s=cfg.head_timeout_s,
+                                  max_connections=cfg.max_connections)
+    return background.start(), served
 
 
 @pytest.fixture(scope="module")

@@ -220,6 +220,17 @@ MALFORMED = {
                                   "max_tokens"),
     "no-prompt": ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
     "tokenize-nothing": ("/tokenize", {}, 400, "prompt"),
+    "seed-past-the-generator": ("/v1/chat/completions", {**GOOD_CHAT, "seed": 2**64}, 400, "seed"),
+    "seed-below-the-generator": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "seed": -(2**63) - 1}, 400,
+                                 "seed"),
+    "empty-stop": ("/v1/chat/completions", {**GOOD_CHAT, "stop": ""}, 400, "stop"),
+    "empty-stop-streamed": ("/v1/chat/completions", {**GOOD_CHAT, "stop": "", "stream": True}, 400, "stop"),
+    "empty-stop-in-a-list": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stop": ["a", ""]}, 400, "stop"),
+    # 200k characters: more than 1024 tokens of at most a few dozen characters each can hold
+    "text-past-the-context": ("/v1/completions", {"model": MODEL_NAME, "prompt": "ab " * 70_000}, 400, "prompt"),
+    "chat-past-the-context": ("/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "ab " * 70_000}]},
+                              400, "messages"),
+    "tokenize-past-the-context": ("/tokenize", {"prompt": "ab " * 70_000}, 400, "prompt"),
     "unknown-route": ("/v1/embeddings", {"model": MODEL_NAME}, 404, None),
 }
 
@@ -238,6 +249,19 @@ def test_a_malformed_request_gets_a_4xx_json_error_and_the_server_keeps_serving(
     assert error["param"] == param
     good = requests.post(server[0].url + "/v1/chat/completions", json=GOOD_CHAT)
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_text_past_the_context_is_refused_before_it_is_tokenized(server, monkeypatch):
+    served = server[1]
+    calls = []
+    monkeypatch.setattr(served.tokenizer, "encode_batch", lambda texts: calls.append(texts) or [[1]])
+    monkeypatch.setattr(served.tokenizer, "encode", lambda text: calls.append(text) or [1])
+    text = "x" * (served.max_text_chars + 1)
+    for path, body in (("/v1/completions", {"model": MODEL_NAME, "prompt": text}),
+                       ("/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": text}]})):
+        response = requests.post(server[0].url + path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert calls == []
 
 
 def test_the_openai_client_raises_its_own_errors_for_them(client):
@@ -318,6 +342,88 @@ def test_requests_past_max_pending_get_429_and_the_server_recovers(checkpoint):
     finally:
         gate.release(10_000)
         background.stop()
+
+
+def test_a_seed_past_the_generators_range_is_refused_and_fails_no_request_decoding_beside_it(checkpoint):
+    # 2^64 once joined the batch, and the step that made its generator failed every request in it
+    background, served = start_server(checkpoint, max_batch=4)
+    gate = gated(served)
+    try:
+        url = background.url + "/v1/chat/completions"
+        body = {**GOOD_CHAT, "max_tokens": 12, "ignore_eos": True, "temperature": 1.0, "seed": 5}
+        response = requests.post(url, json={**body, "stream": True}, stream=True, timeout=60)
+        lines = response.iter_lines(decode_unicode=True)
+        assert next(line for line in lines if line.startswith("data: "))
+        gate.release(2)  # its prefill and a step: it is decoding
+        wait_for(lambda: health(background.url)["decoding"] == 1, "the stream to decode")
+        bad = requests.post(url, json={**GOOD_CHAT, "seed": 2**64}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+        gate.release(10_000)
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert streamed == requests.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    finally:
+        gate.release(10_000)
+        background.stop()
+
+
+def stream_events(url: str, body: dict) -> list[str]:
+    with requests.post(url, json={**body, "stream": True}, stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        return [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+
+
+def test_a_stream_that_fails_sends_an_error_event_then_done(server, monkeypatch):
+    from lmforge.serve import app
+
+    url = server[0].url
+    body = {**GOOD_CHAT, "max_tokens": 6, "ignore_eos": True}
+
+    def broken(self, token):
+        raise RuntimeError("a bug in the handler")
+
+    with monkeypatch.context() as patch:  # the handler fails while streaming
+        patch.setattr(app.TextDelta, "add", broken)
+        events = stream_events(url + "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "a bug in the handler" in error["message"]
+
+    engine = server[1].worker.engine
+    record = engine.record
+
+    def fails_one(row, *args):  # the engine fails one request, the one asking for 5 tokens
+        if row.config.max_new_tokens == 5:
+            raise RuntimeError("one row broke")
+        return record(row, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "record", fails_one)
+        events = stream_events(url + "/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 5})
+        assert events[-1] == "[DONE]" and "one row broke" in json.loads(events[-2])["error"]["message"]
+        assert json.loads(stream_events(url + "/v1/chat/completions", body)[-2])["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_empty_api_key_is_refused_at_startup_wherever_it_comes_from(checkpoint, monkeypatch):
+    from lmforge.core.io import InputError
+    from lmforge.serve.app import Served
+    from lmforge.stages.serve import ServeRecipe, build_served
+
+    monkeypatch.delenv("LMFORGE_API_KEY", raising=False)
+    for key in ("", "  "):
+        with pytest.raises(InputError, match="--api-key .* is empty"):
+            build_served(ServeRecipe(checkpoint=str(checkpoint), device="cpu", api_key=key))
+    monkeypatch.setenv("LMFORGE_API_KEY", "")
+    with pytest.raises(InputError, match="LMFORGE_API_KEY is empty"):
+        build_served(ServeRecipe(checkpoint=str(checkpoint), device="cpu"))
+    with pytest.raises(ValueError, match="API key is empty"):
+        Served(None, Tokenizer.load(checkpoint), "m", 8, 8, api_key="")
+    monkeypatch.delenv("LMFORGE_API_KEY")
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "serve", f"checkpoint={checkpoint}", "--port", "0",
+                           "device=cpu", "--api-key", ""], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--api-key (recipe key api_key) is empty" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout
 
 
 def test_an_api_key_is_required_when_the_server_has_one(checkpoint):
