@@ -340,7 +340,7 @@ def evaluate_task(task: Task, model: nn.Module, tok: Tokenizer, settings: EvalSe
             for i, doc in enumerate(docs):
                 gold = task.doc_to_target(doc)
                 if task.config.get("doc_to_choice") is not None:
-                    gold = task.doc_to_choice(doc)[gold]
+                    gold = task.choice_at(doc, gold)
                 elif multiple:
                     gold = list(gold) if isinstance(gold, list) else [gold]
                 else:

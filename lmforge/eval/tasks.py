@@ -220,8 +220,8 @@ class Task:
         if spec in self.columns:
             return self.field_or_template("doc_to_target", doc)
         target = self.render("doc_to_target", spec, doc)
-        if target.isdigit() and self.config.get("doc_to_choice") is not None:
-            return ast.literal_eval(target)
+        if target.isascii() and target.isdigit() and self.config.get("doc_to_choice") is not None:
+            return int(target)
         if len(target) >= 2 and target[0] == "[" and target[-1] == "]":
             try:
                 return ast.literal_eval(target)
@@ -256,7 +256,18 @@ class Task:
         spec = self.config.get("description")
         if not spec:
             return ""
-        return doc[spec] if spec in doc else self.render("description", spec, doc)
+        text = doc[spec] if spec in doc else self.render("description", spec, doc)
+        if not isinstance(text, str):
+            raise self.error("description", f"{self.source_of(doc)}: the field {spec!r} gives {text!r}, not text")
+        return text
+
+    def choice_at(self, doc: dict, index: Any) -> str:
+        """The choice a target index names (with ``doc_to_choice``, a target is an index into the choices)."""
+        choices = self.doc_to_choice(doc)
+        if not isinstance(index, int) or isinstance(index, bool) or not -len(choices) <= index < len(choices):
+            raise self.error("doc_to_target", f"{self.source_of(doc)}: with doc_to_choice the target is the index of "
+                                              f"the answer among {len(choices)} choices, got {index!r}")
+        return choices[index]
 
     # ---- identity
     def config_hash(self, settings: dict) -> str:
@@ -305,7 +316,7 @@ def fewshot_context(task: Task, doc: dict, num_fewshot: int, sampler: FewshotSam
             has_answer = answer is not None and answer != ""
             if has_answer:
                 if isinstance(answer, int) and task.config.get("doc_to_choice") is not None:
-                    answer = task.doc_to_choice(shot)[answer]
+                    answer = task.choice_at(shot, answer)
                 elif isinstance(answer, list):
                     answer = answer[0]
                 if not isinstance(answer, str):

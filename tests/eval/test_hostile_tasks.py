@@ -173,3 +173,26 @@ def test_a_json_data_file_that_is_not_utf8_or_not_json_is_named(tmp_path):
     data.write_text('[{"word": "a",}]', encoding="utf-8")
     with pytest.raises(InputError, match=r"mc_test\.json:1:15: not valid JSON"):
         load_task(Path(path))
+
+
+@pytest.mark.parametrize("target,shown", [("n", "5"), ("a", "'b'"), ("'{{ s }}'", "'²'")])
+def test_a_target_that_is_not_an_index_into_the_choices_is_named(tmp_path, tiny_checkpoint, target, shown):
+    from lmforge.eval.evaluate import EvalSettings, evaluate_task
+    from lmforge.eval.scoring import load_checkpoint
+
+    (tmp_path / "gen.jsonl").write_text('{"q": "a", "a": "b", "n": 5, "c": ["x", "y"], "s": "\\u00b2"}\n',
+                                        encoding="utf-8")
+    path = tmp_path / "gen.yaml"
+    path.write_text("task: gen\ndataset_path: json\ndataset_kwargs: {data_files: gen.jsonl}\ntest_split: train\n"
+                    f"doc_to_text: '{{{{ q }}}}'\ndoc_to_choice: c\ndoc_to_target: {target}\n"
+                    "generation_kwargs: {until: ['\\n'], max_gen_toks: 2}\n", encoding="utf-8")
+    model, tok = load_checkpoint(str(tiny_checkpoint), "cpu")
+    with pytest.raises(InputError, match=rf"gen\.yaml:7: doc_to_target: .*gen\.jsonl:1: with doc_to_choice the target "
+                                         rf"is the index of the answer among 2 choices, got {shown}"):
+        evaluate_task(load_task(path), model, tok, EvalSettings(bootstrap_iters=0))
+
+
+def test_a_description_field_that_is_not_text_is_named(tmp_path):
+    task = load_task(mc_task(tmp_path, MC_YAML + "description: label\n"))
+    with pytest.raises(InputError, match=r"task\.yaml:\d+: description: .*mc_test\.jsonl:1: the field 'label' gives 1, not text"):
+        fewshot_context(task, task.splits["test"][0], 0, None)
