@@ -48,8 +48,10 @@ def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always has 0 before it, so it stays
-    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= p) & (p < 1.0)
+    drop[..., 0] = False  # the most likely token always stays, also for a p that rounds to 0 in the logits' dtype
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
@@ -130,7 +132,8 @@ def sample_next_token(
         return logits.argmax(dim=-1)
     scaled = logits.float()
     if not bool((temperature == 1.0).all()):
-        scaled = scaled / torch.where(temperature > 0, temperature, 1.0)
+        # shifted to a maximum of 0 first: under a tiny temperature the rest go to -inf, not inf - inf = NaN
+        scaled = (scaled - scaled.amax(dim=-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)
     scaled = min_p_filter(top_p_filter(top_k_filter(scaled, top_k), top_p), min_p)
     generators = generator if isinstance(generator, Sequence) else [generator] * logits.shape[0]
     if bool(hot.all()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.inference.sampling import draw, inverse_transform, uniforms
+from lmforge.inference.sampling import draw, inverse_transform, sample_next_token, uniforms
 
 CPU = torch.device("cpu")
 
@@ -59,3 +59,13 @@ def test_a_seeded_draw_is_reproducible():
     a = draw(probs, [torch.Generator().manual_seed(3)] * 16)
     assert torch.equal(a, draw(probs, [torch.Generator().manual_seed(3)] * 16))
     assert not torch.equal(a, draw(probs, [torch.Generator().manual_seed(4)] * 16))
+
+
+@pytest.mark.parametrize("setting", [{"top_p": 7.6e-66}, {"temperature": 1e-40}, {"temperature": 1e-300}],
+                         ids=["top-p-below-float32", "temperature-denormal", "temperature-below-float32"])
+def test_a_vanishing_top_p_or_temperature_samples_the_most_likely_token(setting):
+    # a top_p that rounds to 0 in float32 once dropped every token, and logits / 1e-40 overflowed
+    # to inf - inf = NaN: the draw indexed past the vocabulary and failed the whole batch's step
+    logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    tokens = sample_next_token(logits, generator=torch.Generator().manual_seed(1), **setting)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
