@@ -9,7 +9,8 @@
   sweep point, task, judge, output): no separators, no ``..``, not absolute, not empty.
 - ``sandboxed_jinja``: the one Jinja environment for templates from user files (task
   fields): ``ImmutableSandboxedEnvironment``, so ``{{ cycler.__init__.__globals__ }}`` and
-  its kin raise ``SecurityError`` instead of reaching Python.
+  its kin raise ``SecurityError`` instead of reaching Python, with ``*`` and ``**`` bounded;
+  ``render_bounded`` caps what a template may output.
 """
 
 from __future__ import annotations
@@ -33,11 +34,17 @@ class _BoundedLoader(yaml.SafeLoader):
     """SafeLoader that measures the expanded size of each document before constructing it."""
 
     max_nodes = MAX_YAML_NODES
+    first_alias = None  # where the document first uses an alias: what a too-large error points at
+
+    def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's signature
+        if self.first_alias is None and self.check_event(yaml.AliasEvent):
+            self.first_alias = self.peek_event().start_mark
+        return super().compose_node(parent, index)
 
     def get_single_node(self):  # noqa: ANN201 - PyYAML's signature
         node = super().get_single_node()
         if node is not None:
-            check_expanded_size(node, self.max_nodes)
+            check_expanded_size(node, self.max_nodes, self.first_alias)
         return node
 
 
@@ -45,11 +52,11 @@ class YAMLTooLarge(yaml.MarkedYAMLError):
     pass
 
 
-def check_expanded_size(root: yaml.Node, limit: int) -> None:
-    """Raise ``YAMLTooLarge`` when ``root`` expanded (every alias copied out) has more than
-    ``limit`` nodes. Linear in the composed graph: a shared node's size is computed once."""
+def check_expanded_size(root: yaml.Node, limit: int, alias_mark: yaml.Mark | None = None) -> None:
+    """Raise ``YAMLTooLarge`` (at ``alias_mark``, the first alias, when given) when ``root``
+    expanded (every alias copied out) has more than ``limit`` nodes. Linear in the composed
+    graph: a shared node's size is computed once."""
     sizes: dict[int, int] = {}
-    alias_mark = None
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
@@ -96,6 +103,12 @@ def load_yaml(text: str | bytes, source: str | Path, max_nodes: int = MAX_YAML_N
     """The YAML document ``text`` read from ``source`` (a file name, for errors): safe tags only,
     aliases bounded by ``max_nodes`` expanded nodes; any error is ``InputError`` in one line
     naming ``source:line:col``."""
+    return compose_yaml(text, source, max_nodes)[0]
+
+
+def compose_yaml(text: str | bytes, source: str | Path, max_nodes: int = MAX_YAML_NODES) -> tuple[Any, yaml.Node | None]:
+    """``load_yaml``'s data and the composed node it was built from (its marks give each key's
+    line), from one parse. The ``InputError``'s ``__cause__`` is PyYAML's error."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -104,7 +117,8 @@ def load_yaml(text: str | bytes, source: str | Path, max_nodes: int = MAX_YAML_N
     loader = _BoundedLoader(text)
     loader.max_nodes = max_nodes
     try:
-        return loader.get_single_data()
+        node = loader.get_single_node()
+        return (loader.construct_document(node) if node is not None else None), node
     except yaml.YAMLError as exc:
         raise InputError(f"{source}:{yaml_error_line(exc)}") from exc
     finally:
@@ -140,8 +154,45 @@ def path_name(name: object, key: str) -> str:
     return name
 
 
-def sandboxed_jinja(**options: Any) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+# A template renders a prompt: far below a million characters. Jinja's sandbox already caps
+# range() at 100,000 items; these bound what it leaves open, ``'a' * 10**10`` and ``9**9**9``.
+MAX_TEMPLATE_CHARS = 1_000_000
+MAX_POWER_BITS = 4096
+
+
+class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox with ``*`` and ``**`` bounded: a repeated string or list past
+    ``MAX_TEMPLATE_CHARS`` items, or an integer power past ``MAX_POWER_BITS`` bits, is a
+    ``SecurityError`` before it is computed."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_TEMPLATE_CHARS:
+                    raise jinja2.sandbox.SecurityError(f"a template may not repeat a sequence past {MAX_TEMPLATE_CHARS:,} items")
+        elif (isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1
+              and right * max(abs(left).bit_length(), 1) > MAX_POWER_BITS):
+            raise jinja2.sandbox.SecurityError(f"a template may not compute a power past {MAX_POWER_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+
+def sandboxed_jinja(**options: Any) -> BoundedSandbox:
     """A Jinja environment for templates from user files: sandboxed (no attribute of Python
-    internals, no mutation of what it is given), strict about undefined names."""
+    internals, no mutation of what it is given, ``*``/``**`` bounded), strict about undefined
+    names. Render with ``render_bounded``, which caps the output."""
     options.setdefault("undefined", jinja2.StrictUndefined)
-    return jinja2.sandbox.ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), **options)
+    return BoundedSandbox(loader=jinja2.BaseLoader(), **options)
+
+
+def render_bounded(template: jinja2.Template, context: dict[str, Any], max_chars: int = MAX_TEMPLATE_CHARS) -> str:
+    """``template`` rendered with ``context``, stopped with ``SecurityError`` once its output
+    passes ``max_chars`` (nested loops of ``range(100000)`` would otherwise run for hours)."""
+    parts, size = [], 0
+    for chunk in template.generate(**context):
+        size += len(chunk)
+        if size > max_chars:
+            raise jinja2.sandbox.SecurityError(f"the template's output passed {max_chars:,} characters")
+        parts.append(chunk)
+    return "".join(parts)

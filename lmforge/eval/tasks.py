@@ -40,7 +40,7 @@ import jinja2.sandbox
 import yaml
 
 from lmforge.core.io import InputError, sha256_file
-from lmforge.core.untrusted import _BoundedLoader, path_name, sandboxed_jinja
+from lmforge.core.untrusted import compose_yaml, path_name, render_bounded, sandboxed_jinja
 from lmforge.data.documents import BadRecord, DocumentsConfig, SkipLog, jsonl_records, read_documents
 from lmforge.data.shards import MANIFEST, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer
@@ -169,10 +169,11 @@ class Task:
             except jinja2.TemplateSyntaxError as exc:
                 raise self.error(key, f"bad Jinja2 template {template!r}: {exc.message}") from exc
         try:
-            return compiled.render(**doc)
+            return render_bounded(compiled, doc)
         except jinja2.sandbox.SecurityError as exc:
             raise self.error(key, f"{self.source_of(doc)}: the template {template!r} is refused: {exc} (a task "
-                                  "template may use the document's fields, not Python's internals)") from exc
+                                  "template may use the document's fields, not Python's internals, and renders a prompt, "
+                                  "not megabytes)") from exc
         except jinja2.UndefinedError as exc:
             raise self.error(key, f"{self.source_of(doc)}: {exc.message} (the template {template!r} needs it; "
                                   f"the document has {', '.join(doc) or 'no fields'})") from exc
@@ -357,23 +358,15 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
         raise InputError(f"{path}: task file not found") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read the task file: {exc}") from exc
-    loader = _BoundedLoader(text)  # one parse gives both the data and its key lines
     try:
-        node = loader.get_single_node()  # measures the expanded size before anything expands it
-        config = loader.construct_document(node) if node is not None else None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = exc.problem or exc.context
-        if isinstance(exc, yaml.constructor.ConstructorError) and "'!function'" in str(problem) and mark:
+        config, node = compose_yaml(text, path)  # one parse gives both the data and its key lines
+    except InputError as exc:
+        cause, mark = exc.__cause__, getattr(exc.__cause__, "problem_mark", None)
+        if isinstance(cause, yaml.constructor.ConstructorError) and "'!function'" in str(cause.problem) and mark:
             value = text.splitlines()[mark.line][mark.column:].split("#")[0].strip()  # the tagged node as written
-            problem = (f"'{value}' runs Python code from the task, which lmforge eval does not do; "
-                       "use a field name or a Jinja2 template")
-        raise InputError(f"{where}: {problem}") from exc
-    except yaml.YAMLError as exc:
-        raise InputError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
-    finally:
-        loader.dispose()
+            raise InputError(f"{path}:{mark.line + 1}:{mark.column + 1}: '{value}' runs Python code from the task, "
+                             "which lmforge eval does not do; use a field name or a Jinja2 template") from cause
+        raise
     if not isinstance(config, dict):
         raise InputError(f"{path}: a task file must be a YAML mapping of keys (task, dataset_path, ...)")
     lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}

@@ -6,7 +6,7 @@ import jinja2.sandbox
 import pytest
 
 from lmforge.core.io import InputError, check_output_dir, check_output_file
-from lmforge.core.untrusted import MAX_YAML_NODES, load_yaml, path_name, sandboxed_jinja
+from lmforge.core.untrusted import MAX_YAML_NODES, load_yaml, path_name, render_bounded, sandboxed_jinja
 
 BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [
     f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
@@ -96,3 +96,28 @@ def test_output_checks_refuse_unwritable_places_before_any_work(tmp_path):
     assert check_output_dir(tmp_path / "new" / "dir", "run_dir") == tmp_path / "new" / "dir"
     assert not (tmp_path / "new").exists()  # the check leaves nothing behind
     assert list(tmp_path.iterdir()) == [existing]
+
+
+def test_the_size_error_points_at_the_first_alias():
+    with pytest.raises(InputError, match=r"^t\.yaml:2:8: aliases expand") as info:
+        load_yaml(BOMB, "t.yaml")  # line 1 holds the anchor &a; line 2 its first alias *a, column 8
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("payload", [
+    "{{ 'a' * 10**10 }}",
+    "{{ [1] * 100000000 }}",
+    "{{ 9 ** (9 ** 9) }}",  # Jinja reads 9**9**9 as (9**9)**9, 77 digits: harmless
+    "{{ 2 ** 100000 }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+])
+def test_templates_that_would_exhaust_memory_or_time_are_stopped(payload):
+    start = time.perf_counter()
+    with pytest.raises(jinja2.sandbox.SecurityError):
+        render_bounded(sandboxed_jinja().from_string(payload), {})
+    assert time.perf_counter() - start < 5  # stopped at a million characters, not after 10**10
+
+
+def test_bounded_templates_still_do_ordinary_arithmetic_and_repetition():
+    out = render_bounded(sandboxed_jinja().from_string("{{ '-' * 3 }}{{ 2 ** 10 }}{{ q }}{{ 1.5 ** 2 }}"), {"q": "?"})
+    assert out == "---1024?2.25"

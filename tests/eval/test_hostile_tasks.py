@@ -86,7 +86,7 @@ BOMB = "".join(f"  {c}: &{c} [{', '.join([f'*{p}'] * 9 if p else ['x'] * 9)}]\n"
 
 def test_a_yaml_alias_bomb_in_metadata_is_refused_fast_naming_its_line(tmp_path):
     path = mc_task(tmp_path, MC_YAML + "metadata:\n" + BOMB)
-    first_alias = len(MC_YAML.splitlines()) + 2  # the line of &a, the first node the aliases repeat
+    first_alias = len(MC_YAML.splitlines()) + 3  # the line after &a's: the bomb's first alias, *a
     t0 = time.perf_counter()
     with pytest.raises(InputError, match=rf"task\.yaml:{first_alias}:\d+: aliases expand this document past"):
         load_task(path)

@@ -51,7 +51,7 @@ def test_core_is_the_mean_of_accuracies_centred_on_chance(tmp_path, tiny_checkpo
     ("group: s\ntask: [tiny_mc.yaml]\ncore: [{task: tiny_mc, metric: acc, chance: 1}]\n", r"chance must be a number in \[0, 1\)"),
     ("group: ../s\ntask: [tiny_mc.yaml]\n", r"suite\.yaml:1: group = '\.\./s' contains a path separator"),
     ("group: s\ntask: [tiny_mc.yaml]\nx: &a [" + "x, " * 400 + "]\ny: &b [" + "*a, " * 400 + "]\n",
-     r"suite\.yaml:3:\d+: aliases expand this document past"),
+     r"suite\.yaml:4:\d+: aliases expand this document past"),
 ])
 def test_a_bad_suite_names_the_file_line_and_key(tmp_path, corpus_texts, text, message):
     write_tasks(tmp_path, corpus_texts)
