@@ -17,7 +17,6 @@ import time
 import pytest
 import requests
 import torch
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
