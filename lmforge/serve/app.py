@@ -77,7 +77,7 @@ class Served:
     max_len: int  # the model's context, prompt + completion
     vocab_size: int
     api_key: str | None = None  # None: no key; an empty one is refused (it would let in an empty Bearer key)
-    max_body_bytes: int = 4 * 2**20
+    max_body_bytes: int = 2 * 2**20
     body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -255,6 +255,9 @@ def completion_prompts(served: Served, body: CompletionRequest) -> list[tuple[st
                        param="prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
+    if len(prompt) * body.n > served.worker.max_pending:
+        raise APIError(400, f"{len(prompt)} prompts x n = {body.n} is more than this server holds at once "
+                            f"(max_pending {served.worker.max_pending}): send fewer at a time", param="prompt")
     out = []
     for p in prompt:
         if isinstance(p, str):

@@ -42,6 +42,7 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 StopString = Annotated[str, Field(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+MAX_TURNS = 4096  # a conversation's turns: each is 5 tokens or more; pydantic refuses more before validating them
 
 
 class StreamOptions(Body):
@@ -73,7 +74,7 @@ class Message(Body):
 
 
 class ChatRequest(Sampling):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_TURNS)]
     max_tokens: NonNegative | None = None
     max_completion_tokens: NonNegative | None = None
     logprobs: bool = False
@@ -93,7 +94,7 @@ class TokenizeRequest(Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: Annotated[list[Message], Field(max_length=MAX_TURNS)] | None = None
     add_special_tokens: bool = True
 
 

@@ -231,6 +231,9 @@ MALFORMED = {
     "chat-past-the-context": ("/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "ab " * 70_000}]},
                               400, "messages"),
     "tokenize-past-the-context": ("/tokenize", {"prompt": "ab " * 70_000}, 400, "prompt"),
+    "too-many-turns": ("/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": "a"}] * 4097},
+                       400, "messages"),
+    "batch-past-max-pending": ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a"] * 33, "n": 2}, 400, "prompt"),
     "unknown-route": ("/v1/embeddings", {"model": MODEL_NAME}, 404, None),
 }
 
