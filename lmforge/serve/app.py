@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException
 
 from lmforge.core.io import InputError
 from lmforge.data.chat import chat_prompt_ids
-from lmforge.data.chatml import CHATML_TEMPLATE, IM_END, ExampleError, validate_messages
+from lmforge.data.chatml import CHATML_TEMPLATE, IM_END, ExampleError, render_chatml, validate_messages
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Generation, GenerationConfig
 from lmforge.inference.engine import Request as EngineRequest
@@ -83,8 +83,7 @@ class Served:
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give a key, or None to serve without one")
-        # no text longer than this fits the context: a token spans at most this many characters
-        self.max_text_chars = self.max_len * max(map(len, self.tokenizer.hf.get_vocab(with_added_tokens=True)))
+        self.max_text_chars = max_text_chars(self.tokenizer, self.max_len)
 
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that cannot fit the context, before the work of tokenizing it."""
@@ -103,6 +102,12 @@ class Served:
             raise APIError(400, f"this model's context is {self.max_len} tokens; the {param} has {len(prompt)} and "
                                 f"max_tokens asks for {max_tokens} more: shorten the {param} or lower max_tokens",
                            param=param if len(prompt) >= self.max_len else "max_tokens", code="context_length_exceeded")
+
+
+def max_text_chars(tokenizer: Tokenizer, max_len: int) -> int:
+    """The most characters a text that fits ``max_len`` tokens can have: a token (a byte-level
+    BPE entry or a special token) spans at most as many characters as its vocabulary entry has."""
+    return max_len * max(map(len, tokenizer.hf.get_vocab(with_added_tokens=True)))
 
 
 def create_app(served: Served) -> FastAPI:
@@ -227,9 +232,12 @@ def checked_messages(messages: list) -> list[dict]:
 
 
 def chat_prompt(served: Served, messages: list) -> list[int]:
-    """The ChatML prompt's token ids of a conversation that can fit the context (on a worker thread)."""
+    """The ChatML prompt's token ids of a conversation that can fit the context (on a worker
+    thread): its rendered text is measured first (many short turns render long)."""
     served.check_chars(sum(len(m.content) for m in messages), "messages")
-    return chat_prompt_ids(served.tokenizer, checked_messages(messages))
+    conversation = checked_messages(messages)
+    served.check_chars(sum(len(text) for text, _ in render_chatml(conversation, add_generation_prompt=True)), "messages")
+    return chat_prompt_ids(served.tokenizer, conversation)
 
 
 def text_tokens(served: Served, text: str, add_special_tokens: bool, param: str) -> list[int]:

@@ -260,8 +260,10 @@ def test_a_text_past_the_context_is_refused_before_it_is_tokenized(server, monke
     monkeypatch.setattr(served.tokenizer, "encode_batch", lambda texts: calls.append(texts) or [[1]])
     monkeypatch.setattr(served.tokenizer, "encode", lambda text: calls.append(text) or [1])
     text = "x" * (served.max_text_chars + 1)
+    turns = [{"role": "user", "content": "Hi"}] * (served.max_text_chars // 20)  # short, but long once rendered
     for path, body in (("/v1/completions", {"model": MODEL_NAME, "prompt": text}),
-                       ("/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": text}]})):
+                       ("/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": text}]}),
+                       ("/v1/chat/completions", {**GOOD_CHAT, "messages": turns})):
         response = requests.post(server[0].url + path, json=body)
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert calls == []
