@@ -9,7 +9,9 @@ resumes the interrupted ones from their newest checkpoint. Two grids:
 
 FLOPs per token are the training loop's (MFU's): 6 x matmul parameters + attention. Model sizes
 are preset names or mappings of ModelConfig fields over the pretrain recipe's `model:` section
-(a mapping naming `preset` replaces that section), each with an optional `name`. Runs go one
+(a mapping naming `preset` replaces that section), each with an optional `name`. A budget listed
+twice, or two grid points that resolve to one run directory or one recipe, are refused: they would
+train one run twice and count its row twice in a fit. Runs go one
 after another in this process, or max_parallel at once as independent processes (logs in
 run_dir/logs). Then run_dir/runs.csv (run,params,tokens,flops,loss: params = non-embedding N,
 tokens and flops = the run's D and C, loss = final validation loss in nats per token),
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import re
 import subprocess
@@ -35,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from lmforge.core.config import (
     ConfigError,
     apply_override,
@@ -47,8 +48,9 @@ from lmforge.core.config import (
     to_dict,
     unit_interval,
 )
-from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
+from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, check_output_dir, read_json
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
+from lmforge.core.untrusted import path_name, read_yaml
 from lmforge.data.shards import read_manifest
 from lmforge.model.config import PRESETS, ModelConfig
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
@@ -121,7 +123,7 @@ def pretrain_data(sweep: SweepRecipe) -> dict:
     """The pretrain recipe as written, with the sweep's overrides (checked as a recipe first, so an
     error names the recipe file or the override)."""
     load_config(PretrainRecipe, sweep.pretrain, sweep.overrides, overrides_label="sweep override")
-    data = yaml.safe_load(Path(sweep.pretrain).read_text(encoding="utf-8")) or {}
+    data = read_yaml(sweep.pretrain) or {}
     for item in sweep.overrides:
         apply_override(data, item)
     return data
@@ -138,9 +140,9 @@ def model_sizes(sweep: SweepRecipe, base_model: dict) -> list[tuple[str, dict]]:
         if entry.get("preset") is not None and entry["preset"] not in PRESETS:
             raise InputError(f"sweep models[{i}]: unknown model preset {entry['preset']!r}; choose one of "
                              f"{', '.join(PRESETS)}")
-        name = str(entry.pop("name", None) or default_size_name(entry))
+        name = path_name(str(entry.pop("name", None) or default_size_name(entry)), f"sweep models[{i}].name")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
-            raise InputError(f"sweep models[{i}]: name {name!r} must be letters, digits and _.+- (it names run directories)")
+            raise InputError(f"sweep models[{i}].name = {name!r} must be letters, digits and _.+- (it names run directories)")
         if name in names:
             raise InputError(f"sweep models[{i}] and models[{names[name]}] are both named {name!r}: give one a `name`")
         names[name] = i
@@ -164,15 +166,44 @@ def build_grid(sweep: SweepRecipe) -> list[SweepRun]:
     if getattr(sweep, other_key):
         raise InputError(f"sweep {other_key} is set but grid is {sweep.grid}, which reads {budgets_key} only "
                          f"(set grid: {other_key} to sweep {other_key} budgets)")
+    check_distinct_budgets(budgets, budgets_key)
     data = pretrain_data(sweep)
-    runs = []
+    runs, points = [], {}
     for size, model in model_sizes(sweep, data.get("model") or {}):
-        for budget in budgets:
+        for i, budget in enumerate(budgets):
             name = f"C{compact(budget)}-{size}" if sweep.grid == "isoflop" else f"{size}-D{compact(budget)}"
-            runs.append(grid_run(sweep, data, size, model, budgets_key, budget, name))
+            path_name(name, f"sweep {budgets_key}[{i}] x models entry {size!r}")
+            run = grid_run(sweep, data, size, model, budgets_key, budget, name)
+            check_distinct_point(run, f"{budgets_key}[{i}] = {budget:g}", points)
+            runs.append(run)
     runs.sort(key=lambda r: (r.budget[budgets_key], r.params))
     check_validation_split(runs[0].recipe)
     return runs
+
+
+def check_distinct_budgets(budgets: list[float], key: str) -> None:
+    """A budget listed twice would be one run directory trained twice (and its row counted twice)."""
+    seen: dict[float, int] = {}
+    for i, budget in enumerate(budgets):
+        if budget in seen:
+            raise InputError(f"sweep {key}[{i}] = {budget:g} repeats {key}[{seen[budget]}]: each grid point is one "
+                             f"run; remove the repeat")
+        seen[budget] = i
+
+
+def check_distinct_point(run: SweepRun, where: str, points: dict) -> None:
+    """Refuse a grid point that names the run directory of an earlier one, or that trains the same
+    recipe (budgets or sizes that differ as written but resolve to one run): either would train
+    one run twice, and a fit would count it twice. ``points`` holds the points seen so far."""
+    recipe = to_dict(run.recipe)
+    recipe.pop("run_dir")
+    for key in (("dir", run.name), ("recipe", json.dumps(recipe, sort_keys=True, default=str))):
+        if key in points:
+            earlier, other = points[key]
+            what = "names the run directory" if key[0] == "dir" else "resolves to the same run as"
+            raise InputError(f"sweep {where} (models entry {run.size!r}) {what} {earlier.name} ({other}, "
+                             f"{earlier.steps} steps): each grid point must be a distinct run; remove one of them")
+        points[key] = (run, where)
 
 
 def grid_run(sweep: SweepRecipe, data: dict, size: str, model: dict, kind: str, budget: float, name: str) -> SweepRun:
@@ -221,7 +252,7 @@ def run_status(run: SweepRun) -> str:
     config = run.run_dir / "config.yaml"
     if not config.exists():
         return "new"
-    stored, wanted = normalised(yaml.safe_load(config.read_text(encoding="utf-8")), config), to_dict(run.recipe)
+    stored, wanted = normalised(read_yaml(config), config), to_dict(run.recipe)
     differing = [k for k in changed_keys(stored or {}, wanted) if k not in RUN_ONLY_KEYS]
     if differing:
         keys = ", ".join(differing[:6])
@@ -372,6 +403,7 @@ def write_results(sweep: SweepRecipe, runs: list[SweepRun]) -> list[dict]:
 
 
 def run_sweep(sweep: SweepRecipe) -> dict:
+    check_output_dir(sweep.run_dir, "run_dir")
     try:
         runs = build_grid(sweep)
     except ConfigError as exc:

@@ -3,14 +3,17 @@
 import csv
 import json
 import shutil
+import time
 
 import pytest
 import yaml
 
-from lmforge.core.config import apply_override, load_config
+from lmforge.cli.main import main
+from lmforge.core.config import ConfigError, apply_override, load_config
 from lmforge.core.io import InputError
-from lmforge.stages.sweep import SweepRecipe, build_grid, non_embedding_params, run_sweep
+from lmforge.stages.sweep import SweepRecipe, build_grid, non_embedding_params, run_status, run_sweep
 from lmforge.train.metrics import read_metrics
+from tests.core.test_untrusted import BOMB
 from tests.train.conftest import shards_dir, tiny_pretrain_overrides  # noqa: F401  (fixture of tests/train)
 
 SIZES = [{"d_model": 32, "n_layers": 1}, {"name": "wide", "d_model": 48, "n_layers": 2, "n_heads": 4}]
@@ -157,3 +160,59 @@ def test_the_cpu_isoflop_recipe_is_three_budgets_by_five_sizes(monkeypatch):
     for run in runs:
         assert run.flops == pytest.approx(run.budget["flops"], rel=0.02)
         assert run.recipe.train.max_steps == run.steps and not run.recipe.train.compile
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"grid": "tokens", "tokens": [5120, 5120]}, r"^sweep tokens\[1\] = 5120 repeats tokens\[0\]"),
+    ({"flops": [3e8, 3e8, 1e9]}, r"^sweep flops\[1\] = 3e\+08 repeats flops\[0\]"),
+    # 5120 and 5130 tokens are both 20 steps of 256 tokens: two names, one run
+    ({"grid": "tokens", "tokens": [5120, 5130]}, r"tokens\[1\] = 5130 \(models entry 'd32-l1'\) resolves to the "
+                                                 r"same run as d32-l1-D5120 \(tokens\[0\] = 5120, 20 steps\)"),
+    # two budgets written differently that name one run directory
+    ({"grid": "tokens", "tokens": [10000.1, 10000.2]}, r"tokens\[1\] = 10000.2 .*names the run directory d32-l1-D1e4"),
+    ({"grid": "tokens", "tokens": [5120], "models": [SIZES[0], {"name": "again", **SIZES[0]}]},
+     r"tokens\[0\] = 5120 \(models entry 'again'\) resolves to the same run as d32-l1-D5120"),
+])
+def test_a_grid_point_repeated_is_refused_before_any_run(tmp_path, pretrain_yaml, overrides, message):
+    with pytest.raises(InputError, match=message):
+        build_grid(sweep_recipe(tmp_path, pretrain_yaml, **overrides))
+
+
+def test_a_repeated_grid_point_exits_2_with_one_line_and_trains_nothing(tmp_path, pretrain_yaml, capsys):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "sweep"), "pretrain": str(pretrain_yaml),
+                                    "models": SIZES, "grid": "tokens", "tokens": [5120, 5120], "max_parallel": 2}))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokens[1] = 5120 repeats tokens[0]" in err[0]
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_model_name_that_is_a_path_is_refused_naming_the_key(tmp_path, pretrain_yaml):
+    with pytest.raises(InputError, match=r"sweep models\[0\]\.name = '\.\./\.\./x' contains a path separator"):
+        build_grid(sweep_recipe(tmp_path, pretrain_yaml, flops=[3e8], models=[{"name": "../../x", "d_model": 32}]))
+    assert not (tmp_path.parent / "x").exists()
+
+
+def test_an_alias_bomb_in_the_pretrain_recipe_is_refused_quickly(tmp_path, pretrain_yaml):
+    pretrain_yaml.write_text(BOMB)
+    start = time.perf_counter()
+    with pytest.raises((InputError, ConfigError), match=r"pretrain\.yaml:\d+:\d+: aliases expand"):
+        build_grid(sweep_recipe(tmp_path, pretrain_yaml, flops=[3e8]))
+    assert time.perf_counter() - start < 5
+
+
+def test_an_alias_bomb_in_a_run_directory_config_is_refused_quickly(tmp_path, pretrain_yaml):
+    run = build_grid(sweep_recipe(tmp_path, pretrain_yaml, flops=[3e8]))[0]
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.yaml").write_text(BOMB)
+    start = time.perf_counter()
+    with pytest.raises(InputError, match=rf"{run.name}/config\.yaml:\d+:\d+: aliases expand"):
+        run_status(run)
+    assert time.perf_counter() - start < 5
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_any_run(tmp_path, pretrain_yaml):
+    (tmp_path / "sweep").write_text("not a folder")
+    with pytest.raises(InputError, match=r"^run_dir = .*sweep: exists and is not a folder"):
+        run_sweep(sweep_recipe(tmp_path, pretrain_yaml, flops=[3e8]))
