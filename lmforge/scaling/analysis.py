@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
+from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
 from lmforge.scaling.isoflop import EnvelopeFit, IsoFlopFit, PowerLaw, fit_envelope, fit_isoflop
 from lmforge.scaling.parametric import CHINCHILLA, KAPLAN, LawFit, constants_table, fit_law
 from lmforge.scaling.runs import Runs
@@ -63,10 +63,21 @@ def poorly_constrained(fit: LawFit, table: dict, n_points: int) -> list[str]:
     return out
 
 
+def exclude_highest(runs: Runs, k: int) -> Runs:
+    """``runs`` without its ``k`` highest losses (and any tied with the k-th); some must remain."""
+    if k >= len(runs):
+        raise ConfigError(f"fit.exclude_highest = {k} leaves out all {len(runs)} runs of {runs.source}; set it "
+                          f"below {len(runs)} (Besiroglu et al. leave out 5)")
+    kept = runs.subset(runs.loss < np.sort(runs.loss)[-k])
+    if not len(kept):
+        raise ConfigError(f"fit.exclude_highest = {k}: every run of {runs.source} ties the {k}-th highest loss, so "
+                          "none is left; lower it")
+    return kept
+
+
 def analyse(runs: Runs, curves: Runs | None, settings: FitSettings) -> Analysis:
     if settings.exclude_highest:
-        cut = np.sort(runs.loss)[-settings.exclude_highest]
-        runs = runs.subset(runs.loss < cut)
+        runs = exclude_highest(runs, settings.exclude_highest)
     result = Analysis(runs, settings)
     if 3 in settings.approaches:
         kw = dict(bootstrap=settings.bootstrap, seed=settings.seed, delta=settings.huber_delta,
@@ -120,8 +131,10 @@ def _law(p: PowerLaw) -> dict:
 def summary(result: Analysis) -> dict:
     """Everything the fit found, as JSON (the input of `lmforge scaling plan`)."""
     s = result.settings
-    out: dict = {"runs": result.runs.source, "points": len(result.runs), "level": s.level,
-                 "settings": dict(vars(s))}
+    r = result.runs
+    out: dict = {"runs": r.source, "points": len(r), "level": s.level, "settings": dict(vars(s)),
+                 "fitted_range": {k: {"low": float(v.min()), "high": float(v.max())}
+                                  for k, v in (("params", r.params), ("tokens", r.tokens), ("flops", r.flops))}}
     for fit in (result.chinchilla, result.kaplan):
         if fit is not None:
             out[fit.form] = {"params": fit.params, "constants": constants_table(fit, s.level), "r2": fit.r2,

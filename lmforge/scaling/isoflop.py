@@ -49,6 +49,8 @@ def fit_power_law(flops: np.ndarray, y: np.ndarray, weights: np.ndarray | None =
 
 # --------------------------------------------------------------------------- Approach 2
 
+FAR = math.log(1e3)  # a profile's minimum this far (in log N) beyond its runs is no estimate
+
 @dataclass
 class Budget:
     """One IsoFLOP profile: loss = c2·(log N)² + c1·log N + c0 over its runs."""
@@ -97,6 +99,11 @@ def fit_isoflop(runs: Runs, tolerance: float = 0.05, min_points: int = 3) -> Iso
                             "skipped: spread its runs more widely around the optimum")
             continue
         vertex = -c1 / (2 * c2)
+        if not log_n[idx].min() - FAR <= vertex <= log_n[idx].max() + FAR:
+            warnings.append(f"Approach 2: the profile at C = {c_mean:.3g} has its minimum at log N = {vertex:.3g}, "
+                            f"over {FAR / math.log(10):g} decades outside its runs' N (a nearly flat parabola); "
+                            "skipped: spread its runs more widely around the optimum")
+            continue
         slope, intercept = np.polyfit(log_n[idx], log_d[idx], 1)
         inside = bool(log_n[idx].min() <= vertex <= log_n[idx].max())
         if not inside:

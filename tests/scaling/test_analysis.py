@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from lmforge.core.config import ConfigError
 from lmforge.scaling.analysis import Analysis, FitSettings, agreement_warnings, analyse, markdown, summary
 from lmforge.scaling.isoflop import EnvelopeFit, IsoFlopFit, PowerLaw
 from tests.scaling.planted import isoflop_runs, runs_from
@@ -33,3 +35,16 @@ def test_planted_isoflop_runs_agree_and_the_summary_has_every_part():
     assert len(s["chinchilla"]["bootstrap"]) == 10 and "kaplan" in s
     text = markdown(result, s)
     assert "| beta |" in text and "Agreement (all a within 0.05): yes" in text
+
+
+@pytest.mark.parametrize(("k", "message"), [(20, "leaves out all 20 runs of planted; set it below 20"),
+                                            (100, "leaves out all 20 runs")])
+def test_excluding_every_run_is_a_config_error_naming_the_key(k, message):
+    with pytest.raises(ConfigError, match=rf"^fit.exclude_highest = {k} {message}"):
+        analyse(isoflop_runs(sizes=5), None, FitSettings(approaches=[2], exclude_highest=k))
+
+
+def test_excluding_the_highest_losses_keeps_the_others():
+    runs = isoflop_runs(sizes=5)
+    result = analyse(runs, None, FitSettings(approaches=[2], exclude_highest=3))
+    assert sorted(result.runs.loss) == sorted(runs.loss)[:-3]

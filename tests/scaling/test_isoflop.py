@@ -66,3 +66,16 @@ def test_an_envelope_of_one_size_is_an_error():
     d = np.geomspace(1e9, 1e11, 5)
     with pytest.raises(InputError, match="Approach 1.*single model size"):
         fit_envelope(Runs(["a"] * 5, n, d, 6 * n * d, law(n, d), list(range(5)), "one.csv"))
+
+
+def test_a_nearly_flat_profile_is_skipped_with_a_warning_not_extrapolated_to_overflow():
+    good = isoflop_runs(budgets=(1e18, 1e19), sizes=5)
+    n = np.geomspace(1e8, 1e9, 5)
+    log_n = np.log(n)
+    flat = 3.0 - 0.01 * log_n + 1e-9 * log_n ** 2  # its minimum at log N = 5e6
+    runs = Runs(good.names + [f"f{i}" for i in range(5)], np.concatenate([good.params, n]),
+                np.concatenate([good.tokens, 1e21 / (6 * n)]), np.concatenate([good.flops, np.full(5, 1e21)]),
+                np.concatenate([good.loss, flat]), list(range(2, 17)), "planted")
+    fit = fit_isoflop(runs)
+    assert [round(np.log10(b.flops)) for b in fit.budgets] == [18, 19]
+    assert any("C = 1e+21 has its minimum at log N = 5e+06, over 3 decades outside" in w for w in fit.warnings)
