@@ -9,6 +9,12 @@ from dataclasses import dataclass
 
 from lmforge.model.config import ModelConfig
 
+# What a plan may ask a recipe for: far past any model trained (~1e12 parameters, ~1e13 tokens,
+# ~1e26 FLOPs), short of sizes whose widths and step counts no longer fit the model's integers
+MAX_PLAN_FLOPS = 1e36
+MAX_PLAN_PARAMS = 1e15
+MAX_PLAN_TOKENS = 1e18
+
 
 @dataclass
 class ParameterCounts:

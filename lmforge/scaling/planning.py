@@ -30,6 +30,7 @@ R_D_STAR = 15.387756
 R_N_STAR = 5.309743
 DEEPSEEK_BATCH = (0.2920, 0.3271)  # B_opt = k·C^p tokens
 DEEPSEEK_LR = (0.3118, -0.1250)  # η_opt = k·C^p
+FAR_FACTOR = 100.0  # a budget this many times beyond the fitted runs' compute is a far extrapolation
 
 
 def chinchilla_loss(k: dict, n, d) -> np.ndarray:

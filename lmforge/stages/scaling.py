@@ -13,7 +13,9 @@ plan.inference_tokens is given (Sardana et al. 2024), the data-constrained plan 
 plan.unique_tokens is given (Muennighoff et al. 2023), DeepSeek LLM's batch size and learning
 rate, and writes `out`/pretrain.yaml: the pretrain recipe (RECIPE.yaml as the template) with a
 model of about N parameters, for the data-constrained plan if there is one, else the over-trained
-one if there is one, else the compute-optimal one.
+one if there is one, else the compute-optimal one. A budget over 100x beyond (or below) the compute
+of the fitted runs is warned about, saying how many decades; a plan no recipe can hold (N over
+1e15 parameters, D over 1e18 tokens, under one of either, not finite) is refused naming the key.
 
 `lmforge scaling flops RECIPE.yaml` counts a pretrain recipe's parameters, FLOPs per token,
 memory per device (as `lmforge plan memory`) and its training time at budget.mfu.
@@ -35,7 +37,15 @@ from typing import Literal
 import numpy as np
 
 from lmforge.core.config import ConfigError, load_config, positive, save_config, unit_interval
-from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
+from lmforge.core.io import (
+    InputError,
+    atomic_write_json,
+    atomic_write_text,
+    check_output_dir,
+    check_output_file,
+    read_json,
+)
+from lmforge.core.run import log
 from lmforge.distributed.memory import format_bytes
 from lmforge.scaling import counts, planning
 from lmforge.scaling.analysis import FitSettings, analyse, markdown, summary
@@ -102,16 +112,28 @@ def json_safe(value):
     return value
 
 
+def check_outputs(out: str, names: list[str]) -> Path:
+    """``out`` when it and each of ``names`` in it can be written: checked before any work."""
+    folder = check_output_dir(out, "out")
+    for name in names:
+        check_output_file(folder / name, f"out ({name})")
+    return folder
+
+
 def run_fit(recipe: ScalingRecipe) -> dict:
     opts = recipe.fit
     if opts.runs is None:
         raise ConfigError("scaling fit needs the runs CSV: `lmforge scaling fit runs.csv` (or fit.runs=...)")
     if not opts.approaches:
         raise ConfigError("fit.approaches is empty: choose among 1, 2 and 3")
+    out = check_outputs(recipe.out, ["fit.json", "fit.md"])
     runs = read_runs(opts.runs)
     curves = read_runs(opts.curves, curves=True) if opts.curves else None
-    result = analyse(runs, curves, opts)
-    out = Path(recipe.out)
+    try:
+        result = analyse(runs, curves, opts)
+    except (OverflowError, FloatingPointError, ZeroDivisionError, np.linalg.LinAlgError) as exc:
+        raise InputError(f"{opts.runs}: the fit failed on these runs' values ({exc}); check the rows for "
+                         "outliers (a size or loss far from the others)") from exc
     out.mkdir(parents=True, exist_ok=True)
     s = summary(result)
     s["plots"] = write_plots(result, out)
@@ -146,18 +168,34 @@ def budget_of(b: BudgetOptions) -> tuple[float, str]:
         raise ConfigError("scaling plan needs a budget: budget.flops=1e21, or budget.gpu=H100 (or budget.peak_flops) "
                           "with budget.count, budget.hours and budget.mfu")
     c = counts.budget_flops(peak, b.count, b.hours, b.mfu)
+    if not math.isfinite(c):
+        raise ConfigError(f"budget: {b.count} devices x {peak:.3g} FLOP/s x {b.hours:g} h x MFU {b.mfu:g} is not a "
+                          "finite number of FLOPs; lower budget.peak_flops, budget.count or budget.hours")
     return c, f"{b.count} x {b.gpu or 'device'} ({peak / 1e12:.0f} TFLOP/s bf16) x {b.hours:g} h x MFU {b.mfu:g} = {c:.3g} FLOPs"
 
 
-def read_fit(path: Path) -> tuple[np.ndarray, np.ndarray, float]:
+def read_fit(path: Path) -> tuple[np.ndarray, np.ndarray, float, tuple[float, float] | None]:
+    """The Approach-3 law of a fit.json (raw parameters, bootstrap rows, interval level) and the
+    FLOPs of the runs it was fitted to, (low, high) (None in a fit.json that predates it)."""
     fit = read_json(path, what="scaling fit (from `lmforge scaling fit`)")
-    if "chinchilla" not in fit:
+    if not isinstance(fit, dict) or "chinchilla" not in fit:
         raise InputError(f"{path}: has no Approach-3 fit (key 'chinchilla'); rerun `lmforge scaling fit` with 3 in "
                          "fit.approaches")
     names = ("log_A", "log_B", "log_E", "alpha", "beta")
-    x = np.array([fit["chinchilla"]["params"][k] for k in names])
-    samples = np.array(fit["chinchilla"]["bootstrap"], dtype=float).reshape(-1, 5)
-    return x, samples[np.isfinite(samples).all(axis=1)], float(fit.get("level", 0.95))
+    try:
+        x = np.array([float(fit["chinchilla"]["params"][k]) for k in names])
+        samples = np.array(fit["chinchilla"].get("bootstrap") or [], dtype=float).reshape(-1, 5)
+        level = float(fit.get("level", 0.95))
+        fitted = fit.get("fitted_range")
+        compute = None if fitted is None else (float(fitted["flops"]["low"]), float(fitted["flops"]["high"]))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path}: not a fit.json of `lmforge scaling fit` (chinchilla.params needs "
+                         f"{', '.join(names)}, chinchilla.bootstrap rows of 5 numbers; {type(exc).__name__}: {exc}); "
+                         "rerun the fit") from None
+    if not (np.isfinite(x).all() and 0 < level < 1):
+        raise InputError(f"{path}: chinchilla.params {dict(zip(names, x.tolist()))} or level {level} is not a usable "
+                         "law (non-finite, or a level outside (0, 1)); rerun the fit")
+    return x, samples[np.isfinite(samples).all(axis=1)], level, compute
 
 
 def pretrain_recipe(recipe: ScalingRecipe, n: float, d: float, hyper: dict):
@@ -176,11 +214,61 @@ def pretrain_recipe(recipe: ScalingRecipe, n: float, d: float, hyper: dict):
     return PretrainRecipe(**{**fields, "model": model, "train": train})
 
 
+def budget_key(b: BudgetOptions) -> str:
+    return "budget.flops" if b.flops is not None else "budget (peak x count x hours x mfu)"
+
+
+def extrapolation_warning(flops: float, fitted: tuple[float, float] | None, key: str, fit_path: Path) -> str | None:
+    """A warning when the budget lies more than ``planning.FAR_FACTOR`` beyond the compute of the
+    runs the law was fitted to: a power law's error grows with every decade it is extrapolated."""
+    if fitted is None:
+        return None
+    low, high = fitted
+    far = math.log10(planning.FAR_FACTOR)
+    above, below = math.log10(flops) - math.log10(high), math.log10(low) - math.log10(flops)
+    if above > far:
+        return (f"{key} = {flops:.3g} FLOPs is {above:.1f} decades above the largest compute in the fit "
+                f"({high:.3g} FLOPs, {fit_path}): the law is extrapolated that far beyond its runs; treat the plan "
+                "as a guess, or fit runs nearer the budget")
+    if below > far:
+        return (f"{key} = {flops:.3g} FLOPs is {below:.1f} decades below the smallest compute in the fit "
+                f"({low:.3g} FLOPs, {fit_path}): the law is extrapolated that far below its runs")
+    return None
+
+
+def check_buildable(plan: dict, name: str, key: str) -> None:
+    """Refuse a plan no recipe can hold: N or D not finite, under one parameter or token, or past
+    ``counts.MAX_PLAN_PARAMS`` / ``MAX_PLAN_TOKENS``."""
+    n, d = plan["params"], plan["tokens"]
+    if not (math.isfinite(n) and math.isfinite(d)):
+        raise ConfigError(f"{key}: the {name} plan has N = {n:.3g} parameters and D = {d:.3g} tokens, not finite "
+                          "numbers; lower the budget (or check the fit)")
+    if n < 1 or d < 1:
+        raise ConfigError(f"{key}: the {name} plan has N = {n:.3g} parameters and D = {d:.3g} tokens, under one "
+                          "parameter or token: no model trains on that; raise the budget")
+    if n > counts.MAX_PLAN_PARAMS or d > counts.MAX_PLAN_TOKENS:
+        raise ConfigError(f"{key}: the {name} plan has N = {n:.3g} parameters and D = {d:.3g} tokens, beyond the "
+                          f"{counts.MAX_PLAN_PARAMS:.0e} parameters and {counts.MAX_PLAN_TOKENS:.0e} tokens a recipe is "
+                          "written for; lower the budget")
+
+
 def run_plan(recipe: ScalingRecipe) -> dict:
-    out = Path(recipe.out)
+    out = check_outputs(recipe.out, ["pretrain.yaml", "plan.json", "plan.md"])
     fit_path = Path(recipe.plan.fit) if recipe.plan.fit else out / "fit.json"
-    x, samples, level = read_fit(fit_path)
+    x, samples, level, fitted = read_fit(fit_path)
     flops, how = budget_of(recipe.budget)
+    key = budget_key(recipe.budget)
+    if flops > counts.MAX_PLAN_FLOPS:
+        raise ConfigError(f"{key} = {flops:.3g} FLOPs is beyond the {counts.MAX_PLAN_FLOPS:.0e} a plan is made for "
+                          "(the largest runs trained so far spent about 1e26); lower the budget")
+    for name in ("inference_tokens", "unique_tokens"):
+        value = getattr(recipe.plan, name)
+        if value is not None and value > counts.MAX_PLAN_FLOPS:
+            raise ConfigError(f"plan.{name} = {value:.3g} is beyond the {counts.MAX_PLAN_FLOPS:.0e} tokens a plan "
+                              "is made for; give a realistic count of tokens")
+    warnings = [w for w in [extrapolation_warning(flops, fitted, key, fit_path)] if w]
+    for warning in warnings:
+        log.warning("scaling plan: %s", warning)
     opt = planning.optimal_allocation(x, samples, flops, level)
     hyper = planning.deepseek_hyperparameters(flops)
     result = {"fit": str(fit_path), "budget_flops": flops, "budget": how, "level": level, "bootstrap_samples": len(samples),
@@ -195,13 +283,14 @@ def run_plan(recipe: ScalingRecipe) -> dict:
         result["data_constrained"] = planning.data_constrained_plan(x, samples, flops, recipe.plan.unique_tokens,
                                                                     level)
     follows = next(k for k in ("data_constrained", "overtrained", "compute_optimal") if k in result)
+    check_buildable(result[follows], follows.replace("_", "-"), f"{key} = {flops:.3g} FLOPs")
+    result["warnings"] = warnings
     pretrain = pretrain_recipe(recipe, result[follows]["params"], result[follows]["tokens"], hyper)
     shape = counts.count_parameters(pretrain.model)
     result["recipe"] = {"path": str(out / "pretrain.yaml"), "follows": follows, "d_model": pretrain.model.d_model,
                         "n_layers": pretrain.model.n_layers, "n_heads": pretrain.model.n_heads,
                         "params": dataclasses.asdict(shape), "batch_tokens": pretrain.train.batch_tokens,
                         "max_steps": pretrain.train.max_steps, "lr": pretrain.train.lr}
-    out.mkdir(parents=True, exist_ok=True)
     save_config(pretrain, out, "pretrain.yaml")
     atomic_write_json(out / "plan.json", json_safe(result))
     text = plan_markdown(result)
@@ -246,12 +335,15 @@ def plan_markdown(r: dict) -> str:
               f"Recipe {m['path']} (the {m['follows'].replace('_', '-')} plan): d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads: "
               f"{m['params']['non_embedding']:.4g} non-embedding ({m['params']['total']:.4g} total) parameters, "
               f"{m['max_steps']} steps of {m['batch_tokens']} tokens at lr {m['lr']:.3g}.", ""]
+    if r.get("warnings"):
+        lines += ["## Warnings", ""] + [f"- {w}" for w in r["warnings"]] + [""]
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- flops
 
 def run_flops(recipe: ScalingRecipe) -> dict:
+    out = check_outputs(recipe.out, ["flops.json"])
     model, seq = recipe.model, recipe.data.seq_len
     params = counts.count_parameters(model)
     per_token = counts.flops_per_token(model, seq)
@@ -278,7 +370,6 @@ def run_flops(recipe: ScalingRecipe) -> dict:
         result["training_hours"] = seconds / 3600
         result["devices"] = devices
         lines.append(f"time at MFU {recipe.budget.mfu:g} on {devices} x {peak / 1e12:.0f} TFLOP/s: {seconds / 3600:.3g} h")
-    out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "flops.json", json_safe(result))
     print("\n".join(lines))

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -114,3 +116,83 @@ def test_without_bootstrap_the_outputs_are_strict_json_and_the_plan_has_no_inter
     plan = json.loads((out / "plan.json").read_text(), parse_constant=refuse)
     assert fit["chinchilla"]["constants"]["alpha"]["se"] is None
     assert plan["compute_optimal"]["params_range"] == {"low": None, "high": None}
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def bad_fit_inputs(tmp_path) -> dict:
+    """Each case: the fit's arguments and the start of its one-line error."""
+    runs = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=5))
+    lines = runs.read_text().splitlines()
+    big = tmp_path / "big.csv"
+    big.write_text("\n".join(lines[:2] + [lines[2].replace(lines[2].split(",")[1], "1e300", 1)] + lines[3:]) + "\n")
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(bytes(range(256)) * 4)
+    return {
+        "params=1e300": ([str(big)], rf"{big}:3: column 'params' = '1e300' is outside 1 to 1e\+16 parameters"),
+        "binary runs": ([str(binary)], rf"{binary}:2: not UTF-8 text \(byte 0x80\)"),
+        "binary curves": ([str(runs), f"fit.curves={binary}"], rf"{binary}:2: not UTF-8 text \(byte 0x80\)"),
+        "exclude_highest": ([str(runs), "fit.exclude_highest=100"], r"fit.exclude_highest = 100 leaves out all 20 runs"),
+        "out a file": ([str(runs), f"out={runs}"], rf"out = {runs}: exists and is not a folder"),
+    }
+
+
+@pytest.mark.parametrize("case", ["params=1e300", "binary runs", "binary curves", "exclude_highest", "out a file"])
+def test_bad_fit_input_is_one_line_and_exit_2(tmp_path, capsys, case):
+    args, message = bad_fit_inputs(tmp_path)[case]
+    out = [] if any(a.startswith("out=") for a in args) else [f"out={tmp_path / 'out'}"]
+    assert main(["scaling", "fit", *args, *out, *FAST]) == 2
+    assert re.search(message, error_line(capsys))
+    assert not (tmp_path / "out" / "fit.json").exists()
+
+
+def test_a_budget_far_beyond_the_fit_warns_how_far(fitted, tmp_path, caplog):
+    out = tmp_path / "plan"
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        assert main(["scaling", "plan", f"out={out}", f"plan.fit={fitted / 'fit.json'}", "budget.flops=1e30"]) == 0
+    warning = r"budget.flops = 1e\+30 FLOPs is 9.0 decades above the largest compute in the fit \(1e\+21 FLOPs"
+    assert re.search(warning, caplog.text)
+    plan = json.loads((out / "plan.json").read_text())
+    assert len(plan["warnings"]) == 1 and re.search(warning, plan["warnings"][0])
+    assert "## Warnings" in (out / "plan.md").read_text()
+
+
+def test_a_budget_inside_the_fit_has_no_warning(fitted, tmp_path):
+    out = tmp_path / "plan"
+    assert main(["scaling", "plan", f"out={out}", f"plan.fit={fitted / 'fit.json'}", "budget.flops=1e20"]) == 0
+    assert json.loads((out / "plan.json").read_text())["warnings"] == []
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["budget.flops=1e300"], r"^lmforge scaling: error: budget.flops = 1e\+300 FLOPs is beyond the 1e\+36"),
+    (["budget.flops=1e35"], r"budget.flops = 1e\+35 FLOPs: the compute-optimal plan has N = \S+ parameters .*beyond "
+                            r"the 1e\+15 parameters"),
+    (["budget.flops=1e-300"], r"budget.flops = 1e-300 FLOPs: the compute-optimal plan .*under one parameter"),
+    (["budget.peak_flops=1e300", "budget.count=1000000", "budget.hours=1e10"], r"is not a finite number of FLOPs"),
+    (["budget.flops=1e20", "plan.inference_tokens=1e300"], r"plan.inference_tokens = 1e\+300 is beyond"),
+])
+def test_a_plan_no_recipe_can_hold_is_refused_naming_the_key(fitted, tmp_path, capsys, args, message):
+    out = tmp_path / "plan"
+    assert main(["scaling", "plan", f"out={out}", f"plan.fit={fitted / 'fit.json'}", *args]) == 2
+    assert re.search(message, error_line(capsys))
+    assert not (out / "pretrain.yaml").exists()
+
+
+def test_a_fit_json_without_the_law_s_numbers_is_one_line(tmp_path, capsys):
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"chinchilla": {"params": {"log_A": 1.0}}}))
+    assert main(["scaling", "plan", f"out={tmp_path}", "budget.flops=1e20"]) == 2
+    assert re.search(rf"{fit}: not a fit.json of `lmforge scaling fit`.*KeyError", error_line(capsys))
+
+
+@pytest.mark.parametrize("what", ["plan", "flops"])
+def test_an_out_that_is_a_file_is_refused_before_any_work(fitted, tmp_path, capsys, what):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    args = [f"plan.fit={fitted / 'fit.json'}", "budget.flops=1e20"] if what == "plan" else ["tokens=1e9"]
+    assert main(["scaling", what, "recipes/demo/pretrain.yaml", f"out={taken}", *args]) == 2
+    assert re.search(rf"out = {taken}: exists and is not a folder", error_line(capsys))
