@@ -28,11 +28,21 @@ class ModelConfig:
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = positive(1e-5)
     rope_theta: float = positive(10000.0)
-    rope_scaling: Literal["none", "llama3"] = "none"  # llama3: Llama 3.1's RoPE scaling, set by the four keys below
-    rope_factor: float = at_least(1, 1.0)  # long wavelengths are stretched by this factor (Llama 3.1/3.2: 8 or 32)
-    rope_low_freq_factor: float = positive(1.0)  # wavelengths above rope_original_max_seq_len / this are fully stretched
-    rope_high_freq_factor: float = positive(4.0)  # wavelengths below rope_original_max_seq_len / this are kept
-    rope_original_max_seq_len: int | None = positive(None)  # the context the model was pretrained at (Llama 3: 8192)
+    # how RoPE stretches past rope_original_max_seq_len (model.rope): linear = position interpolation (PI),
+    # dynamic = NTK-aware base growing with the sequence, yarn, longrope (Phi-3), llama3 (Llama 3.1)
+    rope_scaling: Literal["none", "linear", "dynamic", "yarn", "longrope", "llama3"] = "none"
+    rope_factor: float = at_least(1, 1.0)  # how many times the context is stretched (linear, dynamic, yarn, llama3: Llama 3.1/3.2 use 8 or 32; longrope: sets the attention factor)
+    rope_low_freq_factor: float = positive(1.0)  # llama3: wavelengths above rope_original_max_seq_len / this are fully stretched
+    rope_high_freq_factor: float = positive(4.0)  # llama3: wavelengths below rope_original_max_seq_len / this are kept
+    rope_original_max_seq_len: int | None = positive(None)  # the context the model was pretrained at (Llama 3: 8192); dynamic, yarn, longrope, llama3
+    rope_beta_fast: float = positive(32.0)  # yarn: RoPE pairs turning more than this many times over the original context keep their frequency
+    rope_beta_slow: float = positive(1.0)  # yarn: pairs turning fewer than this many times are fully interpolated
+    rope_mscale: float | None = positive(None)  # yarn (DeepSeek): with rope_mscale_all_dim, attention factor (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)
+    rope_mscale_all_dim: float | None = positive(None)  # yarn (DeepSeek): the denominator's mscale, set with rope_mscale
+    rope_attention_factor: float | None = positive(None)  # yarn, longrope: scale of RoPE's cos and sin (None = the paper's: yarn 0.1 ln s + 1, longrope sqrt(1 + ln s / ln L))
+    rope_truncate: bool = True  # yarn: round the ends of the interpolation ramp to whole pairs (transformers' default)
+    rope_short_factor: list[float] | None = positive(None)  # longrope: head_dim/2 divisors of the frequencies, for sequences up to rope_original_max_seq_len
+    rope_long_factor: list[float] | None = positive(None)  # longrope: head_dim/2 divisors of the frequencies, for longer sequences
     max_seq_len: int = positive(2048)
     tie_embeddings: bool = False
     qk_norm: bool = False
@@ -61,30 +71,39 @@ class ModelConfig:
         self._check_rope_scaling()
 
     def _check_rope_scaling(self) -> None:
-        params = {
-            "rope_factor": self.rope_factor,
-            "rope_low_freq_factor": self.rope_low_freq_factor,
-            "rope_high_freq_factor": self.rope_high_freq_factor,
-            "rope_original_max_seq_len": self.rope_original_max_seq_len,
-        }
-        if self.rope_scaling == "none":
-            defaults = {f.name: f.default for f in fields(self) if f.name in params}
-            changed = [f"{k}={v}" for k, v in params.items() if v != defaults[k]]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} set but rope_scaling is 'none'; set rope_scaling: llama3 or remove them")
-            return
-        if self.rope_scaling != "llama3":
-            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not supported; choose 'none' or 'llama3'")
-        if self.rope_original_max_seq_len is None or self.rope_original_max_seq_len <= 0:
+        reads = ROPE_SCALING_FIELDS.get(self.rope_scaling)
+        if reads is None:
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not supported; choose one of {', '.join(map(repr, ROPE_SCALING_FIELDS))}")
+        defaults = {f.name: f.default for f in fields(self) if f.name in ROPE_SCALING_KEYS}
+        unread = [f"{k}={getattr(self, k)}" for k in ROPE_SCALING_KEYS if k not in reads and getattr(self, k) != defaults[k]]
+        if unread:
+            readers = sorted({t for t, keys in ROPE_SCALING_FIELDS.items() for k in unread if k.split("=")[0] in keys})
             raise ValueError(
-                f"rope_scaling llama3 needs rope_original_max_seq_len, the pretraining context "
-                f"(a positive integer, 8192 for Llama 3.1/3.2), got {self.rope_original_max_seq_len}"
+                f"{', '.join(unread)} set but rope_scaling is {self.rope_scaling!r}, which does not read "
+                f"{'it' if len(unread) == 1 else 'them'}; set rope_scaling to {' or '.join(readers)} or remove "
+                f"{'it' if len(unread) == 1 else 'them'}"
             )
-        if not self.rope_low_freq_factor < self.rope_high_freq_factor:
+        if "rope_original_max_seq_len" in reads and self.rope_original_max_seq_len is None:
+            raise ValueError(
+                f"rope_scaling {self.rope_scaling} needs rope_original_max_seq_len, the pretraining context "
+                "(a positive integer, 8192 for Llama 3.1/3.2)"
+            )
+        if self.rope_scaling == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(
                 f"rope_low_freq_factor = {self.rope_low_freq_factor} must be below rope_high_freq_factor = "
                 f"{self.rope_high_freq_factor} (Llama 3.1/3.2: 1 and 4)"
             )
+        if self.rope_scaling == "yarn" and (self.rope_mscale is None) != (self.rope_mscale_all_dim is None):
+            raise ValueError("rope_mscale and rope_mscale_all_dim set YaRN's attention factor together; set both or neither")
+        if self.rope_scaling == "longrope":
+            for key in ("rope_short_factor", "rope_long_factor"):
+                factors = getattr(self, key)
+                if factors is None or len(factors) != self.head_dim // 2:
+                    got = "none" if factors is None else f"{len(factors)}"
+                    raise ValueError(
+                        f"rope_scaling longrope needs {key}, one factor per RoPE pair: "
+                        f"head_dim / 2 = {self.head_dim // 2} numbers, got {got}"
+                    )
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ModelConfig:
@@ -128,6 +147,19 @@ class ModelConfig:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·Dh·T for attention (PaLM, App. B)."""
         return 6 * self.matmul_params() + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
+
+# the rope_* keys each rope_scaling type reads (besides rope_theta); any other set away from its default is refused
+ROPE_SCALING_FIELDS: dict[str, frozenset[str]] = {
+    "none": frozenset(),
+    "linear": frozenset({"rope_factor"}),
+    "dynamic": frozenset({"rope_factor", "rope_original_max_seq_len"}),
+    "yarn": frozenset({"rope_factor", "rope_original_max_seq_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                       "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate"}),
+    "longrope": frozenset({"rope_factor", "rope_original_max_seq_len", "rope_attention_factor", "rope_short_factor",
+                           "rope_long_factor"}),
+    "llama3": frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"}),
+}
+ROPE_SCALING_KEYS = sorted(set().union(*ROPE_SCALING_FIELDS.values()))
 
 PRESETS: dict[str, dict] = {
     # Fits the 2-core CPU: ~17M parameters, the shape of the CPU benchmarks.

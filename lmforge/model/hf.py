@@ -11,6 +11,7 @@ them on disk. It never imports ``transformers``: conversion needs only safetenso
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log
-from lmforge.model.config import ModelConfig
+from lmforge.model.config import ROPE_SCALING_FIELDS, ModelConfig
 from lmforge.model.transformer import Transformer
 
 # model_type in config.json -> the one class whose weights we read
@@ -141,7 +142,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": _hf_max_position_embeddings(cfg),
         "rms_norm_eps": cfg.norm_eps,
         # transformers < 5 reads rope_theta (and rope_scaling), transformers >= 5 rope_parameters
         "rope_theta": cfg.rope_theta,
@@ -174,63 +175,118 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
     )
 
 
+# ModelConfig's rope_* field -> its key in rope_scaling / rope_parameters
+HF_ROPE_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_seq_len": "original_max_position_embeddings",
+    "rope_beta_fast": "beta_fast",
+    "rope_beta_slow": "beta_slow",
+    "rope_mscale": "mscale",
+    "rope_mscale_all_dim": "mscale_all_dim",
+    "rope_attention_factor": "attention_factor",
+    "rope_truncate": "truncate",
+    "rope_short_factor": "short_factor",
+    "rope_long_factor": "long_factor",
+}
+HF_ROPE_TYPES = {"default": "none", **{t: t for t in ROPE_SCALING_FIELDS if t != "none"}}  # rope_type -> rope_scaling
+
+
+def _hf_max_position_embeddings(cfg: ModelConfig) -> int:
+    """``max_position_embeddings``: the context, except for dynamic NTK, whose transformers
+    implementation grows the base past ``max_position_embeddings``: there it is the original context."""
+    return cfg.rope_original_max_seq_len if cfg.rope_scaling == "dynamic" else cfg.max_seq_len
+
+
 def _rope_scaling_keys(cfg: ModelConfig) -> dict:
     """``rope_scaling`` (transformers < 5, and Meta's own configs) and ``rope_parameters``
-    (transformers >= 5) for a model with RoPE scaling; nothing for plain RoPE."""
+    (transformers >= 5) for a model with RoPE scaling: the keys its type reads; nothing for plain RoPE."""
     if cfg.rope_scaling == "none":
         return {}
-    scaling = {
-        "rope_type": cfg.rope_scaling,
-        "factor": cfg.rope_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor,
-        "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_seq_len,
-    }
+    scaling = {"rope_type": cfg.rope_scaling}
+    for name in sorted(ROPE_SCALING_FIELDS[cfg.rope_scaling]):
+        if getattr(cfg, name) is not None and not (cfg.rope_scaling == "dynamic" and name == "rope_original_max_seq_len"):
+            scaling[HF_ROPE_KEYS[name]] = getattr(cfg, name)
     return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
 
 
 def _rope_fields(config: dict, max_position_embeddings: int, where: str) -> dict:
-    """The ModelConfig rope_* fields of a config.json; unsupported RoPE types are an ``InputError``.
+    """The ModelConfig rope_* fields of a config.json, resolved as transformers' ``ROPE_INIT_FUNCTIONS``
+    read them; unknown RoPE types and partial rotary are an ``InputError``.
 
     transformers >= 5 writes ``rope_parameters``; older versions and Meta's configs write
     ``rope_scaling`` beside a top-level ``rope_theta``. Where both are present
-    ``rope_scaling`` wins, as in transformers 5's ``convert_rope_params_to_dict``.
+    ``rope_scaling`` wins, as in transformers 5's ``convert_rope_params_to_dict``. The original
+    context of llama3, yarn and longrope is a top-level ``original_max_position_embeddings`` (Phi-3
+    writes it there), else the one in ``rope_scaling``, else ``max_position_embeddings``; dynamic
+    NTK's is ``max_position_embeddings``. yarn's and longrope's missing ``factor`` is the ratio of
+    ``max_position_embeddings`` to the original context; yarn's ``beta_fast``/``beta_slow`` default
+    to 32 and 1, and its ``mscale`` pair counts only when both are set, as in transformers.
     """
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise InputError(f"{where}: rope_scaling/rope_parameters must be a mapping, got {rope!r}")
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     theta = rope.get("rope_theta") or config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    if rope.get("partial_rotary_factor") not in (None, 1.0):
+        raise InputError(f"{where}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported; RoPE must cover the whole head")
+    if rope_type not in HF_ROPE_TYPES:
+        raise InputError(
+            f"{where}: RoPE scaling {rope_type!r} is not supported; lmforge implements rope_type "
+            f"{', '.join(map(repr, HF_ROPE_TYPES))} (plain RoPE, position interpolation, dynamic NTK, YaRN, LongRoPE, Llama 3.1)"
+        )
     if rope_type == "default":
         return {"rope_theta": float(theta)}
-    if rope_type != "llama3":
-        raise InputError(
-            f"{where}: RoPE scaling {rope_type!r} is not supported; lmforge implements plain RoPE (rope_type 'default') "
-            "and Llama 3.1's scaling (rope_type 'llama3')"
-        )
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rope.get(k) is None]
+    reads = ROPE_SCALING_FIELDS[rope_type]
+    ignored = sorted(set(rope) - {HF_ROPE_KEYS[k] for k in reads} - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if ignored:
+        log.warning("%s: RoPE scaling %r does not read %s (transformers ignores them too)", where, rope_type, ", ".join(ignored))
+    required = {"linear": ["factor"], "dynamic": ["factor"], "yarn": [], "longrope": ["short_factor", "long_factor"],
+                "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}[rope_type]
+    missing = [k for k in required if rope.get(k) is None]
     if missing:
-        raise InputError(f"{where}: RoPE scaling 'llama3' needs {', '.join(missing)}")
-    original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings") or max_position_embeddings
+        raise InputError(f"{where}: RoPE scaling {rope_type!r} needs {', '.join(missing)}")
+    if rope_type == "dynamic":
+        original = max_position_embeddings
+    else:
+        original = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_position_embeddings
     try:
-        return {
+        fields = {
             "rope_theta": float(theta),
-            "rope_scaling": "llama3",
-            "rope_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_scaling": rope_type,
+            "rope_factor": float(rope["factor"] if rope.get("factor") is not None else max_position_embeddings / original),
             "rope_original_max_seq_len": int(original),
         }
+        if rope_type == "llama3":
+            fields |= {"rope_low_freq_factor": float(rope["low_freq_factor"]), "rope_high_freq_factor": float(rope["high_freq_factor"])}
+        if rope_type == "yarn":
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            fields |= {
+                "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+                "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+                "rope_truncate": bool(rope.get("truncate", True)),
+                "rope_mscale": float(mscale) if mscale and mscale_all_dim else None,
+                "rope_mscale_all_dim": float(mscale_all_dim) if mscale and mscale_all_dim else None,
+            }
+        if rope_type == "longrope":
+            fields |= {"rope_short_factor": [float(x) for x in rope["short_factor"]],
+                       "rope_long_factor": [float(x) for x in rope["long_factor"]]}
+        if rope_type in ("yarn", "longrope") and rope.get("attention_factor") is not None:
+            fields["rope_attention_factor"] = float(rope["attention_factor"])
     except (TypeError, ValueError) as exc:
-        raise InputError(f"{where}: RoPE scaling 'llama3' has a non-numeric parameter in {rope}: {exc}") from exc
+        raise InputError(f"{where}: RoPE scaling {rope_type!r} has a non-numeric parameter in {rope}: {exc}") from exc
+    if "rope_original_max_seq_len" not in reads:
+        del fields["rope_original_max_seq_len"]
+    return fields
 
 
 def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
     """The ``ModelConfig`` of a Llama, Mistral, Qwen2 or Qwen3 ``config.json``.
 
-    Plain RoPE and Llama 3.1's ``llama3`` RoPE scaling are read; anything else our model
-    would compute differently is an ``InputError`` (other RoPE scaling types, partial
-    rotary, activations other than SiLU, quantized weights). A sliding attention
+    Plain RoPE and its scaling types (``linear``, ``dynamic``, ``yarn``, ``longrope``, Llama 3.1's
+    ``llama3``) are read; anything else our model would compute differently is an ``InputError``
+    (other RoPE types, partial rotary, activations other than SiLU, quantized weights). A sliding attention
     window shorter than ``max_position_embeddings`` only matters for longer sequences,
     so ``max_seq_len`` is capped at the window, which keeps every result exact.
     """
@@ -250,6 +306,9 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
     n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
     max_seq_len = config.get("max_position_embeddings", 2048)
     rope = _rope_fields(config, max_seq_len, where)
+    if rope.get("rope_scaling") == "dynamic":
+        # transformers' dynamic NTK has no end past max_position_embeddings; lmforge's context ends factor times it
+        max_seq_len = max(max_seq_len, math.floor(rope["rope_factor"] * max_seq_len))
     window = _sliding_window(config, model_type, n_layers)
     if window is not None and window < max_seq_len:
         log.warning(

@@ -19,50 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.model.config import ModelConfig
+from lmforge.model.rope import LENGTH_DEPENDENT, rope_tables, tables_at
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=cfg.norm_eps)
     return nn.LayerNorm(dim, eps=cfg.norm_eps)
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, head_dim / 2), in float32 (Su et al. 2021, eq. 34).
-
-    The angle of position p in pair i is p·f_i with f_i = theta^(-2i/head_dim), rescaled
-    by ``llama3_inv_freq`` when ``cfg.rope_scaling`` is ``"llama3"``.
-    """
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
-    if cfg.rope_scaling == "llama3":
-        inv_freq = llama3_inv_freq(
-            inv_freq, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len
-        )
-    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_seq_len: int) -> torch.Tensor:
-    """RoPE frequencies stretched for a longer context, as in Meta's Llama 3.1 release
-    (``apply_scaling`` in meta-llama/llama-models; transformers' ``_compute_llama3_parameters``).
-
-    With wavelength λ = 2π / f, L = ``original_max_seq_len``, λ_lo = L / low_freq_factor and
-    λ_hi = L / high_freq_factor (λ_hi < λ_lo)::
-
-        f' = f / factor                    if λ > λ_lo   (long wavelengths: interpolated)
-        f' = f                             if λ < λ_hi   (short wavelengths: kept)
-        f' = (1 - s) f / factor + s f      otherwise, s = (L / λ - low_freq_factor) / (high_freq_factor - low_freq_factor)
-
-    The operations follow transformers' order, so the tables match its float32 values.
-    """
-    low_freq_wavelen = original_max_seq_len / low_freq_factor
-    high_freq_wavelen = original_max_seq_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,11 +294,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
-        if positions is None:
-            check_length(self.cfg, offset, T)
-            cos, sin = self.rope_cos[offset : offset + T][None], self.rope_sin[offset : offset + T][None]
-        else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope_at(offset, T, positions)
         rope = pair_rotations(cos, sin) if self.rope_pairs else rotation_tables(cos, sin)
         attn_mask = cached_prefix_mask(attn_mask, offset, T, tokens.device)
         x = self.embed(tokens) if self.embed is not None else tokens
@@ -344,6 +303,27 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
+
+    def rope_at(self, offset: int, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B or 1, T, head_dim / 2) of this forward's positions (``offset`` .. ``offset + T``, or
+        ``positions``): rows of the model's tables. A length-dependent RoPE (dynamic NTK, LongRoPE) past
+        ``rope_original_max_seq_len`` takes the frequencies of each row's length, its last position + 1,
+        as transformers' ``dynamic_rope_update`` does at every forward (it takes the batch's longest);
+        a cached decoding step rotates its new keys so, and the cached ones keep their rotation."""
+        length_dependent = self.cfg.rope_scaling in LENGTH_DEPENDENT
+        if positions is None:
+            check_length(self.cfg, offset, T)
+            if length_dependent and offset + T > self.cfg.rope_original_max_seq_len:
+                steps = torch.arange(offset, offset + T, device=self.rope_cos.device)[None]
+                return self.as_table_dtype(tables_at(self.cfg, steps, seq_len=offset + T))
+            return self.rope_cos[offset : offset + T][None], self.rope_sin[offset : offset + T][None]
+        if length_dependent:
+            return self.as_table_dtype(tables_at(self.cfg, positions, seq_len=positions.amax(dim=-1) + 1))
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def as_table_dtype(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed tables in the dtype of the model's own (float32, or the model's when it was cast)."""
+        return tables[0].to(self.rope_cos.dtype), tables[1].to(self.rope_cos.dtype)
 
     def forward(self, tokens: torch.Tensor, head_at: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Logits (B, T, vocab_size); hidden states on a pipeline stage without the head.

@@ -169,14 +169,17 @@ def _llama_json(**extra) -> dict:
         (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'.*LlamaForCausalLM"),
         (dict(architectures=["LlamaForSequenceClassification"]), "architectures"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}), "RoPE scaling 'yarn' is not supported"),
-        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "RoPE scaling 'linear' is not supported"),
-        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE scaling 'dynamic' is not supported"),
+        (dict(rope_parameters={"rope_type": "proportional", "rope_theta": 5e5}),
+         "RoPE scaling 'proportional' is not supported; lmforge implements rope_type 'default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'"),
+        (dict(rope_parameters=None, rope_scaling={"type": "su", "factor": 2.0}), "RoPE scaling 'su' is not supported"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "'llama3' needs low_freq_factor, high_freq_factor"),
+        (dict(rope_scaling={"rope_type": "linear"}), "'linear' needs factor"),
         (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantized"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), "partial_rotary_factor 0.5"),
     ],
-    ids=["arch", "head", "act", "rope-yarn", "rope-linear", "rope-dynamic", "rope-llama3-incomplete", "quantized", "partial-rope"],
+    ids=["arch", "head", "act", "rope-unknown", "rope-su", "rope-llama3-incomplete", "rope-linear-incomplete", "quantized", "partial-rope",
+         "partial-rope-in-rope-parameters"],
 )
 def test_unsupported_configs_raise_input_error(extra, message):
     with pytest.raises(InputError, match=message):

@@ -110,7 +110,8 @@ def test_invalid_shapes_are_rejected():
 def test_rope_scaling_settings_are_validated():
     llama3 = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=32)
     assert small(**llama3).rope_high_freq_factor == 4.0  # Meta's band edges are the defaults
-    with pytest.raises(ValueError, match="rope_factor=8.0 set but rope_scaling is 'none'"):
+    with pytest.raises(ValueError, match="rope_factor=8.0 set but rope_scaling is 'none', which does not read it; "
+                                         "set rope_scaling to dynamic or linear or llama3 or longrope or yarn"):
         small(rope_factor=8.0)
     with pytest.raises(ValueError, match="needs rope_original_max_seq_len"):
         small(rope_scaling="llama3", rope_factor=8.0)
@@ -118,16 +119,16 @@ def test_rope_scaling_settings_are_validated():
         small(**{**llama3, "rope_factor": 0.5})
     with pytest.raises(ValueError, match="rope_low_freq_factor = 4.0 must be below rope_high_freq_factor = 4.0"):
         small(**llama3, rope_low_freq_factor=4.0)
-    with pytest.raises(ValueError, match="rope_scaling 'yarn' is not supported"):
-        small(rope_scaling="yarn")
+    with pytest.raises(ValueError, match="rope_scaling 'ntk' is not supported; choose one of 'none', 'linear', 'dynamic'"):
+        small(rope_scaling="ntk")
 
 
 def test_recipe_sets_rope_scaling_and_old_model_json_loads_without_it(tmp_path):
     import dataclasses
     import json
 
+    from lmforge.checkpoints.files import load_model_config
     from lmforge.core.config import load_config
-    from lmforge.model.checkpoint import load_model_config
     from lmforge.stages.pretrain import PretrainRecipe
 
     keys = ["model.preset=tiny", "model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_original_max_seq_len=256"]
