@@ -58,6 +58,8 @@ VERBS = [
     Verb("sweep", "a grid of pre-training runs (model sizes x tokens, or IsoFLOP) -> runs.csv for scaling fits",
          "lmforge.stages.sweep"),
     Verb("run", "run a lifecycle of stages from one YAML file and write a report", "lmforge.stages.lifecycle"),
+    Verb("doctor", "print what a bug report needs: versions, CPU and its flags, peaks, GPUs, Chromium, free disk",
+         "lmforge.stages.doctor"),
     Verb("bench", "measure this machine (bench peak: matmul FLOP/s per dtype, for MFU)", "lmforge.stages.bench"),
     Verb("plan", "plan a run (plan memory: bytes per device under a parallel layout)", "lmforge.stages.plan"),
     Verb("scaling", "scaling laws: fit runs (Chinchilla approaches 1-3, Kaplan), plan a budget, count FLOPs",
