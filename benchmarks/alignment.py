@@ -41,11 +41,11 @@ from pathlib import Path
 import yaml
 
 from benchmarks.generate import cpu_name
+from lmforge.checkpoints.load import load_model, resolve_checkpoint
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Reward, RewardComponentConfig, RewardConfig
 from lmforge.stages.scoring import held_out_scores
-from lmforge.train.checkpoint import load_model, resolve_checkpoint
 
 MAX_NEW_TOKENS = 24  # the stages' score.max_new_tokens on the demo
 

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from lmforge.train.checkpoint import load_model
+from lmforge.checkpoints.load import load_model
 
 
 @torch.no_grad()

@@ -41,15 +41,15 @@ import requests
 import torch
 from generate import cpu_name, git_commit  # this folder is the script's first import path
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import load_config
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
 from lmforge.inference.engine import Engine, GenerationConfig, Request
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.train.checkpoint import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "pretrain" / "shakespeare.jsonl"

@@ -46,11 +46,11 @@ import torch
 from generate import cpu_name, git_commit  # this folder is the script's first import path
 from serve import build_checkpoint
 
+from lmforge.checkpoints.load import load_model
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.serve.app import max_text_chars
 from lmforge.serve.protocol import MAX_TURNS
 from lmforge.stages.serve import ServeRecipe
-from lmforge.train.checkpoint import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "bench"

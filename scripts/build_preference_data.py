@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
+from lmforge.checkpoints.load import load_model
 from lmforge.data.chatml import render_chatml
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
 from lmforge.inference.engine import GenerationConfig, generate
-from lmforge.train.checkpoint import load_model
 
 
 def model_answers(checkpoint: str, examples: list[dict]) -> list[str]:

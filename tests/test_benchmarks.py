@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.data.preference_demo import make_pairs, unpair
 from lmforge.data.sft_demo import make_examples
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import RewardModel
 from lmforge.model.transformer import Transformer

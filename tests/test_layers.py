@@ -38,12 +38,16 @@ def test_a_planted_back_edge_breaks_the_layers_contract(tmp_path):
     shutil.copyfile(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     io = tmp_path / "lmforge" / "core" / "io.py"  # core, the bottom layer, reaching up to stages in a function
     io.write_text(io.read_text() + "\n\ndef _planted():\n    from lmforge.stages import VERBS\n\n    return VERBS\n")
-    ckpt = tmp_path / "lmforge" / "model" / "checkpoint.py"  # model reading DCP shards itself
-    ckpt.write_text(ckpt.read_text() + "\n\ndef _planted():\n    from lmforge.distributed.checkpoint import read_model_state\n"
-                    "\n    return read_model_state\n")
+    reward = tmp_path / "lmforge" / "model" / "reward.py"  # model reading DCP shards itself
+    reward.write_text(reward.read_text() + "\n\ndef _planted():\n    from lmforge.distributed.checkpoint import read_model_state\n"
+                      "\n    return read_model_state\n")
+    load = tmp_path / "lmforge" / "checkpoints" / "load.py"  # loading a model reaching up into the training room
+    load.write_text(load.read_text() + "\n\ndef _planted():\n    from lmforge.train.checkpoint import ResumeState\n"
+                    "\n    return ResumeState\n")
     result = lint_imports(tmp_path, tmp_path / "pyproject.toml")
     out = result.stdout
     assert result.returncode != 0, out
     assert "lmforge layers (docs/ARCHITECTURE.md) BROKEN" in out and "lmforge.core.io -> lmforge.stages" in out
-    assert "lmforge.model.checkpoint -> lmforge.distributed.checkpoint" in out
+    assert "lmforge.checkpoints.load -> lmforge.train.checkpoint" in out
+    assert "lmforge.model.reward -> lmforge.distributed.checkpoint" in out
     assert "2 broken" in out

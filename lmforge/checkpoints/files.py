@@ -17,7 +17,7 @@ Weights holding NaN or inf are refused on loading, so a run that diverged is nev
 or served from its poisoned state.
 
 This module reads and writes one checkpoint directory of the single-file kind; finding a
-run's checkpoints and reading either kind is ``lmforge.train.checkpoint``'s (``load_model``).
+run's checkpoints and reading either kind is ``lmforge.checkpoints.load``'s (``load_model``).
 """
 
 from __future__ import annotations

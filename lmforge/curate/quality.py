@@ -382,8 +382,8 @@ class PerplexityScore(_ScoreCut):
         if self._loaded is None:
             import torch
 
+            from lmforge.checkpoints.load import load_model
             from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
-            from lmforge.train.checkpoint import load_model
 
             model, directory = load_model(self.cfg.checkpoint, device=self.cfg.device)
             model.eval()

@@ -29,11 +29,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import load_model
 from lmforge.core.run import progress_bar
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine, GenerationConfig, Request
-from lmforge.train.checkpoint import load_model
-from lmforge.train.loop import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -53,14 +53,14 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine, GenerationConfig, Request
-from lmforge.train.checkpoint import load_model
-from lmforge.train.loop import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from lmforge.checkpoints.files import load_model_config
+from lmforge.checkpoints.load import load_model, load_reward_model, resolve_checkpoint
 from lmforge.core.config import ConfigError, at_least
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import load_model_config
 from lmforge.model.reward import HEAD_FILE, model_inputs
 from lmforge.model.transformer import Transformer
 from lmforge.model.value import ValueModel, value_head
 from lmforge.rl.rewards import RewardConfig
-from lmforge.train.checkpoint import load_model, load_reward_model, resolve_checkpoint
 
 CRITIC_FILE = "critic.safetensors"
 

@@ -42,6 +42,7 @@ from typing import Literal
 
 import torch
 
+from lmforge.checkpoints.load import load_reward_model, resolve_checkpoint
 from lmforge.core.config import ConfigError, at_least, in_range, plugin_field, positive
 from lmforge.core.io import InputError
 from lmforge.data.chat import tokenize_segments
@@ -50,7 +51,6 @@ from lmforge.data.sft_demo import exact_match as demo_exact_match
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.answers import edit_similarity, exact_match, final_answer, numeric_match
 from lmforge.rl.rollout import Rollout
-from lmforge.train.checkpoint import load_reward_model, resolve_checkpoint
 
 Kind = Literal["exact_match", "numeric_match", "regex", "demo_exact_match", "similarity", "reward_model", "callable"]
 FIELD_KINDS = ("exact_match", "numeric_match", "demo_exact_match", "similarity")  # the kinds that read a prompt field

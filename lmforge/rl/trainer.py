@@ -48,12 +48,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from lmforge.checkpoints.files import load_weights
 from lmforge.core.config import ConfigError, at_least, positive
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.inference.engine import release_decoding_view
-from lmforge.model.checkpoint import load_weights
 from lmforge.model.transformer import Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora, disable_adapters, lora_modules
 from lmforge.rl.advantages import (

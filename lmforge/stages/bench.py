@@ -23,9 +23,9 @@ from typing import Literal
 
 import torch
 
+from lmforge.checkpoints.device import resolve_device
 from lmforge.core.config import load_config, positive
 from lmforge.core.run import log
-from lmforge.train.loop import resolve_device
 from lmforge.train.metrics import (
     STABLE_SECONDS,
     STABLE_SIZE,

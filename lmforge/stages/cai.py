@@ -49,6 +49,8 @@ from typing import Literal
 
 import torch
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import load_model, resolve_checkpoint
 from lmforge.core.config import ConfigError, load_config, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
 from lmforge.core.run import log, progress_bar, record_config, run_dir_lock, start_run
@@ -60,8 +62,6 @@ from lmforge.feedback.labels import PairToJudge, judge_pairs, pair_output
 from lmforge.feedback.revise import ToRevise, draw_principle, revise
 from lmforge.rl.prompts import Prompt, read_prompts
 from lmforge.rl.rollout import Rollout, RolloutConfig, RolloutState, sample_rollouts
-from lmforge.train.checkpoint import load_model, resolve_checkpoint
-from lmforge.train.loop import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGS = {"revise": "trace.jsonl", "label": "judgements.jsonl"}

@@ -26,11 +26,12 @@ from typing import Literal, NamedTuple
 
 from safetensors.torch import save_file
 
+from lmforge.checkpoints.files import TOKENIZER_FILES, WEIGHTS, load_model_config
+from lmforge.checkpoints.load import read_checkpoint_weights, resolve_checkpoint
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.chatml import CHATML_TEMPLATE
-from lmforge.model.checkpoint import TOKENIZER_FILES, WEIGHTS, load_model_config
 from lmforge.model.hf import (
     HF_WEIGHTS,
     cast_weights,
@@ -42,7 +43,6 @@ from lmforge.model.hf import (
     special_token_ids,
     state_dict_to_hf,
 )
-from lmforge.train.checkpoint import read_checkpoint_weights, resolve_checkpoint
 
 
 @dataclass
@@ -134,10 +134,10 @@ def export_tokenizer(ckpt: Path, merging: bool) -> ExportTokenizer | None:
 
 def merged_state(ckpt: Path, adapter_dir: str) -> dict:
     """The checkpoint's weights with a PEFT-format adapter merged in: W + s·BA (DoRA: (m/n)(W + s·BA))."""
-    from lmforge.model.checkpoint import model_state_for_saving
+    from lmforge.checkpoints.files import model_state_for_saving
+    from lmforge.checkpoints.load import load_model
     from lmforge.peft.adapters import load_adapter
     from lmforge.peft.lora import merge_lora
-    from lmforge.train.checkpoint import load_model
 
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise InputError(f"{adapter_dir}: no adapter_config.json; give a PEFT-format adapter folder (an sft run's adapter/)")

@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 import lmforge.objectives.reference as references
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.files import TOKENIZER_FILES, load_model_config
+from lmforge.checkpoints.load import load_model, resolve_checkpoint
 from lmforge.core.config import ConfigError, positive, seed_field
 from lmforge.core.io import InputError, atomic_write_json, expand_paths
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
@@ -42,14 +45,12 @@ from lmforge.distributed.mesh import (
     resolve_layout,
 )
 from lmforge.distributed.parallelize import reshard
-from lmforge.model.checkpoint import TOKENIZER_FILES, load_model_config
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.reference import Reference, precompute_logprobs
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
-from lmforge.train.checkpoint import load_model, resolve_checkpoint
 from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
-from lmforge.train.loop import TrainConfig, autocast_context, evaluate, resolve_device, run_precision, train
+from lmforge.train.loop import TrainConfig, autocast_context, evaluate, run_precision, train
 from lmforge.train.prepare import prepare_model
 
 BASE_EXPORT = "base-hf"  # a LoRA run's base as a Hugging Face folder, the base its adapter names

@@ -28,6 +28,8 @@ from typing import Literal
 
 import torch
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import at_least, load_config, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
@@ -35,8 +37,6 @@ from lmforge.data.chat import chat_prompt_ids, read_sft_records
 from lmforge.data.chatml import IM_END, ExampleError, validate_messages
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
-from lmforge.train.checkpoint import load_model
-from lmforge.train.loop import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

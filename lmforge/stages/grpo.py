@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import ConfigError, positive, seed_field
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
@@ -51,7 +52,6 @@ from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import GRPOConfig, RolloutBatches, SamplingCopy, reference_policy
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.scoring import ScoreConfig, named_scorer, task_changes
-from lmforge.train.checkpoint import load_model
 from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
 from lmforge.train.prepare import prepare_model

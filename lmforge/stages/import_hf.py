@@ -22,10 +22,10 @@ from typing import Literal
 
 from safetensors.torch import save_file
 
+from lmforge.checkpoints.files import MODEL_CONFIG, TOKENIZER_FILES, WEIGHTS, write_checksums
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, read_json
 from lmforge.core.run import log
-from lmforge.model.checkpoint import MODEL_CONFIG, TOKENIZER_FILES, WEIGHTS, write_checksums
 from lmforge.model.hf import (
     SUPPORTED_ARCHITECTURES,
     cast_weights,

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import checkpoint_dirs
 from lmforge.core.config import ConfigError
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
@@ -46,16 +48,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
-from lmforge.train.checkpoint import checkpoint_dirs
-from lmforge.train.loop import (
-    TrainConfig,
-    ValidationSet,
-    accumulation_steps,
-    precision_line,
-    resolve_device,
-    run_precision,
-    train,
-)
+from lmforge.train.loop import TrainConfig, ValidationSet, accumulation_steps, precision_line, run_precision, train
 from lmforge.train.metrics import is_domain_loss, loss_curve_lines
 from lmforge.train.prepare import prepare_model
 

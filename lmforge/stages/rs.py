@@ -39,6 +39,8 @@ from typing import Literal
 
 import torch
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import ConfigError, at_least, in_range, positive
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
 from lmforge.core.run import log, progress_bar, record_config, run_dir_lock, start_run
@@ -47,8 +49,6 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.rl.prompts import Prompt, read_prompts
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig, RolloutState, sample_rollouts
-from lmforge.train.checkpoint import load_model
-from lmforge.train.loop import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHUNKS = "chunks"

@@ -29,13 +29,13 @@ from typing import Literal
 
 import torch
 
+from lmforge.checkpoints.device import resolve_device
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import in_range, load_config, positive
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine
-from lmforge.train.checkpoint import load_model
-from lmforge.train.loop import resolve_device
 
 try:
     from lmforge.serve.app import Served, create_app

@@ -1,7 +1,7 @@
 """Training checkpoints: the model checkpoint plus everything needed to resume exactly.
 
 ``run_dir/checkpoints/step_00000100/`` holds the model files (see
-``lmforge.model.checkpoint``) plus ``optimizer.pt``, ``rng.pt`` (torch RNG states),
+``lmforge.checkpoints.files``) plus ``optimizer.pt``, ``rng.pt`` (torch RNG states),
 ``trainer_state.json`` (step, tokens seen, loader and loss-scaler state) and the
 resolved ``config.yaml``. Each is written into a temporary directory that is renamed
 into place, with checksums; only the newest ``keep`` checkpoints are kept.
@@ -16,9 +16,8 @@ A background save is committed as soon as every rank's shards are on disk
 (``commit_if_written``), and the temporary directories of a killed run's unfinished saves
 are removed when the next run starts (``remove_unfinished_checkpoints``).
 
-Finding a run's checkpoints (``latest_valid_checkpoint``, ``resolve_checkpoint``) and loading
-a model from a checkpoint of either kind or from a run directory (``load_model``) live here
-too: what stages call to load "a checkpoint or a run".
+Finding a run's checkpoints and loading a model from one (``resolve_checkpoint``,
+``load_model``) are ``lmforge.checkpoints.load``'s.
 """
 
 from __future__ import annotations
@@ -36,6 +35,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lmforge.checkpoints.files import (
+    WEIGHTS,
+    load_weights,
+    nonfinite_weights,
+    read_weights,
+    verify_checksums,
+    write_checksums,
+    write_model_config,
+    write_model_files,
+)
+from lmforge.checkpoints.load import check_finite_checkpoint, checkpoint_dir, checkpoint_dirs
 from lmforge.core.config import save_config
 from lmforge.core.io import (
     InputError,
@@ -46,38 +56,12 @@ from lmforge.core.io import (
     replace_directory,
     temporary_directory,
 )
-from lmforge.distributed.checkpoint import (
-    is_sharded_checkpoint,
-    iter_model_state,
-    load_sharded,
-    read_model_state,
-    save_sharded,
-)
-from lmforge.model.checkpoint import (
-    MODEL_CONFIG,
-    WEIGHTS,
-    build_model,
-    check_finite_state,
-    check_finite_weights,
-    load_model_config,
-    load_weights,
-    nonfinite_weights,
-    read_weights,
-    verify_checksums,
-    write_checksums,
-    write_model_config,
-    write_model_files,
-)
-from lmforge.model.reward import RewardModel, with_reward_head
+from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, read_model_state, save_sharded
 from lmforge.model.transformer import Transformer
 
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 TRAINER_STATE = "trainer_state.json"
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -289,89 +273,3 @@ def commit_if_written(pending: list[PendingCheckpoint], device: torch.device) ->
     written = torch.tensor(float(future is None or future.done()), device=device)
     dist.all_reduce(written, op=dist.ReduceOp.MIN)
     return pending.pop(0).commit() if written.item() == 1.0 else None
-
-
-# --------------------------------------------------------------------------- finding and loading a run's checkpoints
-
-
-def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
-    """A training run's ``checkpoints/step_N`` directories, oldest step first (N is zero-padded)."""
-    return sorted((Path(run_dir) / "checkpoints").glob("step_*"))
-
-
-def _weights_in_shards(directory: Path) -> bool:
-    """Whether ``directory`` holds its weights only as a distributed run's DCP shards."""
-    return not (directory / WEIGHTS).is_file() and is_sharded_checkpoint(directory)
-
-
-def check_finite_checkpoint(directory: str | Path) -> None:
-    """Refuse a checkpoint of either kind whose weights hold NaN or inf, reading one tensor (or,
-    sharded, about a GiB) at a time; an ``InputError`` names the tensors."""
-    directory = Path(directory)
-    check_finite_weights(directory, iter_model_state(directory) if _weights_in_shards(directory) else None)
-
-
-def read_checkpoint_weights(directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """A checkpoint's weights by parameter name: ``model.safetensors``, or else the shards of a
-    distributed (DCP) checkpoint, gathered in this process whatever layout wrote them. Weights
-    holding NaN or inf are an ``InputError`` (a diverged run's: nothing to generate or export from)."""
-    directory = Path(directory)
-    if not _weights_in_shards(directory):
-        return read_weights(directory, device)
-    try:
-        state = {k: v.to(device) for k, v in read_model_state(directory).items()}
-    except InputError:
-        raise
-    except Exception as exc:  # DCP raises its own error types for truncated files
-        raise InputError(f"{directory}: cannot read weights: {exc}") from exc
-    check_finite_state(directory, state)
-    return state
-
-
-def latest_valid_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest ``run_dir/checkpoints/step_*`` whose checksums verify and whose weights are finite;
-    a corrupt or non-finite one is skipped with a warning."""
-    from lmforge.core.run import log
-
-    for candidate in reversed(checkpoint_dirs(run_dir)):
-        try:
-            verify_checksums(candidate)
-            check_finite_checkpoint(candidate)
-            return candidate
-        except InputError as exc:
-            log.warning("skipping checkpoint %s: %s", candidate, exc)
-    return None
-
-
-def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
-    """A checkpoint directory, a fine-tuning run's ``final/``, or the newest valid checkpoint of a
-    run directory; with ``verify``, the one returned has had its checksums checked."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: not a checkpoint: the path does not exist (give a checkpoint directory or a run directory)")
-    if (path / "config.json").is_file() and not (path / MODEL_CONFIG).is_file():
-        raise InputError(f"{path}: a Hugging Face model folder, not an lmforge checkpoint; convert it first with "
-                         f"`lmforge import {path} <checkpoint_dir>`")
-    for direct in (path, path / "final"):  # final/: a fine-tuning run's finished (merged) model
-        if (direct / WEIGHTS).is_file() or is_sharded_checkpoint(direct):
-            if verify:
-                verify_checksums(direct)
-            return direct
-    latest = latest_valid_checkpoint(path)
-    if latest is None:
-        raise InputError(f"{path}: not a checkpoint (no {WEIGHTS}) and no valid checkpoint under {path / 'checkpoints'}")
-    return latest
-
-
-def load_model(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> tuple[Transformer, Path]:
-    """Build the model saved at ``path`` (a checkpoint of either kind, or a run directory: see
-    ``resolve_checkpoint``) and load its weights; return it and the checkpoint directory used."""
-    directory = resolve_checkpoint(path, verify)
-    cfg = load_model_config(directory)
-    return build_model(cfg, read_checkpoint_weights(directory, device), str(directory), device), directory
-
-
-def load_reward_model(path: str | Path, device: str | torch.device = "cpu") -> RewardModel:
-    """A reward model saved by ``lmforge reward`` (its ``final/`` directory or run directory)."""
-    backbone, directory = load_model(path, device=device)
-    return with_reward_head(backbone, directory, device)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.checkpoints.load import checkpoint_dirs, latest_valid_checkpoint
 from lmforge.core.config import to_dict
 from lmforge.core.io import InputError
 from lmforge.core.run import log, record_config
@@ -27,9 +28,7 @@ from lmforge.distributed.mesh import ParallelContext
 from lmforge.train.checkpoint import (
     PendingCheckpoint,
     ResumeState,
-    checkpoint_dirs,
     commit_if_written,
-    latest_valid_checkpoint,
     load_training_checkpoint,
     read_resume_state,
     remove_unfinished_checkpoints,

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from lmforge.checkpoints.files import load_weights, write_checksums, write_model_files
 from lmforge.core.io import atomic_directory
 from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import remove_activation_checkpointing
-from lmforge.model.checkpoint import load_weights, write_checksums, write_model_files
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora

@@ -109,22 +109,6 @@ class TrainConfig:
             raise ValueError(f"max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}")
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto``: the first GPU if there is one, else the CPU; a GPU asked for must be there."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise InputError(f"device {name!r} is not a device (use auto, cpu, cuda or cuda:N): {exc}") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"device {name!r}: this PyTorch ({torch.__version__}) sees no CUDA GPU; use device=auto or cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise InputError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
-    return device
-
-
 def accumulation_steps(cfg: TrainConfig, tokens_per_micro_batch: int, world_size: int = 1) -> int:
     """Micro-batches per optimizer step so that a step sees about ``batch_tokens`` tokens."""
     if cfg.batch_tokens is None:

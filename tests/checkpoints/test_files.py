@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-import lmforge.model.checkpoint as checkpoint
+import lmforge.checkpoints.files as checkpoint
+from lmforge.checkpoints.files import read_weights, verify_checksums, write_checksums, write_model_files
+from lmforge.checkpoints.load import load_model
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import read_weights, verify_checksums, write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from lmforge.train.checkpoint import load_model
 
 
 @pytest.fixture()

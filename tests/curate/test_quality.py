@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.core.io import InputError
 from lmforge.curate.quality import (
     ClassifierConfig,
@@ -22,7 +23,6 @@ from lmforge.curate.quality import (
 )
 from lmforge.data.documents import Document
 from lmforge.data.tokenizer import token_byte_lengths
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from tests.conftest import write_jsonl
@@ -199,7 +199,7 @@ def test_perplexity_ranks_in_domain_text_below_shuffled_and_garbled(lm_checkpoin
 
 
 def test_document_nll_matches_an_unbatched_forward_pass(lm_checkpoint, small_tokenizer, corpus_texts):
-    from lmforge.train.checkpoint import load_model
+    from lmforge.checkpoints.load import load_model
 
     model, _ = load_model(lm_checkpoint)
     model.eval()

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from lmforge.checkpoints.files import write_checksums
+from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.core.io import InputError
 from lmforge.distributed.checkpoint import read_model_state, save_sharded, sharded_state
-from lmforge.model.checkpoint import write_checksums
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.pretrain import run_pretrain
-from lmforge.train.checkpoint import load_model
 from lmforge.train.optim import build_adamw
 
 
@@ -134,9 +134,9 @@ def test_a_background_checkpoint_is_committed_once_its_shards_are_written_not_at
     from concurrent.futures import Future
 
     import lmforge.train.checkpoint as train_checkpoint
+    from lmforge.checkpoints.files import verify_checksums
     from lmforge.data.shards import read_manifest
     from lmforge.data.tokenizer import Tokenizer
-    from lmforge.model.checkpoint import verify_checksums
     from lmforge.stages.pretrain import run_pretrain_distributed
     from lmforge.train.step import StepRunner
 

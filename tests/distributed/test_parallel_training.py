@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.checkpoints.files import read_weights
+from lmforge.checkpoints.load import load_model
 from lmforge.distributed.checkpoint import read_model_state
-from lmforge.model.checkpoint import read_weights
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.pretrain import run_pretrain
-from lmforge.train.checkpoint import load_model
 from lmforge.train.metrics import read_metrics
 from tests.distributed.conftest import assert_adamw_weights_match, torchrun
 

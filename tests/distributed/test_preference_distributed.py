@@ -23,13 +23,13 @@ import math
 import pytest
 from safetensors.torch import load_file
 
+from lmforge.checkpoints.load import load_reward_model
 from lmforge.core.config import load_config
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
 from lmforge.data.sft_demo import make_examples
 from lmforge.stages.dpo import DPORecipe, run_dpo
 from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.reward import RewardRecipe, run_reward
-from lmforge.train.checkpoint import load_reward_model
 from lmforge.train.metrics import read_metrics
 from tests.distributed.conftest import assert_adamw_weights_match, torchrun
 from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tests/stages)

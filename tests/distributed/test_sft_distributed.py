@@ -13,10 +13,10 @@ import json
 import pytest
 from safetensors.torch import load_file
 
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import load_config
 from lmforge.data.sft_demo import write_demo
 from lmforge.stages.sft import SFTRecipe, run_sft
-from lmforge.train.checkpoint import load_model
 from lmforge.train.metrics import read_metrics
 from tests.distributed.conftest import assert_adamw_weights_match, torchrun
 from tests.stages.conftest import base_checkpoint  # noqa: F401  (fixture of tests/stages)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.sft_demo import make_examples
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.feedback.judges import Comparison, comparison_messages
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from tests.conftest import write_jsonl

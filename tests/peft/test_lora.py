@@ -13,15 +13,15 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
+from lmforge.checkpoints.load import load_model
 from lmforge.core.io import atomic_directory
 from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import load_adapter, save_adapter
 from lmforge.peft.lora import LoraConfig, LoraLinear, apply_lora, lora_modules, lora_state_dict, merge_lora
 from lmforge.stages.export import ExportRecipe, run_export
-from lmforge.train.checkpoint import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft")  # the reference these tests compare against (a dev dependency)

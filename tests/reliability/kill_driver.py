@@ -84,8 +84,8 @@ def _training_points() -> None:
     """Kill points of a training stage: mid-step, each file of a checkpoint, metrics, config."""
     import torch
 
+    import lmforge.checkpoints.files as model_ckpt
     import lmforge.core.io as io
-    import lmforge.model.checkpoint as model_ckpt
     import lmforge.train.checkpoint as train_ckpt
     import lmforge.train.checkpointer as checkpointer
     from lmforge.train.metrics import MetricsLogger

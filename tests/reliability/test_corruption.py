@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmforge.checkpoints.files import write_checksums
+from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import write_checksums
 from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
-from lmforge.train.checkpoint import load_model
 from lmforge.train.metrics import read_metrics
 from tests.train.conftest import tiny_pretrain_overrides
 

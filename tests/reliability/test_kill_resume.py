@@ -90,7 +90,7 @@ def test_pretraining_killed_anywhere_resumes_to_the_uninterrupted_losses_and_wei
 def test_sft_killed_anywhere_resumes_to_the_uninterrupted_losses_and_weights(tmp_path, small_tokenizer_dir):
     import torch
 
-    from lmforge.model.checkpoint import write_checksums, write_model_files
+    from lmforge.checkpoints.files import write_checksums, write_model_files
     from lmforge.model.config import ModelConfig
     from lmforge.model.transformer import Transformer
 

@@ -9,10 +9,10 @@ import os
 
 import pytest
 
+from lmforge.checkpoints.files import verify_checksums
+from lmforge.checkpoints.load import checkpoint_dirs
 from lmforge.cli.main import main
 from lmforge.core.io import is_temporary
-from lmforge.model.checkpoint import verify_checksums
-from lmforge.train.checkpoint import checkpoint_dirs
 from tests.conftest import write_jsonl
 from tests.train.conftest import tiny_pretrain_overrides
 

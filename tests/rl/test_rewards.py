@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.preference import tokenize_completion
 from lmforge.data.tokenizer import TokenizerConfig, train_tokenizer
 from lmforge.eval.answers import edit_similarity, exact_match, final_answer, levenshtein, numeric_match
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import RewardModel
 from lmforge.model.transformer import Transformer

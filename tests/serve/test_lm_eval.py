@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from lmforge.checkpoints.load import load_model
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
-from lmforge.train.checkpoint import load_model
 from tests.conftest import write_jsonl
 from tests.serve.conftest import MODEL_NAME
 

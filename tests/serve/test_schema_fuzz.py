@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmforge.model.checkpoint import write_checksums, write_model_files
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from tests.serve.conftest import MODEL_NAME, start_server

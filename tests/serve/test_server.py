@@ -16,11 +16,11 @@ import pytest
 import requests
 import torch
 
+from lmforge.checkpoints.load import load_model
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
-from lmforge.train.checkpoint import load_model
 from tests.conftest import REPO
 from tests.serve.conftest import MODEL_NAME, start_server
 
@@ -478,7 +478,7 @@ def probe(url: str) -> bool:
 def ender_checkpoint(directory, tokenizer_dir, token: int):
     """A model that answers every context with ``token``: its final LayerNorm's gain is zero and
     its bias a unit vector, so only ``token``'s row of the head sees it (logit 10, others 0)."""
-    from lmforge.model.checkpoint import write_checksums, write_model_files
+    from lmforge.checkpoints.files import write_checksums, write_model_files
     from lmforge.model.config import ModelConfig
     from lmforge.model.transformer import Transformer
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lmforge.model.checkpoint import write_checksums, write_model_files
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 

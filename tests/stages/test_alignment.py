@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.checkpoints.load import load_model, load_reward_model
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError
 from lmforge.data.preference_demo import make_pairs, unpair, write_jsonl
@@ -16,7 +17,6 @@ from lmforge.data.sft_demo import make_examples
 from lmforge.stages.dpo import DPORecipe, run_dpo
 from lmforge.stages.kto import KTORecipe, run_kto
 from lmforge.stages.reward import RewardRecipe, run_reward
-from lmforge.train.checkpoint import load_model, load_reward_model
 from lmforge.train.metrics import read_metrics
 
 COMMON = ["data.max_length=96", "train.max_steps=4", "train.warmup_steps=0", "train.lr=1e-3",

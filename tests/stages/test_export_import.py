@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
+from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.core.io import InputError, atomic_directory
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.import_hf import ImportRecipe, run_import
-from lmforge.train.checkpoint import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: the reference these tests compare against)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.cli.main import main
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.stages.generate import GenerateRecipe, run_generate

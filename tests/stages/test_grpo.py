@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import lmforge.rl.trainer as trainer
+from lmforge.checkpoints.files import load_weights
+from lmforge.checkpoints.load import load_model, read_checkpoint_weights
 from lmforge.core.config import ConfigError, load_config
-from lmforge.model.checkpoint import load_weights
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.grpo import GRPORecipe, run_grpo
 from lmforge.stages.grpo import report as grpo_report
-from lmforge.train.checkpoint import load_model, read_checkpoint_weights
 from lmforge.train.metrics import read_metrics
 from tests.conftest import write_jsonl
 

@@ -12,16 +12,16 @@ import torch
 from safetensors.torch import load_file
 
 import lmforge.rl.trainer as trainer
+from lmforge.checkpoints.files import write_checksums, write_model_files
+from lmforge.checkpoints.load import load_model, read_checkpoint_weights
 from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError
 from lmforge.data.tokenizer import TokenizerConfig, train_tokenizer
-from lmforge.model.checkpoint import write_checksums, write_model_files
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import HEAD_FILE, RewardModel
 from lmforge.model.transformer import Transformer
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.ppo import PPORecipe, run_ppo
-from lmforge.train.checkpoint import load_model, read_checkpoint_weights
 from lmforge.train.metrics import read_metrics
 
 REWARD = ["reward.components=[{kind: regex, pattern: 'e'}]"]

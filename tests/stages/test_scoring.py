@@ -4,13 +4,13 @@ reward's mean and the exact KL to a reference along the answers."""
 import pytest
 import torch
 
+from lmforge.checkpoints.load import load_model
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.rl.kl import exact_kl
 from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Reward, RewardComponentConfig, RewardConfig
 from lmforge.rl.rollout import rollout_batch
 from lmforge.stages.scoring import exact_match_accuracy, exact_match_tasks, held_out_scores
-from lmforge.train.checkpoint import load_model
 
 
 def text_length(response: str, prompt) -> float:

@@ -3,12 +3,12 @@ import json
 import pytest
 import torch
 
+from lmforge.checkpoints.load import load_model
 from lmforge.core.config import load_config
 from lmforge.core.io import InputError
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import write_demo
 from lmforge.stages.sft import SFTRecipe, run_sft
-from lmforge.train.checkpoint import load_model
 from lmforge.train.metrics import read_metrics
 
 

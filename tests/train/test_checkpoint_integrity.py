@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lmforge.checkpoints.files import write_checksums
+from lmforge.checkpoints.load import latest_valid_checkpoint, load_model
 from lmforge.core.io import InputError
-from lmforge.model.checkpoint import write_checksums
 from lmforge.stages.pretrain import run_pretrain
-from lmforge.train.checkpoint import latest_valid_checkpoint, load_model
 from lmforge.train.metrics import read_metrics
 
 

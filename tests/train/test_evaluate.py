@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 
+from lmforge.checkpoints.load import load_model
 from lmforge.core.io import InputError
 from lmforge.data.documents import DocumentsConfig
 from lmforge.data.shards import read_manifest
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.stages.prepare import PrepareRecipe, run_prepare
 from lmforge.stages.pretrain import report, run_pretrain, validation_loader
-from lmforge.train.checkpoint import load_model
 from lmforge.train.evaluate import Evaluator, ValidationSet, combine_domains, evaluate
 from lmforge.train.metrics import read_metrics
 from lmforge.train.step_log import format_step

@@ -127,7 +127,7 @@ def test_activation_checkpointing_and_compile_keep_the_losses(make_recipe, tmp_p
     run_pretrain(make_recipe(tmp_path / "compiled", **base, **{"train.compile": True}))
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-4)
     # parameter names are unchanged by the wrapper: the checkpoint loads into a plain model
-    from lmforge.train.checkpoint import load_model
+    from lmforge.checkpoints.load import load_model
 
     load_model(tmp_path / "ac")
 
