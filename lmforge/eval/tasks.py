@@ -61,10 +61,28 @@ KEYS = {
     "description", "target_delimiter", "fewshot_delimiter", "num_fewshot", "output_type", "generation_kwargs",
     "repeats", "metric_list", "filter_list", "metadata",
 }
-HARNESS_ONLY_KEYS = {  # keys of the harness's TaskConfig that lmforge eval does not implement
-    "include", "group", "custom_dataset", "process_docs", "doc_to_image", "doc_to_audio", "unsafe_code",
-    "process_results", "use_prompt", "fewshot_config", "should_decontaminate", "doc_to_decontamination_query",
-    "gen_prefix", "class",
+# Keys of the harness's TaskConfig that lmforge eval does not implement: what each would do. A
+# harness file that sets one to a value that changes nothing (its default) runs unchanged.
+HARNESS_ONLY_KEYS = {
+    "include": "reads another task file as this one's base",
+    "group": "makes the file a group of tasks (write a suite: group + a task list)",
+    "class": "uses a Python task class",
+    "custom_dataset": "builds the dataset with Python code",
+    "process_docs": "transforms each document with a Python function",
+    "process_results": "scores each answer with a Python function",
+    "doc_to_image": "adds an image to each prompt",
+    "doc_to_audio": "adds audio to each prompt",
+    "unsafe_code": "runs code the model wrote to score it",
+    "use_prompt": "takes the prompt from promptsource",
+    "fewshot_config": "chooses and formats the few-shot examples its own way (sampler, samples, delimiters)",
+    "should_decontaminate": "checks test documents for overlap with training data",
+    "doc_to_decontamination_query": "names the text the decontamination check compares",
+    "gen_prefix": "writes text after the prompt that the answer continues from",
+}
+INERT_VALUES = {  # the harness's defaults: set to one of these, the key does nothing
+    "should_decontaminate": (False,), "unsafe_code": (False,), "doc_to_decontamination_query": (None,),
+    "process_docs": (None,), "process_results": (None,), "doc_to_image": (None,), "doc_to_audio": (None,),
+    "use_prompt": (None,), "gen_prefix": (None, ""), "fewshot_config": (None,), "custom_dataset": (None,),
 }
 
 
@@ -377,8 +395,12 @@ def check_keys(config: dict, path: Path, lines: dict[str, int]) -> None:
     for key in config:
         where = f"{path}:{lines.get(key, '?')}"
         if key in HARNESS_ONLY_KEYS:
-            raise InputError(f"{where}: {key}: a harness key that lmforge eval does not support "
-                             f"(supported: {', '.join(sorted(KEYS))})")
+            value = config[key]
+            if any(value is inert or (value == inert and type(value) is type(inert)) for inert in INERT_VALUES.get(key, ())):
+                continue  # the harness's default: a file written for the harness runs unchanged
+            raise InputError(f"{where}: {key} = {value!r}: in lm-evaluation-harness it {HARNESS_ONLY_KEYS[key]}, "
+                             "which lmforge eval does not do; remove the key"
+                             + (f" or set it to {INERT_VALUES[key][0]!r}" if key in INERT_VALUES else ""))
         if key not in KEYS:
             close = difflib.get_close_matches(str(key), sorted(KEYS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -61,13 +61,32 @@ def test_a_document_missing_a_template_field_names_the_file_line_and_key(tmp_pat
     (("num_fewshot: 2", "num_fewshots: 2"), r"task\.yaml:13: unknown key 'num_fewshots'; did you mean 'num_fewshot'"),
     (("num_fewshot: 2", "process_docs: !function utils.process"), r"task\.yaml:13:\d+: '!function utils.process' runs Python"),
     (("num_fewshot: 2", "num_fewshot: [2"), r"task\.yaml:\d+:\d+: "),
-    (("num_fewshot: 2", "gen_prefix: 'A:'"), r"task\.yaml:13: gen_prefix: a harness key that lmforge eval does not support"),
+    (("num_fewshot: 2", "gen_prefix: 'A:'"), r"task\.yaml:13: gen_prefix = 'A:': in lm-evaluation-harness it writes "
+                                             r"text after the prompt .* lmforge eval does not do; remove the key or set it to None"),
+    (("num_fewshot: 2", "should_decontaminate: true"), r"task\.yaml:13: should_decontaminate = True: .* checks test "
+                                                       r"documents for overlap"),
+    (("num_fewshot: 2", "include: base.yaml"), r"task\.yaml:13: include = 'base.yaml': .* reads another task file .*"
+                                               r"remove the key$"),
     (("test_split: test", "test_split: dev"), r"task\.yaml:\d+: test_split: split 'dev' is not in the data files"),
 ])
 def test_bad_task_files_are_named_with_key_and_line(tmp_path, edit, message):
     path = mc_task(tmp_path, MC_YAML.replace(*edit))
     with pytest.raises(InputError, match=message):
         metric_specs(load_task(path))
+
+
+@pytest.mark.parametrize("lines", [
+    "should_decontaminate: false\ndoc_to_decontamination_query: null\nunsafe_code: false",
+    "process_docs: null\nprocess_results: null\nuse_prompt: null\nfewshot_config: null",
+    "gen_prefix: ''\ndoc_to_image: null\ndoc_to_audio: null\ncustom_dataset: null",
+])
+def test_harness_keys_set_to_values_that_change_nothing_run_unchanged(tmp_path, lines):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "harness").mkdir()
+    plain = load_task(mc_task(tmp_path / "plain"))
+    task = load_task(mc_task(tmp_path / "harness", MC_YAML + lines + "\n"))
+    assert [task.doc_to_text(d) for d in task.splits["test"]] == [plain.doc_to_text(d) for d in plain.splits["test"]]
+    assert [task.doc_to_target(d) for d in task.splits["test"]] == [plain.doc_to_target(d) for d in plain.splits["test"]]
 
 
 def test_doc_to_target_readings_follow_the_harness(tmp_path):
