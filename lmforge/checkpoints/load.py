@@ -31,6 +31,7 @@ from lmforge.model.transformer import Transformer
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where step ``step`` of the run ``run_dir`` is checkpointed (zero-padded: names sort by step)."""
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
