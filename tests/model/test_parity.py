@@ -37,6 +37,18 @@ VARIANTS = {
     "gpt2-like": dict(norm="layernorm", ffn="gelu", ffn_hidden=None, qkv_bias=True, out_bias=True, mlp_bias=True),
     "llama3-rope": dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                         rope_original_max_seq_len=16, tie_embeddings=True, n_kv_heads=2),
+    "linear-rope": dict(rope_scaling="linear", rope_factor=4.0, n_kv_heads=2),  # position interpolation
+    # head_dim 32: the ramp runs between pairs 1.4 and 4.5, so every YaRN key shapes the tables
+    "yarn-rope": dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_seq_len=64, rope_beta_fast=4.0, rope_beta_slow=0.5,
+                      rope_mscale=1.0, rope_mscale_all_dim=0.5, rope_truncate=False, n_kv_heads=2, head_dim=32),
+    "yarn-attention-factor": dict(rope_scaling="yarn", rope_factor=8.0, rope_original_max_seq_len=16, rope_attention_factor=1.2),
+    # The length-dependent types give each forward the frequencies of its length, so cached decoding
+    # equals a full recompute only where every forward falls on one side of the original context:
+    # dynamic NTK within it (past it, test_rope.py checks cached decoding against transformers' own cache),
+    # LongRoPE past it (its long factors; within it its short ones), with every prompt longer than 2.
+    "dynamic-ntk": dict(rope_scaling="dynamic", rope_factor=2.0, rope_original_max_seq_len=32, n_kv_heads=2),
+    "longrope": dict(rope_scaling="longrope", rope_factor=4.0, rope_original_max_seq_len=2, n_kv_heads=2,
+                     rope_short_factor=[1.0 + 0.5 * i for i in range(8)], rope_long_factor=[1.0 + 2.0 * i for i in range(8)]),
 }
 NOT_ARITHMETIC = {
     "preset": "names a set of the other fields' values, which the variants set directly",
