@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lmforge.checkpoints.load import checkpoint_dir, latest_valid_checkpoint
 from lmforge.core.config import (
     ConfigError,
     apply_override,
@@ -54,7 +55,6 @@ from lmforge.core.untrusted import path_name, read_yaml
 from lmforge.data.shards import read_manifest
 from lmforge.model.config import PRESETS, ModelConfig
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
-from lmforge.train.checkpoint import checkpoint_dir, latest_valid_checkpoint
 from lmforge.train.loop import accumulation_steps
 from lmforge.train.metrics import read_metrics
 from lmforge.train.step_log import format_eta
