@@ -1,1 +1,1 @@
-"""The transformer, its presets, checkpoints, Hugging Face naming and generation."""
+"""The transformer (one forward), its presets, RoPE scaling, Hugging Face naming, reward and value heads."""

@@ -90,7 +90,7 @@ class RewardModel(nn.Module):
 
 def with_reward_head(backbone: Transformer, directory: str | Path, device: str | torch.device = "cpu") -> RewardModel:
     """``backbone`` (loaded from the checkpoint ``directory``) with the reward head saved beside it
-    by ``lmforge reward``; ``lmforge.train.checkpoint.load_reward_model`` loads both from a path."""
+    by ``lmforge reward``; ``lmforge.checkpoints.load.load_reward_model`` loads both from a path."""
     head = Path(directory) / HEAD_FILE
     if not head.is_file():
         raise InputError(f"{directory}: no {HEAD_FILE}; this checkpoint is a language model, not a reward model")
