@@ -56,7 +56,7 @@ def dynamic_ntk_frequencies(cfg: ModelConfig, device: torch.device | None = None
     """
     theta, s, L, d = cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_seq_len, cfg.head_dim
     original = plain_inv_freq(theta * ((s * L / L) - (s - 1)) ** (d / (d - 2)), d, device)
-    if seq_len is None or (isinstance(seq_len, int) and seq_len <= L):
+    if seq_len is None or (not isinstance(seq_len, torch.Tensor) and seq_len <= L):
         return original, 1.0
     T = torch.as_tensor(seq_len, device=device)
     grown_theta = theta * ((s * torch.clamp(T, min=L) / L) - (s - 1)) ** (d / (d - 2))
@@ -127,10 +127,10 @@ def longrope_frequencies(cfg: ModelConfig, device: torch.device | None = None, s
         return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * cfg.rope_theta**shape)
 
     short = divided(cfg.rope_short_factor)
-    if seq_len is None or (isinstance(seq_len, int) and seq_len <= L):
+    if seq_len is None or (not isinstance(seq_len, torch.Tensor) and seq_len <= L):
         return short, attention
     long = divided(cfg.rope_long_factor)
-    if isinstance(seq_len, int):
+    if not isinstance(seq_len, torch.Tensor):
         return long, attention
     return torch.where((seq_len > L)[..., None], long, short), attention
 
