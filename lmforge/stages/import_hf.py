@@ -3,9 +3,9 @@ config.json plus model.safetensors, or shards listed in model.safetensors.index.
 an lmforge checkpoint directory: model.safetensors (our parameter names, the stored
 dtype kept), model.json, the folder's tokenizer.json + tokenizer_config.json, and
 checksums.json. load_model(out_dir) then computes the same logits as the HF model.
-Nothing is downloaded. Llama 3.1-style RoPE scaling (rope_type llama3) is kept; other
-RoPE scaling and quantized weights are refused, and a sliding window shorter than the
-context caps max_seq_len at the window.
+Nothing is downloaded. RoPE scaling of type linear, dynamic, yarn, longrope and llama3 is
+kept; other RoPE types, partial rotary and quantized weights are refused, and a sliding window
+shorter than the context caps max_seq_len at the window.
 
   lmforge import ~/models/SmolLM2-135M runs/smollm2-135m
 """

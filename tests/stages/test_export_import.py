@@ -256,9 +256,9 @@ def test_export_of_llama3_rope_scaling_loads_in_transformers_with_identical_logi
 
 
 def test_import_of_unsupported_rope_scaling_names_the_type(tmp_path, vocab_size):
-    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    rope = {"rope_type": "proportional", "rope_theta": 20000.0}
     hf_folder(tmp_path / "hf", small_hf_config("llama", vocab_size, rope_scaling=rope))
-    with pytest.raises(InputError, match=r"hf/config.json: RoPE scaling 'yarn' is not supported"):
+    with pytest.raises(InputError, match=r"hf/config.json: RoPE scaling 'proportional' is not supported"):
         run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
     assert not (tmp_path / "ckpt").exists()
 
