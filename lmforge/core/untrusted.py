@@ -114,7 +114,12 @@ def compose_yaml(text: str | bytes, source: str | Path, max_nodes: int = MAX_YAM
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InputError(f"{source}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
-    loader = _BoundedLoader(text)
+    try:
+        loader = _BoundedLoader(text)  # its reader refuses control characters at once
+    except yaml.reader.ReaderError as exc:
+        line, col = text.count("\n", 0, exc.position) + 1, exc.position - text.rfind("\n", 0, exc.position)
+        raise InputError(f"{source}:{line}:{col}: character {chr(exc.character)!r} is not allowed in YAML "
+                         "(a control character: is this a text file?)") from exc
     loader.max_nodes = max_nodes
     try:
         node = loader.get_single_node()

@@ -121,3 +121,8 @@ def test_templates_that_would_exhaust_memory_or_time_are_stopped(payload):
 def test_bounded_templates_still_do_ordinary_arithmetic_and_repetition():
     out = render_bounded(sandboxed_jinja().from_string("{{ '-' * 3 }}{{ 2 ** 10 }}{{ q }}{{ 1.5 ** 2 }}"), {"q": "?"})
     assert out == "---1024?2.25"
+
+
+def test_a_control_character_is_one_line_with_its_line_and_column():
+    with pytest.raises(InputError, match=r"^t\.yaml:2:4: character '\\x1b' is not allowed in YAML"):
+        load_yaml("a: 1\nb: \x1b\n", "t.yaml")
