@@ -12,7 +12,9 @@ The batch's cache is right-aligned: all rows write the same column each step, a 
 joined with a shorter history is padded on the left, and an attention mask hides the
 padding while each row's RoPE positions count from its own first token, so every row
 computes what it would alone. A batch with no padding takes the plain path (no mask, no
-position tables).
+position tables). A model whose every layer has a sliding window decodes into a ring of
+``sliding_window`` slots (``KVCache``): the key mask then follows the ring's slots, and a slot
+overwritten by a new token becomes a real key.
 
 Each generated token comes with its log-probability under the model (log-softmax of the
 raw logits in float32, temperature 1, before any penalty or truncation), and optionally the
@@ -47,7 +49,7 @@ from lmforge.core.config import at_least, in_range, positive, seed_field, unit_i
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.sampling import repetition_penalty, sample_next_token
 from lmforge.model.fused import fused_copy, is_plain, onednn_packs
-from lmforge.model.transformer import KVCache, positions_and_mask
+from lmforge.model.transformer import KVCache, positions_and_mask, ring_capacity, slot_times
 
 FinishReason = Literal["stop", "length"]
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -169,18 +171,26 @@ class Batch:
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The rows ``rows`` (a row may repeat: ``n`` samples of one prompt), in that order."""
-        cache = KVCache(written_rows(self.cache.k, rows, self.cache.length),
-                        written_rows(self.cache.v, rows, self.cache.length), self.cache.length)
+        c = self.cache
+        written = min(c.length, c.capacity)
+        cache = KVCache(written_rows(c.k, rows, written), written_rows(c.v, rows, written), c.length, c.window)
         key_mask = self.key_mask.index_select(0, rows) if self.key_mask is not None else None
-        return Batch(cache, unpadded(key_mask, cache.length), self.next_positions.index_select(0, rows),
+        return Batch(cache, unpadded(key_mask, written), self.next_positions.index_select(0, rows),
                      self.logits.index_select(0, rows))
 
     def spans(self) -> torch.Tensor:
-        """(B,) columns from each row's first real key to the cache's end."""
-        length = self.cache.length
+        """(B,) the real keys each row holds: from its first real key to the cache's end (on a ring, the slots' real ones)."""
+        written = min(self.cache.length, self.cache.capacity)
         if self.key_mask is None:
-            return torch.full((self.logits.shape[0],), length, device=self.logits.device)
-        return length - self.key_mask[:, :length].int().argmax(dim=1)
+            return torch.full((self.logits.shape[0],), written, device=self.logits.device)
+        return self.key_mask[:, :written].sum(dim=1)
+
+    def in_time_order(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys, values (layers, B, heads, n, head_dim) and key mask (B, n) of the last ``n`` positions, oldest first."""
+        c = self.cache
+        columns = torch.arange(c.length - n, c.length, device=c.k.device) % c.capacity
+        key_mask = self.key_mask[:, columns] if self.key_mask is not None else None
+        return c.k[:, :, :, columns], c.v[:, :, :, columns], key_mask
 
 
 def written_rows(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
@@ -229,10 +239,11 @@ def scored_prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: in
         hidden = model.hidden_states(tokens, kv_cache=cache)
         key_mask = None
     else:
-        slots = torch.arange(T + extra, device=param.device)[None]
-        key_mask = slots >= (T - lengths)[:, None]  # (B, T + extra): padding False, every slot after the prompt True
-        positions, mask = positions_and_mask(key_mask[:, :T])
+        real = torch.arange(T, device=param.device)[None] >= (T - lengths)[:, None]  # (B, T): padding False
+        positions, mask = positions_and_mask(real)
         hidden = model.hidden_states(tokens, positions=positions, attn_mask=mask, kv_cache=cache)
+        # (B, capacity), by the time each slot holds: padding False, every slot after the prompt True
+        key_mask = slot_times(T, cache.capacity, param.device)[None] >= (T - lengths)[:, None]
     # The head over the last position only: the model's forward is hidden_states then lm_head.
     batch = Batch(cache, key_mask, lengths[:, None].clone(), model.lm_head(hidden[:, -1]))
     return batch, {i: prompt_scores(model, hidden[i, T - len(prompts[i]) : -1], tokens[i, T - len(prompts[i]) + 1 :], top)
@@ -254,7 +265,8 @@ def merge(a: Batch, b: Batch, extra: int) -> Batch:
     for ``extra`` more tokens; columns no row still reads are dropped."""
     spans = torch.cat((a.spans(), b.spans()))
     width = int(spans.max())
-    capacity = width + extra
+    window = a.cache.window
+    capacity = ring_capacity(width + extra, window)
     k0 = a.cache.k
     shape = (k0.shape[0], len(spans), k0.shape[2], capacity, k0.shape[4])
     # zeros, not empty: padding columns are masked, and a masked NaN would still poison softmax
@@ -264,13 +276,13 @@ def merge(a: Batch, b: Batch, extra: int) -> Batch:
     start = 0
     for part in (a, b):
         rows = slice(start, start + part.logits.shape[0])
-        L = part.cache.length
-        n = min(L, width)
-        k[:, rows, :, width - n : width] = part.cache.k[:, :, :, L - n : L]
-        v[:, rows, :, width - n : width] = part.cache.v[:, :, :, L - n : L]
-        key_mask[rows, width - n : width] = True if part.key_mask is None else part.key_mask[:, L - n : L]
+        n = min(part.cache.length, part.cache.capacity, width)
+        part_k, part_v, part_mask = part.in_time_order(n)
+        k[:, rows, :, width - n : width] = part_k
+        v[:, rows, :, width - n : width] = part_v
+        key_mask[rows, width - n : width] = True if part_mask is None else part_mask
         start = rows.stop
-    return Batch(KVCache(k, v, width), unpadded(key_mask, width), torch.cat((a.next_positions, b.next_positions)),
+    return Batch(KVCache(k, v, width, window), unpadded(key_mask, width), torch.cat((a.next_positions, b.next_positions)),
                  torch.cat((a.logits, b.logits)))
 
 
@@ -279,7 +291,10 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, batch: Batch) -> None:
     if batch.key_mask is None:
         logits = model(tokens[:, None], kv_cache=batch.cache)
     else:
-        end = batch.cache.length + 1
+        cache = batch.cache
+        if cache.wraps(1):  # the ring's oldest slot takes this real token
+            batch.key_mask[:, cache.length % cache.capacity] = True
+        end = min(cache.length + 1, cache.capacity)
         logits = model(tokens[:, None], positions=batch.next_positions, attn_mask=batch.key_mask[:, None, None, :end],
                        kv_cache=batch.cache)
     batch.next_positions += 1

@@ -27,6 +27,7 @@ class ModelConfig:
     ffn_hidden: int | None = positive(None)  # None = 8/3 d_model rounded up to 64 (SwiGLU) or 4 d_model (GELU)
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = positive(1e-5)
+    positions: Literal["rope", "alibi"] = "rope"  # rope = rotary embeddings (rope_*); alibi = ALiBi's per-head linear distance bias (Press et al. 2022), no rotation
     rope_theta: float = positive(10000.0)
     # how RoPE stretches past rope_original_max_seq_len (model.rope): linear = position interpolation (PI),
     # dynamic = NTK-aware base growing with the sequence, yarn, longrope (Phi-3), llama3 (Llama 3.1)
@@ -44,6 +45,8 @@ class ModelConfig:
     rope_short_factor: list[float] | None = positive(None)  # longrope: head_dim/2 divisors of the frequencies, for sequences up to rope_original_max_seq_len
     rope_long_factor: list[float] | None = positive(None)  # longrope: head_dim/2 divisors of the frequencies, for longer sequences
     max_seq_len: int = positive(2048)
+    sliding_window: int | None = positive(None)  # a sliding layer's query sees the last this many positions, itself included (Mistral, Qwen2); None = every layer sees all
+    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = None  # one per layer (transformers' layer_types); None = every layer sliding when sliding_window is set
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2 has them)
@@ -64,11 +67,35 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads = {self.n_heads} must be a multiple of n_kv_heads = {self.n_kv_heads}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.positions == "rope":
             raise ValueError(f"head_dim = {self.head_dim} must be even for RoPE")
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.d_model if self.ffn == "gelu" else 64 * -(-(8 * self.d_model // 3) // 64)
         self._check_rope_scaling()
+        self._check_attention_pattern()
+
+    def _check_attention_pattern(self) -> None:
+        if self.positions == "alibi" and self.rope_scaling != "none":
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} set but positions is 'alibi', which has no RoPE to scale; "
+                             "set rope_scaling to 'none' or positions to 'rope'")
+        if self.sliding_window is not None and not 1 <= self.sliding_window <= self.max_seq_len:
+            raise ValueError(f"sliding_window = {self.sliding_window} must be in [1, max_seq_len = {self.max_seq_len}] "
+                             "(a window as long as the context is full attention: set it to null)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries; it needs one per layer, "
+                                 f"n_layers = {self.n_layers} ('sliding_attention' or 'full_attention')")
+            if self.sliding_window is None and "sliding_attention" in self.layer_types:
+                raise ValueError("layer_types names 'sliding_attention' layers but sliding_window is not set; "
+                                 "set sliding_window or make every layer 'full_attention'")
+
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends within ``sliding_window`` only."""
+        if self.sliding_window is None:
+            return (False,) * self.n_layers
+        if self.layer_types is None:
+            return (True,) * self.n_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
 
     def _check_rope_scaling(self) -> None:
         reads = ROPE_SCALING_FIELDS.get(self.rope_scaling)
@@ -144,8 +171,10 @@ class ModelConfig:
         return self.n_layers * (attn + mlp) + self.vocab_size * d
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus 12·L·H·Dh·T for attention (PaLM, App. B)."""
-        return 6 * self.matmul_params() + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        """Training FLOPs per token: 6N for the matmuls plus 12·L·H·Dh·T for attention (PaLM, App. B),
+        where a sliding layer's T is at most its window."""
+        keys = sum(min(seq_len, self.sliding_window) if s else seq_len for s in self.sliding_layers())
+        return 6 * self.matmul_params() + 12 * self.n_heads * self.head_dim * keys
 
 
 # the rope_* keys each rope_scaling type reads (besides rope_theta); any other set away from its default is refused

@@ -1,8 +1,8 @@
 """Hugging Face interop: parameter names, ``config.json`` and weight files of the Llama family.
 
 Our ``Transformer`` is the architecture of ``LlamaForCausalLM``, ``MistralForCausalLM``
-(without a sliding window), ``Qwen2ForCausalLM`` (q/k/v biases) and ``Qwen3ForCausalLM``
-(QK-norm). All of them apply RoPE to the two halves of each head (``rotate_half``), as
+(every layer in a sliding window), ``Qwen2ForCausalLM`` (q/k/v biases; sliding windows on the
+layers ``layer_types`` names) and ``Qwen3ForCausalLM`` (QK-norm). All of them apply RoPE to the two halves of each head (``rotate_half``), as
 we do, so weights map one to one by name with no permutation. This module converts
 names, configs and weight files; ``stages/export.py`` and ``stages/import_hf.py`` put
 them on disk. It never imports ``transformers``: conversion needs only safetensors.
@@ -128,6 +128,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
     Qwen2 when only q/k/v have biases, Qwen3 when the model has QK-norm. Raises
     ``ValueError`` for models no HF class expresses (LayerNorm, GELU MLP, other bias mixes).
     """
+    if cfg.positions != "rope":
+        raise ValueError(f"the model uses positions {cfg.positions!r}; Hugging Face export supports RoPE models "
+                         f"({', '.join(SUPPORTED_ARCHITECTURES.values())})")
     if cfg.norm != "rmsnorm" or cfg.ffn != "swiglu":
         raise ValueError(
             f"the model uses {cfg.norm} and a {cfg.ffn} MLP; Hugging Face export supports RMSNorm + SwiGLU models "
@@ -155,17 +158,25 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
         **extra,
     }
     all_attn_biases = cfg.qkv_bias == cfg.out_bias
+    sliding = cfg.sliding_layers()
+    qwen_window = _qwen_sliding_window_keys(cfg)
     if cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias and not cfg.qk_norm:
-        return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False, "sliding_window": None}
+        return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **qwen_window}
     if cfg.qk_norm and all_attn_biases and not cfg.mlp_bias:
-        return {
-            **common,
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "attention_bias": cfg.qkv_bias,
-            "use_sliding_window": False,
-            "sliding_window": None,
-        }
+        return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": cfg.qkv_bias,
+                **qwen_window}
+    if any(sliding) and not all(sliding):
+        raise ValueError(
+            f"layer_types {cfg.layer_types} mixes sliding and full layers; the Hugging Face class for this model "
+            "(Mistral: no biases, no QK-norm) windows every layer (Qwen2 and Qwen3 express a per-layer pattern)"
+        )
+    if all(sliding) and not cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias and not cfg.qk_norm:
+        return {**common, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": cfg.sliding_window}
+    if any(sliding):
+        raise ValueError(
+            f"no Hugging Face architecture has a sliding window with qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}, "
+            f"mlp_bias={cfg.mlp_bias} (Mistral: no biases; Qwen2: q/k/v biases only; Qwen3: QK-norm)"
+        )
     if not cfg.qk_norm and all_attn_biases:
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
     raise ValueError(
@@ -173,6 +184,20 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
         f"mlp_bias={cfg.mlp_bias}, qk_norm={cfg.qk_norm} (Llama: equal attention biases, any MLP bias; "
         "Qwen2: q/k/v biases only; Qwen3: QK-norm, equal attention biases, no MLP bias)"
     )
+
+
+def _qwen_sliding_window_keys(cfg: ModelConfig) -> dict:
+    """Qwen2/Qwen3's window keys: ``layer_types`` (what transformers >= 4.53 reads) and, where the
+    sliding layers are the last ones, the ``max_window_layers`` older versions read."""
+    sliding = cfg.sliding_layers()
+    if not any(sliding):
+        return {"use_sliding_window": False, "sliding_window": None}
+    first = sliding.index(True)
+    keys = {"use_sliding_window": True, "sliding_window": cfg.sliding_window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+    if all(sliding[first:]):
+        keys["max_window_layers"] = first
+    return keys
 
 
 # ModelConfig's rope_* field -> its key in rope_scaling / rope_parameters
@@ -286,9 +311,9 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
 
     Plain RoPE and its scaling types (``linear``, ``dynamic``, ``yarn``, ``longrope``, Llama 3.1's
     ``llama3``) are read; anything else our model would compute differently is an ``InputError``
-    (other RoPE types, partial rotary, activations other than SiLU, quantized weights). A sliding attention
-    window shorter than ``max_position_embeddings`` only matters for longer sequences,
-    so ``max_seq_len`` is capped at the window, which keeps every result exact.
+    (other RoPE types, partial rotary, activations other than SiLU, quantized weights). A sliding
+    window is read as transformers reads it: Mistral's on every layer, Qwen2/Qwen3's with
+    ``use_sliding_window`` on the layers ``layer_types`` names (or those from ``max_window_layers`` on).
     """
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
@@ -309,14 +334,9 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
     if rope.get("rope_scaling") == "dynamic":
         # transformers' dynamic NTK has no end past max_position_embeddings; lmforge's context ends factor times it
         max_seq_len = max(max_seq_len, math.floor(rope["rope_factor"] * max_seq_len))
-    window = _sliding_window(config, model_type, n_layers)
-    if window is not None and window < max_seq_len:
-        log.warning(
-            "%s: sliding window of %d tokens is shorter than max_position_embeddings %d; "
-            "lmforge has no sliding window, so max_seq_len is set to %d (exact up to that length)",
-            where, window, max_seq_len, window,
-        )
-        max_seq_len = window
+    window, layer_types = _sliding_window(config, model_type, n_layers, where)
+    if window is not None and window >= max_seq_len:  # a window as long as the context hides nothing
+        window = layer_types = None
 
     attention_bias = bool(config.get("attention_bias", False))
     qkv_bias = {"qwen2": True, "mistral": False}.get(model_type, attention_bias)
@@ -335,6 +355,8 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
             norm_eps=config.get("rms_norm_eps", 1e-6),
             **rope,
             max_seq_len=max_seq_len,
+            sliding_window=window,
+            layer_types=layer_types,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
             qkv_bias=qkv_bias,
@@ -348,19 +370,30 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         raise InputError(f"{where}: {exc}") from exc
 
 
-def _sliding_window(config: dict, model_type: str, n_layers: int) -> int | None:
-    """The attention window some layer uses, or None when every layer sees all earlier positions."""
+def _sliding_window(config: dict, model_type: str, n_layers: int, where: str) -> tuple[int | None, list[str] | None]:
+    """(the attention window, each layer's type or None for every layer) as transformers reads them:
+    Mistral windows every layer; Qwen2/Qwen3 only with ``use_sliding_window``, the layers of
+    ``layer_types``, else those from ``max_window_layers`` on. (None, None): no layer has a window."""
     window = config.get("sliding_window")
-    if window is None:
-        return None
+    if window is None or model_type == "llama":
+        return None, None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise InputError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     if model_type == "mistral":
-        return window
+        return window, None
     if not config.get("use_sliding_window", False):  # Qwen2/Qwen3 ignore the window unless this is set
-        return None
+        return None, None
     layer_types = config.get("layer_types")
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if config.get("max_window_layers", n_layers) < n_layers else None
+    if layer_types is None:
+        start = config.get("max_window_layers", 28)  # transformers' default
+        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list) or any(t not in ("sliding_attention", "full_attention") for t in layer_types):
+        raise InputError(f"{where}: layer_types must list 'sliding_attention' or 'full_attention' per layer, got {layer_types!r}")
+    if len(layer_types) != n_layers:
+        raise InputError(f"{where}: layer_types has {len(layer_types)} entries; it needs one per layer, n_layers = {n_layers}")
+    if "sliding_attention" not in layer_types:
+        return None, None
+    return window, None if all(t == "sliding_attention" for t in layer_types) else list(layer_types)
 
 
 # --------------------------------------------------------------------------- files

@@ -67,6 +67,20 @@ def rotation_pair_order(head_dim: int, heads: int) -> torch.Tensor:
     return (torch.arange(heads)[:, None] * head_dim + pairs).flatten()
 
 
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al. 2022): for n a power of 2, the geometric sequence
+    2^(-8/n), 2^(-16/n), ..., 2^(-8); otherwise those of the closest power of 2 below n, then
+    every other slope of twice that power for the remaining heads (the reference code's rule,
+    as BLOOM's ``build_alibi_tensor``)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** p for p in range(1, closest + 1)]
+    if closest != n_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** p for p in range(1, 1 + 2 * min(closest, n_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
 def check_length(cfg: ModelConfig, offset: int, T: int) -> None:
     if offset + T > cfg.max_seq_len:
         raise ValueError(f"sequence of {offset + T} tokens exceeds max_seq_len {cfg.max_seq_len}")
@@ -131,7 +145,10 @@ def attend(
     gqa = k.shape[1] != q.shape[1]
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    if decoding or not slow_16bit_kernels(dtype, device):
+    fast = decoding or not slow_16bit_kernels(dtype, device)
+    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != (dtype if fast else torch.float32):
+        attn_mask = attn_mask.to(dtype if fast else torch.float32)  # a float mask (ALiBi's bias) in the kernel's dtype
+    if fast:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa)
     with torch.autocast(device, enabled=False):
         q32, k32, v32 = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
@@ -141,27 +158,86 @@ def attend(
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer for incremental decoding: (layers, B, kv_heads, max_len, head_dim)."""
+    """Keys and values of every layer for incremental decoding: (layers, B, kv_heads, capacity, head_dim).
+
+    ``length`` counts the positions written (the time of the next one). When every layer is a
+    sliding one (``window`` set), the capacity is at most the window and the cache is a ring:
+    time t lives in slot t mod capacity, a slot is overwritten once no query can see it again,
+    and memory stays flat however long decoding runs. Attention is order-free over keys, so a
+    one-token step reads the ring in slot order; ``key_times`` says which time each key holds.
+    """
 
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    window: int | None = None  # every layer's sliding window: the cache is a ring of at most this many slots
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         # Uninitialised: attention reads only the positions written so far.
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        window = cfg.sliding_window if all(cfg.sliding_layers()) else None
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, ring_capacity(max_len, window), cfg.head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
+                   window=window)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def wraps(self, T: int) -> bool:
+        """Whether a step of ``T`` new positions goes past the capacity (only a ring may)."""
+        return self.length + T > self.capacity
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values after the cached ones; return everything cached so far."""
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.k.shape[3]:
-            raise ValueError(f"KV cache holds {self.k.shape[3]} positions; {end} requested")
-        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        keys[:, :, start:] = k
-        values[:, :, start:] = v
+        """Write this step's keys/values after the cached ones; return the keys/values the step
+        attends to, in ``key_times``' order: every position so far, or on a ring that wraps, the
+        slots in slot order (one new position) or the kept ones then the new ones (several)."""
+        start, T = self.length, k.shape[2]
+        if not self.wraps(T):
+            keys, values = self.k[layer, :, :, : start + T], self.v[layer, :, :, : start + T]
+            keys[:, :, start:] = k
+            values[:, :, start:] = v
+            return keys, values
+        if self.window is None:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {start + T} requested")
+        C = self.capacity
+        if T == 1:
+            self.k[layer, :, :, start % C] = k[:, :, 0]
+            self.v[layer, :, :, start % C] = v[:, :, 0]
+            return self.k[layer], self.v[layer]
+        kept = torch.arange(start - min(start, C), start, device=k.device) % C
+        keys = torch.cat((self.k[layer][:, :, kept], k), dim=2)
+        values = torch.cat((self.v[layer][:, :, kept], v), dim=2)
+        m = min(T, C)
+        slots = torch.arange(start + T - m, start + T, device=k.device) % C
+        self.k[layer][:, :, slots] = k[:, :, -m:]
+        self.v[layer][:, :, slots] = v[:, :, -m:]
         return keys, values
+
+    def key_times(self, T: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """The time of each key a step of ``T`` new positions attends to (``store``'s order), and the earliest."""
+        start, C = self.length, self.capacity
+        if not self.wraps(T):
+            return torch.arange(start + T, device=device), 0
+        if T == 1:
+            return slot_times(start + 1, C, device), start + 1 - C
+        first = start - min(start, C)
+        return torch.arange(first, start + T, device=device), first
+
+
+def ring_capacity(max_len: int, window: int | None) -> int:
+    """Slots a cache for ``max_len`` positions needs: a ring keeps the last ``window`` (the new
+    position's window: itself and the ``window - 1`` before it)."""
+    return max_len if window is None else min(max_len, window)
+
+
+def slot_times(length: int, capacity: int, device: torch.device | str) -> torch.Tensor:
+    """(capacity,) the time each slot of a ring holds after ``length`` writes (a slot not yet
+    written: the time it will hold)."""
+    slots = torch.arange(capacity, device=device)
+    if length <= capacity:
+        return slots
+    return (length - 1) - (length - 1 - slots) % capacity
 
 
 class Attention(nn.Module):
@@ -186,7 +262,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None,
         attn_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
@@ -197,7 +273,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if rope is not None:  # ALiBi has no rotation; its bias is in attn_mask
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer, k, v)
         # Without a mask, causal when queries and keys are the same positions; a single new
@@ -254,6 +331,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.sliding = cfg.sliding_layers()  # per layer: attends within cfg.sliding_window only
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -294,15 +372,56 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
-        cos, sin = self.rope_at(offset, T, positions)
-        rope = pair_rotations(cos, sin) if self.rope_pairs else rotation_tables(cos, sin)
-        attn_mask = cached_prefix_mask(attn_mask, offset, T, tokens.device)
+        rope = None
+        if self.cfg.positions == "rope":
+            cos, sin = self.rope_at(offset, T, positions)
+            rope = pair_rotations(cos, sin) if self.rope_pairs else rotation_tables(cos, sin)
+        else:
+            check_length(self.cfg, offset, T)
+        masks = self.layer_masks(attn_mask, offset, T, kv_cache, tokens.device)
         x = self.embed(tokens) if self.embed is not None else tokens
-        for block in self.layers.children():
-            x = block(x, rope, attn_mask, kv_cache)
+        for name, block in self.layers.named_children():
+            x = block(x, rope, masks[self.sliding[int(name)]], kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
+
+    def layer_masks(self, attn_mask: torch.Tensor | None, offset: int, T: int, kv_cache: KVCache | None,
+                    device: torch.device) -> dict[bool, torch.Tensor | None]:
+        """The attention mask of full (False) and sliding (True) layers, built once per forward.
+
+        Without a window or ALiBi this is the caller's ``attn_mask`` (or the causal mask of several
+        new tokens after a cache, ``cached_prefix_mask``), and None keeps SDPA's causal kernel.
+        A sliding layer's query at time i also sees only keys j > i - sliding_window (transformers'
+        ``sliding_window_overlay``: the window counts the query itself), a mask built only when
+        some key this step reads lies outside some query's window. ALiBi turns each mask into
+        a float one: -slope_h (i - j) where a key is seen, -inf where not. Times are columns of
+        the sequence (the cache's ``key_times``): within a packed document or a left-padded
+        row they differ as its positions do.
+        """
+        base = cached_prefix_mask(attn_mask, offset, T, device)
+        window, alibi = self.cfg.sliding_window, self.cfg.positions == "alibi"
+        if window is None and not alibi:
+            return {False: base}
+        if kv_cache is not None:
+            key_times, first = kv_cache.key_times(T, device)
+        else:
+            key_times, first = torch.arange(T, device=device), 0
+        query_times = torch.arange(offset, offset + T, device=device)[:, None]
+        if attn_mask is None and T > 1 and kv_cache is not None and kv_cache.wraps(T):
+            base = key_times <= query_times  # a ring's kept keys then the new ones
+        masks = {False: base, True: base}
+        if window is not None and offset + T - 1 - first >= window and any(self.sliding):
+            seen = (key_times <= query_times) & (key_times > query_times - window)
+            masks[True] = seen if attn_mask is None else attn_mask & seen
+        if not alibi:
+            return masks
+        distance = (query_times - key_times).float()  # (T, S)
+        bias = -alibi_slopes(self.cfg.n_heads).to(device)[:, None, None] * distance  # (H, T, S), float32
+        for sliding, mask in masks.items():
+            seen = mask if mask is not None else (distance >= 0) if T > 1 else None
+            masks[sliding] = bias if seen is None else bias.masked_fill(~seen, float("-inf"))
+        return masks
 
     def rope_at(self, offset: int, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B or 1, T, head_dim / 2) of this forward's positions (``offset`` .. ``offset + T``, or

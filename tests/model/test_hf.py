@@ -186,15 +186,22 @@ def test_unsupported_configs_raise_input_error(extra, message):
         model_config_from_hf(_llama_json(**extra), where="somewhere/config.json")
 
 
-def test_sliding_window_shorter_than_context_caps_max_seq_len():
+def test_sliding_window_is_read_as_transformers_reads_it():
     mistral = {**_llama_json(model_type="mistral", architectures=["MistralForCausalLM"]), "sliding_window": 16}
-    assert model_config_from_hf(mistral).max_seq_len == 16
-    assert model_config_from_hf({**mistral, "sliding_window": None}).max_seq_len == 64
-    assert model_config_from_hf({**mistral, "sliding_window": 4096}).max_seq_len == 64
+    cfg = model_config_from_hf(mistral)
+    assert (cfg.max_seq_len, cfg.sliding_window, cfg.sliding_layers()) == (64, 16, (True, True))
+    assert model_config_from_hf({**mistral, "sliding_window": None}).sliding_window is None
+    assert model_config_from_hf({**mistral, "sliding_window": 4096}).sliding_window is None  # longer than the context
     qwen2 = {**_llama_json(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "sliding_window": 16}
-    assert model_config_from_hf({**qwen2, "use_sliding_window": False}).max_seq_len == 64
-    assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1}).max_seq_len == 16
-    assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 2}).max_seq_len == 64
+    assert model_config_from_hf({**qwen2, "use_sliding_window": False}).sliding_window is None
+    # transformers: layers from max_window_layers on are sliding (its default 28 leaves both of these full)
+    assert model_config_from_hf({**qwen2, "use_sliding_window": True}).sliding_window is None
+    assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1}).sliding_layers() == (False, True)
+    assert model_config_from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 0}).layer_types is None
+    both = {**qwen2, "use_sliding_window": True, "max_window_layers": 0, "layer_types": ["sliding_attention", "full_attention"]}
+    assert model_config_from_hf(both).sliding_layers() == (True, False)  # layer_types wins, as in transformers
+    with pytest.raises(InputError, match=r"config.json: layer_types has 3 entries; it needs one per layer, n_layers = 2"):
+        model_config_from_hf({**both, "layer_types": ["sliding_attention"] * 3})
 
 
 # --------------------------------------------------------------------------- Llama 3.1 RoPE scaling
