@@ -308,14 +308,28 @@ def run_stages(recipe: LifecycleRecipe, plans: list[tuple]) -> list[dict]:
                 "result": _jsonable(result),
             }
             entry["outputs_sha256"] = outputs_digest(stage_dir)
-            atomic_write_json(marker, entry)
-        results.append({**entry, "status": "ran", "round": stage.round})
+            status = stop_status(result)
+            if status == "ran":
+                atomic_write_json(marker, entry)
+            else:  # no marker: the next run resumes the stage, and reruns the stages after it
+                log.warning("== %s (%s): %s, by a time limit (train.max_minutes or train.stop_at_step): the stages "
+                            "after it run on a partly trained model; run the lifecycle again to finish it",
+                            name, spec.verb, status)
+        results.append({**entry, "status": status, "round": stage.round})
         upstream_ran = True
     card = score_stages(recipe.report_card, run_dir, results, start_model(recipe, plans))
     atomic_write_json(run_dir / "lifecycle.json", results)
     write_report(run_dir, results, card)
     record_config(recipe, run_dir)  # the lifecycle the report describes
     return results
+
+
+def stop_status(result: Any) -> str:
+    """``ran``, or ``stopped early at step N of M`` when the stage's training loop stopped at a
+    time limit before its last step (its summary's ``stopped_early``)."""
+    if isinstance(result, dict) and result.get("stopped_early"):
+        return f"stopped early at step {result.get('step')} of {result.get('max_steps')}"
+    return "ran"
 
 
 # --------------------------------------------------------------------------- is a stage complete?
@@ -386,7 +400,13 @@ def write_report(run_dir: Path, results: list[dict], card: dict | None = None) -
         cell = (f"{r['round'] if r.get('round') is not None else ''} | " if rounds else "")
         lines.append(f"| {r['name']} | {cell}{r['verb']} | {r['status']} | {r['seconds']:.1f} | `{r['run_dir']}` |")
     lines.append("")
-    lines += card_lines(card or {})
+    stopped = [r for r in results if r["status"].startswith("stopped early")]
+    if stopped:
+        named = ", ".join(f"{r['name']} ({r['status']})" for r in stopped)
+        lines += [f"**Stopped early:** {named}, by a time limit: "
+                  "its figures, and those of every stage after it, are of a partly trained model. Run the "
+                  "lifecycle again: it resumes the stopped stage and reruns the stages after it.", ""]
+    lines += card_lines(card or {}, {r["name"] for r in stopped})
     current = None
     for r in results:
         if r.get("round") is not None and r["round"] != current:

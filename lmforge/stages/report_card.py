@@ -95,10 +95,11 @@ def score_stages(cfg: ReportCardConfig, run_dir: Path, results: list[dict], star
     return card
 
 
-def card_lines(card: dict) -> list[str]:
+def card_lines(card: dict, stopped: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """The report's table: one row per task and metric, one column per stage (perplexities left
-    out: bits per byte carries them), the ``core`` aggregate in bold; with rounds, a first row
-    gives each column's round (0: the model they start from)."""
+    out: bits per byte carries them; a stage in ``stopped``, stopped early by a time limit, is
+    headed so), the ``core`` aggregate in bold; with rounds, a first row gives each column's
+    round (0: the model they start from)."""
     if not card or not card.get("stages"):
         return []
     stages = card["stages"]
@@ -114,7 +115,7 @@ def card_lines(card: dict) -> list[str]:
     lines = ["## report card", "",
              f"The same tasks on each stage's final model ({card['seconds']:.0f} s to score; `core`: accuracies centred "
              "on chance, averaged).", "",
-             "| task | metric | " + " | ".join(stages) + " |", "|---|---|" + "---:|" * len(stages)]
+             "| task | metric | " + " | ".join(s + (" (stopped early)" if s in stopped else "") for s in stages) + " |", "|---|---|" + "---:|" * len(stages)]
     rounds = card.get("rounds") or {}
     if any(rounds.get(s) is not None for s in stages):
         lines.append("| *round* | | " + " | ".join(f"*{rounds[s]}*" if rounds.get(s) is not None else ""

@@ -229,7 +229,8 @@ def train(
     finally:
         step_log.close()
     checkpointer.commit_pending()
-    return {**summary, "step": step + 1, "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
+    return {**summary, "step": step + 1, "max_steps": cfg.max_steps, "stopped_early": step + 1 < cfg.max_steps,
+            "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
             **{k: v for k, v in record.items() if is_validation_metric(k) or is_scored_metric(k)}, **(noise.summary() if noise else {})}
 

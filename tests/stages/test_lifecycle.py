@@ -153,3 +153,35 @@ def test_the_report_card_scores_only_stages_that_trained_a_model():
     assert stage_checkpoint({"result": {"step": 150, "checkpoint": "s/c", "final_checkpoint": "s/final"}}) == "s/final"
     assert stage_checkpoint({"result": {"checkpoint": "s/final", "results": []}}) is None  # an eval stage's result
     assert stage_checkpoint({"result": [{"text": "..."}]}) is None and stage_checkpoint({"result": None}) is None
+
+
+def test_a_stage_stopped_by_a_time_limit_is_said_so_and_resumed_by_the_next_run(lifecycle, tmp_path, caplog):
+    data = yaml.safe_load(lifecycle.read_text())
+    data["stages"][2]["overrides"] = ["train.stop_at_step=2"]  # the time limit, deterministically
+    data["stages"].append({"name": "again", "verb": "tokenizer", "recipe": data["stages"][0]["recipe"],
+                           "overrides": [f"run_dir={tmp_path / 'tok2'}"]})
+    lifecycle.write_text(yaml.safe_dump(data))
+    with caplog.at_level("WARNING", logger="lmforge"):
+        first = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [r["status"] for r in first] == ["ran", "ran", "stopped early at step 2 of 4", "ran"]
+    assert "pretrain (pretrain): stopped early at step 2 of 4, by a time limit" in caplog.text
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| pretrain | pretrain | stopped early at step 2 of 4 |" in report
+    assert "**Stopped early:** pretrain (stopped early at step 2 of 4)" in report
+    assert not (tmp_path / "pretrain" / ".lmforge-complete.json").exists()  # not complete: resumed next time
+    data["stages"][2]["overrides"] = []
+    lifecycle.write_text(yaml.safe_dump(data))
+    second = run_lifecycle(load_config(LifecycleRecipe, lifecycle))
+    assert [r["status"] for r in second] == ["skipped", "skipped", "ran", "ran"]  # resumed, and what follows rerun
+    assert second[2]["result"]["step"] == 4 and second[2]["result"]["start_step"] == 2
+    assert "Stopped early" not in (tmp_path / "run" / "report.md").read_text()
+    assert [r["status"] for r in run_lifecycle(load_config(LifecycleRecipe, lifecycle))] == ["skipped"] * 4
+
+
+def test_the_report_card_heads_a_stopped_stage_as_such():
+    from lmforge.stages.report_card import card_lines
+
+    result = {"task": "t", "metric": "acc", "filter": "none", "value": 0.5, "higher_is_better": True}
+    card = {"stages": ["pretrain", "sft"], "results": {"pretrain": [result], "sft": [result]}, "seconds": 1.0}
+    assert "| task | metric | pretrain (stopped early) | sft |" in card_lines(card, {"pretrain"})
+    assert "| task | metric | pretrain | sft |" in card_lines(card)
