@@ -4,8 +4,9 @@ an lmforge checkpoint directory: model.safetensors (our parameter names, the sto
 dtype kept), model.json, the folder's tokenizer.json + tokenizer_config.json, and
 checksums.json. load_model(out_dir) then computes the same logits as the HF model.
 Nothing is downloaded. RoPE scaling of type linear, dynamic, yarn, longrope and llama3 is
-kept; other RoPE types, partial rotary and quantized weights are refused, and a sliding window
-shorter than the context caps max_seq_len at the window.
+kept, and so is a sliding window (Mistral's on every layer, Qwen2/Qwen3's with use_sliding_window
+on the layers layer_types or max_window_layers name); other RoPE types, partial rotary and
+quantized weights are refused.
 
   lmforge import ~/models/SmolLM2-135M runs/smollm2-135m
 """

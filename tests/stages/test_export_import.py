@@ -195,13 +195,22 @@ def test_import_reads_sharded_safetensors(tmp_path, vocab_size):
     torch.testing.assert_close(our_logits(ours, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
 
 
-def test_import_of_mistral_with_short_sliding_window_is_exact_up_to_the_window(tmp_path, vocab_size):
-    theirs = hf_folder(tmp_path / "hf", small_hf_config("mistral", vocab_size, sliding_window=16))
+@pytest.mark.parametrize("kind, fields", [
+    ("mistral", dict(sliding_window=16)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+], ids=["mistral", "qwen2"])
+def test_a_sliding_window_imports_and_exports_with_identical_logits_past_it(tmp_path, vocab_size, kind, fields):
+    theirs = hf_folder(tmp_path / "hf", small_hf_config(kind, vocab_size, **fields))
     run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
     ours, _ = load_model(tmp_path / "ckpt")
-    assert ours.cfg.max_seq_len == 16
-    x = tokens(vocab_size, length=16)
+    assert (ours.cfg.max_seq_len, ours.cfg.sliding_window) == (64, 16)
+    x = tokens(vocab_size, length=48)  # three windows
     torch.testing.assert_close(our_logits(ours, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "out")))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert exported.config.sliding_window == 16
+    assert getattr(exported.config, "layer_types", None) == getattr(theirs.config, "layer_types", None)
+    torch.testing.assert_close(hf_logits(exported, x), hf_logits(theirs, x), atol=1e-5, rtol=0)
 
 
 def test_import_of_missing_folder_names_it(tmp_path):
