@@ -46,3 +46,42 @@ def test_every_recipe_the_readme_and_docs_name_exists(doc):
 
 def test_the_readme_names_recipes():
     assert len(named_recipes((REPO / "README.md").read_text(encoding="utf-8"))) >= 5  # the check above has work to do
+
+
+# ---- docstrings and recipes say what and why, not when: no dates, commit hashes or "busy hour"
+
+WHEN = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b|busy hour", re.I)
+
+
+def source_prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring of a Python file, or every comment of a YAML file."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        return [(i, line.partition("#")[2]) for i, line in enumerate(text.splitlines(), 1) if "#" in line]
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append((node.body[0].lineno, doc))
+    return out
+
+
+def test_the_when_pattern_finds_dates_hashes_and_busy_hours():
+    for text in ["measured 2026-11-29", "at commit 4d4edb7", "`c470854`", "on a busy hour"]:
+        assert WHEN.search(text), text
+    for text in ["Hoffmann et al. 2022", "2048 tokens", "defaced", "sha256 of the file", "0.1234567"]:
+        assert not WHEN.search(text), text
+
+
+@pytest.mark.parametrize("root", ["lmforge", "recipes"])
+def test_docstrings_and_recipe_comments_carry_no_dates_or_commit_hashes(root):
+    files = sorted((REPO / root).rglob("*.py")) + sorted((REPO / root).rglob("*.yaml"))
+    found = [f"{path.relative_to(REPO)}:{line}: {m.group(0)!r}" for path in files
+             for line, text in source_prose(path) for m in [WHEN.search(text)] if m]
+    assert not found, "dates, commit hashes or timings of a session belong in benchmarks/results/ and the docs: " + "; ".join(found)
