@@ -175,8 +175,8 @@ class Batch:
         written = min(c.length, c.capacity)
         cache = KVCache(written_rows(c.k, rows, written), written_rows(c.v, rows, written), c.length, c.window)
         key_mask = self.key_mask.index_select(0, rows) if self.key_mask is not None else None
-        return Batch(cache, unpadded(key_mask, written), self.next_positions.index_select(0, rows),
-                     self.logits.index_select(0, rows))
+        next_positions = self.next_positions.index_select(0, rows)
+        return Batch(cache, unpadded(key_mask, cache, next_positions), next_positions, self.logits.index_select(0, rows))
 
     def spans(self) -> torch.Tensor:
         """(B,) the real keys each row holds: from its first real key to the cache's end (on a ring, the slots' real ones)."""
@@ -205,9 +205,15 @@ def written_rows(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.
     return out
 
 
-def unpadded(key_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """None when no row has padding in the written columns (the plain path), else ``key_mask``."""
-    return None if key_mask is None or bool(key_mask[:, :length].all()) else key_mask
+def unpadded(key_mask: torch.Tensor | None, cache: KVCache, next_positions: torch.Tensor) -> torch.Tensor | None:
+    """None when no row has padding in the written columns and every row's positions are the
+    cache's columns (the plain path), else ``key_mask``. On a ring the padding slots are
+    overwritten in time, but a row that had padding keeps positions behind the columns."""
+    if key_mask is None:
+        return None
+    written = min(cache.length, cache.capacity)
+    plain = bool(key_mask[:, :written].all()) and bool((next_positions == cache.length).all())
+    return None if plain else key_mask
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,8 +288,8 @@ def merge(a: Batch, b: Batch, extra: int) -> Batch:
         v[:, rows, :, width - n : width] = part_v
         key_mask[rows, width - n : width] = True if part_mask is None else part_mask
         start = rows.stop
-    return Batch(KVCache(k, v, width, window), unpadded(key_mask, width), torch.cat((a.next_positions, b.next_positions)),
-                 torch.cat((a.logits, b.logits)))
+    cache, next_positions = KVCache(k, v, width, window), torch.cat((a.next_positions, b.next_positions))
+    return Batch(cache, unpadded(key_mask, cache, next_positions), next_positions, torch.cat((a.logits, b.logits)))
 
 
 def decode_step(model: nn.Module, tokens: torch.Tensor, batch: Batch) -> None:

@@ -637,3 +637,41 @@ def test_run_raises_a_failed_requests_error_for_a_caller_in_process(model):
     config.seed = 2**64
     with pytest.raises(ValueError, match="Overflow"):
         list(engine.run())
+
+
+# --------------------------------------------------------------------------- sliding windows: a ring cache
+
+
+@pytest.mark.parametrize("positions", ["rope", "alibi"])
+def test_decoding_three_windows_keeps_the_cache_at_the_window_and_the_training_forwards_logprobs(positions):
+    """Every layer windowed: the cache is a ring of ``sliding_window`` slots however long decoding runs, while
+    rows of different lengths (one prompt longer than the window) leave and join a running batch."""
+    window = 8
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**CFG, "n_layers": 3}, sliding_window=window, positions=positions)).eval()
+    prompts = [PROMPTS[0] + [33, 34], [0, 250, 3], PROMPTS[2], [0, 5]]  # 13, 3, 7 and 2 tokens
+    configs = [greedy(3 * window), greedy(5), greedy(2 * window), greedy(3 * window + 1)]
+    engine = Engine(model, max_batch=2)
+    ids = [engine.submit(Request(p, c)) for p, c in zip(prompts, configs)]
+    results, capacities = {}, set()
+    while engine.queue or engine.rows:
+        for request_id, gens in engine.step():
+            results[request_id] = gens[0]
+        if engine.batch is not None:
+            capacities.add(engine.batch.cache.k.shape[3])
+    assert capacities == {window}  # never more than the window, though rows reach 3 windows past their prompt
+    for i, (prompt, config) in enumerate(zip(prompts, configs)):
+        got = results[ids[i]]
+        assert len(got.tokens) == config.max_new_tokens
+        torch.testing.assert_close(torch.tensor(got.logprobs), training_logprobs(model, prompt, got.tokens),
+                                   atol=1e-5, rtol=0)
+
+
+def test_a_model_with_some_full_layers_keeps_every_position_and_decodes_as_a_full_recompute():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG, sliding_window=4, layer_types=["sliding_attention", "full_attention"])).eval()
+    results = generate(model, PROMPTS, greedy(12), max_batch=2)
+    for prompt, got in zip(PROMPTS, results):
+        torch.testing.assert_close(torch.tensor(got.logprobs), training_logprobs(model, prompt, got.tokens),
+                                   atol=1e-5, rtol=0)
+    assert prefill(model, PROMPTS, 12).cache.k.shape[3] == len(PROMPTS[0]) + 12
