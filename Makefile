@@ -12,7 +12,7 @@ CACHE := $(CURDIR)/.cache
 export TMPDIR := $(CACHE)/tmp
 export TORCHINDUCTOR_CACHE_DIR := $(CACHE)/torchinductor
 
-.PHONY: demo test lint install clean-demo
+.PHONY: demo test lint docs install clean-demo
 
 install: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt | $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve,eval]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve,eval,docs]'
 	# a headless Chromium (and its driver) for the chat page's browser test, where apt can install one;
 	# without it that one test skips and says why
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
@@ -41,6 +41,11 @@ demo: $(STAMP) | $(TMPDIR)
 
 test: $(STAMP) | $(TMPDIR)
 	$(PY) -m pytest -q
+
+# the docs site (mkdocs.yml) at http://127.0.0.1:8000, rebuilt as docs/ changes; `make test` builds it
+# with --strict (tests/test_docs_site.py)
+docs: $(STAMP) | $(TMPDIR)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lmforge tests benchmarks scripts
