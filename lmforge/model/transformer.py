@@ -193,7 +193,7 @@ class KVCache:
         attends to, in ``key_times``' order: every position so far, or on a ring that wraps, the
         slots in slot order (one new position) or the kept ones then the new ones (several)."""
         start, T = self.length, k.shape[2]
-        if not self.wraps(T):
+        if start + T <= self.k.shape[3]:  # not wrapping
             keys, values = self.k[layer, :, :, : start + T], self.v[layer, :, :, : start + T]
             keys[:, :, start:] = k
             values[:, :, start:] = v
@@ -378,17 +378,21 @@ class Transformer(nn.Module):
             rope = pair_rotations(cos, sin) if self.rope_pairs else rotation_tables(cos, sin)
         else:
             check_length(self.cfg, offset, T)
-        masks = self.layer_masks(attn_mask, offset, T, kv_cache, tokens.device)
+        full, sliding = self.layer_masks(attn_mask, offset, T, kv_cache, tokens.device)
         x = self.embed(tokens) if self.embed is not None else tokens
-        for name, block in self.layers.named_children():
-            x = block(x, rope, masks[self.sliding[int(name)]], kv_cache)
+        if sliding is full:  # one mask for every layer (no window, or none this step can reach past)
+            for block in self.layers.children():
+                x = block(x, rope, full, kv_cache)
+        else:
+            for name, block in self.layers.named_children():
+                x = block(x, rope, sliding if self.sliding[int(name)] else full, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
 
     def layer_masks(self, attn_mask: torch.Tensor | None, offset: int, T: int, kv_cache: KVCache | None,
-                    device: torch.device) -> dict[bool, torch.Tensor | None]:
-        """The attention mask of full (False) and sliding (True) layers, built once per forward.
+                    device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The attention masks of full and of sliding layers, built once per forward.
 
         Without a window or ALiBi this is the caller's ``attn_mask`` (or the causal mask of several
         new tokens after a cache, ``cached_prefix_mask``), and None keeps SDPA's causal kernel.
@@ -402,7 +406,7 @@ class Transformer(nn.Module):
         base = cached_prefix_mask(attn_mask, offset, T, device)
         window, alibi = self.cfg.sliding_window, self.cfg.positions == "alibi"
         if window is None and not alibi:
-            return {False: base}
+            return base, base
         if kv_cache is not None:
             key_times, first = kv_cache.key_times(T, device)
         else:
@@ -410,18 +414,20 @@ class Transformer(nn.Module):
         query_times = torch.arange(offset, offset + T, device=device)[:, None]
         if attn_mask is None and T > 1 and kv_cache is not None and kv_cache.wraps(T):
             base = key_times <= query_times  # a ring's kept keys then the new ones
-        masks = {False: base, True: base}
+        full = sliding = base
         if window is not None and offset + T - 1 - first >= window and any(self.sliding):
             seen = (key_times <= query_times) & (key_times > query_times - window)
-            masks[True] = seen if attn_mask is None else attn_mask & seen
+            sliding = seen if attn_mask is None else attn_mask & seen
         if not alibi:
-            return masks
+            return full, sliding
         distance = (query_times - key_times).float()  # (T, S)
         bias = -alibi_slopes(self.cfg.n_heads).to(device)[:, None, None] * distance  # (H, T, S), float32
-        for sliding, mask in masks.items():
+
+        def biased(mask: torch.Tensor | None) -> torch.Tensor:
             seen = mask if mask is not None else (distance >= 0) if T > 1 else None
-            masks[sliding] = bias if seen is None else bias.masked_fill(~seen, float("-inf"))
-        return masks
+            return bias if seen is None else bias.masked_fill(~seen, float("-inf"))
+
+        return (biased(full), biased(sliding)) if sliding is not full else (biased(full),) * 2
 
     def rope_at(self, offset: int, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B or 1, T, head_dim / 2) of this forward's positions (``offset`` .. ``offset + T``, or
