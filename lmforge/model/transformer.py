@@ -1,8 +1,10 @@
 """A decoder-only transformer in the Llama line: pre-norm blocks, RoPE, GQA, SwiGLU.
 
 Read top to bottom like the paper: ``Attention`` and ``MLP`` make a ``Block``; blocks
-make the ``Transformer``. Variants (GELU MLP, LayerNorm, QK-norm, biases) are chosen by
-``ModelConfig``. Parallelism and activation checkpointing are applied from outside.
+make the ``Transformer``. Variants (GELU MLP, LayerNorm, QK-norm, biases, sliding-window
+layers, ALiBi in place of RoPE) are chosen by ``ModelConfig``; windows and ALiBi's bias are
+attention masks built once per forward (``Transformer.layer_masks``) for the one ``attend``.
+Parallelism and activation checkpointing are applied from outside.
 
 ``Transformer.forward`` is the model's only arithmetic: training, evaluation, generation
 (with a ``KVCache``) and every pipeline stage (``keep_layers``) run it. A decoding layout
@@ -368,7 +370,8 @@ class Transformer(nn.Module):
         on a stage without the final norm, the last block's output.
 
         ``positions`` (B, T) restarts RoPE per packed document or skips left padding;
-        ``attn_mask`` (B, 1, T, S) boolean, True = may attend; ``kv_cache`` for decoding.
+        ``attn_mask`` (B, 1, T, S) boolean, True = may attend, its S keys those of
+        ``KVCache.key_times`` (every position so far, unless a ring cache wraps); ``kv_cache`` for decoding.
         """
         B, T = tokens.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
