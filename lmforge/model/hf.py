@@ -2,8 +2,8 @@
 
 Our ``Transformer`` is the architecture of ``LlamaForCausalLM``, ``MistralForCausalLM``
 (every layer in a sliding window), ``Qwen2ForCausalLM`` (q/k/v biases; sliding windows on the
-layers ``layer_types`` names) and ``Qwen3ForCausalLM`` (QK-norm). All of them apply RoPE to the two halves of each head (``rotate_half``), as
-we do, so weights map one to one by name with no permutation. This module converts
+layers ``layer_types`` names) and ``Qwen3ForCausalLM`` (QK-norm). All of them apply RoPE to
+the two halves of each head (``rotate_half``), as we do, so weights map one to one by name with no permutation. This module converts
 names, configs and weight files; ``stages/export.py`` and ``stages/import_hf.py`` put
 them on disk. It never imports ``transformers``: conversion needs only safetensors.
 """
@@ -125,8 +125,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
     """A ``config.json`` for the HF class that computes exactly our model.
 
     Llama (optionally with biases on all four attention projections and/or the MLP),
-    Qwen2 when only q/k/v have biases, Qwen3 when the model has QK-norm. Raises
-    ``ValueError`` for models no HF class expresses (LayerNorm, GELU MLP, other bias mixes).
+    Qwen2 when only q/k/v have biases, Qwen3 when the model has QK-norm (both with the window's
+    ``layer_types``), Mistral when every layer of a bias-free model slides. Raises ``ValueError``
+    for models no HF class expresses (ALiBi, LayerNorm, GELU MLP, other bias or window mixes).
     """
     if cfg.positions != "rope":
         raise ValueError(f"the model uses positions {cfg.positions!r}; Hugging Face export supports RoPE models "
