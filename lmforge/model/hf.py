@@ -5,7 +5,8 @@ Our ``Transformer`` is the architecture of ``LlamaForCausalLM``, ``MistralForCau
 layers ``layer_types`` names) and ``Qwen3ForCausalLM`` (QK-norm). All of them apply RoPE to
 the two halves of each head (``rotate_half``), as we do, so weights map one to one by name
 with no permutation. This module converts names, configs and weight files;
-``stages/export.py`` and ``stages/import_hf.py`` put them on disk. It never imports ``transformers``: conversion needs only safetensors.
+``stages/export.py`` and ``stages/import_hf.py`` put them on disk. It never imports
+``transformers``: conversion needs only safetensors.
 """
 
 from __future__ import annotations
