@@ -8,7 +8,7 @@
   the background under ``torchrun``), superseded checkpoints, the restore of a rollback;
 - the evaluator (``train.evaluate``): when to validate, and the validation loss, bits per
   byte and metrics (per dataset of a mixture, and their weighted mean);
-- the step log (``train.step_log``): ``metrics.jsonl``/TensorBoard on rank 0, the console, MFU;
+- the step log (``train.step_log``): ``metrics.jsonl``/TensorBoard/``train.loggers`` on rank 0, the console, MFU;
 - the guards: non-finite steps and time limits (``train.guards``), loss spikes (``train.spikes``);
 - the gradient noise scale (``train.noise_scale``), every ``noise_scale_every`` steps when on.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.core.config import at_least, positive, seed_field, unit_interval
+from lmforge.core.config import at_least, positive, seed_field, to_dict, unit_interval
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.distributed.mesh import ParallelContext
@@ -46,6 +46,7 @@ from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the
 )
 from lmforge.train.forward import DTYPES, autocast_context  # noqa: F401 (autocast_context: the stages' import)
 from lmforge.train.guards import NonFiniteGuard, TimeLimit
+from lmforge.train.loggers import check_installed
 from lmforge.train.metrics import peak_source
 from lmforge.train.noise_scale import NoiseScale
 from lmforge.train.optim import build_adamw, lr_at
@@ -86,7 +87,10 @@ class TrainConfig:
     checkpoint_every: int = at_least(0, 500)  # steps between checkpoints (0: none but the one always written at the end)
     keep_checkpoints: int = at_least(1, 2)  # the final checkpoint is always kept
     resume: str = "auto"  # auto: newest valid checkpoint in run_dir | never | a checkpoint directory
-    tensorboard: bool = True
+    tensorboard: bool = True  # mirror metrics.jsonl's scalars to run_dir/tensorboard
+    # experiment trackers that also get the scalars, the resolved config and the report's plots:
+    # wandb (offline in run_dir/wandb unless WANDB_MODE is set), mlflow (run_dir/mlruns unless MLFLOW_TRACKING_URI is set)
+    loggers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
     max_minutes: float | None = positive(None)  # stop (with a checkpoint) after this much wall time
     stop_at_step: int | None = positive(None)  # stop (with a checkpoint) at this step; the schedule still spans max_steps
     max_nonfinite_steps: int = positive(3)  # stop after this many steps in a row with a NaN/inf loss or gradient norm (each skipped)
@@ -107,6 +111,7 @@ class TrainConfig:
             raise ValueError(f"keep_checkpoints must be at least 1 (the final checkpoint is always kept), got {self.keep_checkpoints}")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}")
+        check_installed(self.loggers)
 
 
 def accumulation_steps(cfg: TrainConfig, tokens_per_micro_batch: int, world_size: int = 1) -> int:
@@ -175,7 +180,8 @@ def train(
                          noise=noise)
     start_step = checkpointer.resume(found, state)
     step_log = StepLog(run_dir, cfg.tensorboard, checkpointer.is_first_rank, start_step if found else None,
-                       cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token)
+                       cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token,
+                       cfg.loggers, to_dict(recipe) if recipe is not None else None)
     evaluator = Evaluator(val_batches, cfg.eval_every, cfg.eval_batches, runner.evaluate,
                           score=(lambda: scorer(model)) if scorer is not None else None)
     summary: dict = {"start_step": start_step, "step": start_step, "precision": precision,

@@ -1,4 +1,5 @@
-"""Metrics: JSON lines (the source of truth) plus TensorBoard; hardware peak FLOP/s for MFU."""
+"""Metrics: JSON lines (the source of truth) plus TensorBoard and ``train.loggers`` (W&B, MLflow);
+the report's plots; hardware peak FLOP/s for MFU."""
 
 from __future__ import annotations
 
@@ -15,16 +16,22 @@ import torch.nn.functional as F
 
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
 from lmforge.core.run import log
+from lmforge.train.loggers import Tracker, forget_runs, log_figures, open_trackers
 from lmforge.train.spikes import report_lines
 
 METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLogger:
-    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors its scalars to TensorBoard
+    and to the trackers of ``loggers`` (``train.loggers``: wandb, mlflow), which also get ``config``
+    (the resolved recipe) once. The trackers open at the first record, so a run found already
+    complete opens none."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None,
+                 loggers: list[str] | tuple[str, ...] = (), config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             # drop records past the checkpoint we resume from (they will be logged again) and a torn
             # last line; replaced in one step, so a failure here leaves the old file whole
@@ -32,6 +39,8 @@ class MetricsLogger:
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
+        if resume_step is None:
+            forget_runs(self.run_dir)
         self.file = open(self.path, "a", encoding="utf-8")
         self.writer = None
         if tensorboard:
@@ -40,23 +49,43 @@ class MetricsLogger:
 
                 # the steps after the checkpoint a run resumes from (all, for a fresh run) are logged
                 # again: readers drop the old events for them
-                self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
+                self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=(resume_step or 0) + 1)
             except ImportError:
                 log.info("tensorboard is not installed; metrics go to %s only", self.path)
+        self.loggers, self.config, self.resume = list(loggers), config, resume_step is not None
+        self.trackers: list[Tracker] | None = None  # opened by the first record
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        step, values = record.get("step", 0), scalars(record)
         if self.writer is not None:
-            step = record.get("step", 0)
-            for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)) and value == value:
-                    self.writer.add_scalar(key, value, step)
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        for tracker in self.open_trackers():
+            tracker.log(values, step)
+
+    def open_trackers(self) -> list[Tracker]:
+        if self.trackers is None:
+            self.trackers = open_trackers(self.run_dir, self.loggers, self.resume)
+            for tracker in self.trackers:
+                if self.config is not None:
+                    tracker.log_config(self.config)
+        return self.trackers
 
     def close(self) -> None:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers or []:
+            tracker.close()
+        self.trackers = None
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a record that TensorBoard and the trackers get: all but ``step``, ``time`` and NaN."""
+    return {key: value for key, value in record.items()
+            if key not in ("step", "time") and isinstance(value, (int, float)) and value == value}
 
 
 def read_metrics(run_dir: str | Path, events: bool = False) -> list[dict]:
@@ -97,9 +126,14 @@ PERPLEXITIES = ("word_perplexity", "byte_perplexity")  # of rolling tasks: byte_
 def loss_curve_lines(stage_dir: Path, out: Path, unigram_entropy: float | None = None,
                      ylabel: str = "loss (nats/token)") -> list[str]:
     """The lifecycle report's lines for a stage's loss curve (plotted into ``out``, its y-axis
-    ``ylabel``: what the stage's loss is per) and its loss-spike events; none without metrics."""
+    ``ylabel``: what the stage's loss is per) and its loss-spike events; none without metrics.
+    The plots are logged to the tracker runs the stage's training kept (``train.loggers``)."""
     curve = ["", f"![loss curve]({out.name})"] if plot_losses(stage_dir, out, unigram_entropy, ylabel) else []
-    scored = scored_lines(stage_dir, out.with_name(out.stem.removesuffix("-loss") + "-eval.png"))
+    scored_plot = out.with_name(out.stem.removesuffix("-loss") + "-eval.png")
+    scored = scored_lines(stage_dir, scored_plot)
+    if curve:  # the plots also go to the run's trackers (train.loggers), at its last step
+        plots = [out] + ([scored_plot] if any(scored_plot.name in line for line in scored) else [])
+        log_figures(stage_dir, plots, read_metrics(stage_dir)[-1]["step"])
     return curve + scored + report_lines(read_metrics(stage_dir, events=True))
 
 

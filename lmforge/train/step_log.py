@@ -1,6 +1,6 @@
 """What the loop reports about each step: the record that goes to ``metrics.jsonl`` (and
-TensorBoard) on the logging rank, the progress bar and console lines, and the throughput
-and MFU averages of the run's summary."""
+TensorBoard and the trackers of ``train.loggers``) on the logging rank, the progress bar and
+console lines, and the throughput and MFU averages of the run's summary."""
 
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ class StepLog:
     """The records of one run. Each step's carries its wall-clock ``time`` (unix seconds) and
     ``elapsed_s`` since the run (re)started. ``resume_step``: the step resumed from (the records past it are
     dropped from ``metrics.jsonl``), None for a fresh run. ``flops_per_token`` (the model's)
-    turns throughput into MFU against the measured peak of ``device`` in ``precision``."""
+    turns throughput into MFU against the measured peak of ``device`` in ``precision``.
+    ``loggers`` (``train.loggers``) get the records' scalars and ``config`` once."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, logging_rank: bool, resume_step: int | None,
                  max_steps: int, log_every: int, device: torch.device, precision: str, world_size: int,
-                 flops_per_token: float | None):
+                 flops_per_token: float | None, loggers: list[str] | tuple[str, ...] = (), config: dict | None = None):
         self.run_dir, self.tensorboard, self.logging_rank = run_dir, tensorboard, logging_rank
+        self.loggers, self.config = loggers, config  # train.loggers, and the resolved recipe they get once
         self.max_steps, self.log_every, self.device, self.precision = max_steps, log_every, device, precision
         self.world_size, self.flops_per_token = world_size, flops_per_token
         self.metrics = self.open_metrics(resume_step)
@@ -51,7 +53,9 @@ class StepLog:
         self.phase_sums: dict[str, float] = {}  # seconds per phase of a step (``time/<phase>_s``), for the averages
 
     def open_metrics(self, resume_step: int | None) -> MetricsLogger | NoMetrics:
-        return MetricsLogger(self.run_dir, self.tensorboard, resume_step) if self.logging_rank else NoMetrics()
+        if not self.logging_rank:
+            return NoMetrics()
+        return MetricsLogger(self.run_dir, self.tensorboard, resume_step, self.loggers, self.config)
 
     def start(self, start_step: int) -> None:
         """The progress bar of the steps from ``start_step``."""
