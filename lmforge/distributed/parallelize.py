@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lmforge.core.config import ConfigError
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
     """Megatron-style tensor parallelism with DTensor (Shoeybi et al. 2019; Korthikanti et al. 2022).
@@ -147,6 +149,9 @@ def reshard(model: nn.Module) -> None:
 def parallelize_model(model: nn.Module, ctx, *, precision: str, activation_checkpointing: bool, compile: bool) -> None:
     """Apply the layout of ``ctx`` (a ParallelContext) to ``model`` in torchtitan's order: TP, AC, compile, FSDP."""
     layout, cfg = ctx.layout, ctx.cfg
+    if layout.tp > 1 and getattr(getattr(model, "cfg", None), "positions", "rope") == "alibi":
+        raise ConfigError(f"parallel.tp = {layout.tp} with model.positions = alibi: ALiBi's per-head bias is not split "
+                          "across tensor-parallel ranks; train an ALiBi model with tp = 1 (FSDP, pipelines)")
     if layout.tp > 1:
         apply_tp(model, ctx.tp_mesh, loss_parallel=cfg.loss_parallel and layout.pp == 1,
                  sequence_parallel=cfg.sequence_parallel)

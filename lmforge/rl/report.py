@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lmforge.train.loggers import log_figures
 from lmforge.train.metrics import read_metrics
 
 # the KL figure of a panel: the reference's, estimated in the loss (GRPO with kl_coef > 0) or in the
@@ -21,6 +22,7 @@ def curve_lines(stage_dir: Path, out: Path) -> list[str]:
     if not records:
         return []
     plot_curves(records, out)
+    log_figures(stage_dir, [out], records[-1]["step"])  # to the W&B / MLflow runs train.loggers opened
     first, last = records[0], records[-1]
     kl = next((k for k in KL_KEYS if k in last), None)
     line = (f"- reward mean {first['reward_mean']:.3f} → {last['reward_mean']:.3f} (steps {first['step']} → "

@@ -63,7 +63,7 @@ RUNS_CSV, CURVES_CSV, SWEEP_JSON = "runs.csv", "curves.csv", "sweep.json"
 RUN_COLUMNS = ("run", "params", "tokens", "flops", "loss")
 CURVE_COLUMNS = ("run", "step", "params", "tokens", "flops", "loss")
 # keys that say how a run is driven, not what it computes: changing them resumes a sweep's runs
-RUN_ONLY_KEYS = {"train.max_minutes", "train.stop_at_step", "train.log_every", "train.tensorboard"}
+RUN_ONLY_KEYS = {"train.max_minutes", "train.stop_at_step", "train.log_every", "train.tensorboard", "train.loggers"}
 SHORT_KEYS = {"d_model": "d", "n_layers": "l", "n_heads": "h", "n_kv_heads": "kv", "ffn_hidden": "f", "head_dim": "hd"}
 
 

@@ -73,3 +73,16 @@ def test_cli_reports_a_bad_layout_in_one_line_and_lists_parallel_keys(capsys):
     for key in ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.pp_schedule",
                 "parallel.pp_microbatches", "parallel.reshard_after_forward", "parallel.async_checkpoint"):
         assert key in out
+
+
+def test_tensor_parallelism_refuses_an_alibi_model_before_touching_a_mesh():
+    from types import SimpleNamespace
+
+    from lmforge.core.config import ConfigError
+    from lmforge.distributed.parallelize import parallelize_model
+    from lmforge.model.transformer import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16, positions="alibi"))
+    ctx = SimpleNamespace(layout=SimpleNamespace(tp=2, pp=1, dp=1), cfg=SimpleNamespace(), tp_mesh=None)
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2 with model.positions = alibi"):
+        parallelize_model(model, ctx, precision="fp32", activation_checkpointing=False, compile=False)
