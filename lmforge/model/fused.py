@@ -5,9 +5,9 @@ the weights and to per-operator overhead. ``fused_copy`` returns a copy of the m
 that shares every parameter with the model except the projections it joins: each block's
 wq, wk, wv become one ``wqkv`` and SwiGLU's w1, w3 one ``w13`` (``Attention.project_qkv`` and
 ``MLP.forward`` call them), and with ``pack`` every projection and the LM head hold their
-matrix in oneDNN's blocked layout (``PackedLinear``), which on the AMD EPYC of
-``benchmarks/README.md`` made decoding's products 1.9x (one row) to 3.7x (eight rows) as fast
-as ``F.linear``'s in float32 and about 2x in bf16. The copy runs ``Transformer.forward`` like
+matrix in oneDNN's blocked layout (``PackedLinear``), whose few-row products are faster than
+``F.linear``'s on the CPUs measured (``benchmarks/generate.py``; the figures per CPU are in
+``benchmarks/results/``). The copy runs ``Transformer.forward`` like
 the model: there is no second forward, only other modules in the same places. The model
 itself is untouched, so checkpoints, HF export and LoRA target names keep
 ``wq``/``wk``/``wv``/``w1``/``w3``.
