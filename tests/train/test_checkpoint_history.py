@@ -152,3 +152,18 @@ def test_a_verified_checkpoint_is_hashed_once_until_a_file_changes(make_recipe, 
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(InputError, match="model.safetensors: checksum mismatch"):
         verify_checksums(newest)
+
+
+def test_a_checkpoint_config_of_nested_aliases_is_not_expanded_on_resume(tmp_path, caplog):
+    import time as _time
+
+    from lmforge.core.config import load_config
+    from lmforge.stages.pretrain import PretrainRecipe
+    from lmforge.train.checkpointer import _log_recipe_changes
+    from tests.core.test_untrusted import BOMB
+
+    (tmp_path / "config.yaml").write_text(BOMB)  # a crafted checkpoint: compared with the recipe on resume
+    start = _time.perf_counter()
+    with caplog.at_level("WARNING", logger="lmforge"):
+        _log_recipe_changes(tmp_path, load_config(PretrainRecipe, None, []))
+    assert _time.perf_counter() - start < 5 and "resuming with a changed setting" not in caplog.text
