@@ -72,24 +72,25 @@ def build_checkpoint(args: argparse.Namespace, directory: Path) -> Path:
 
 
 @contextlib.contextmanager
-def serve_process(checkpoint: Path, max_batch: int) -> Iterator[str]:
-    """`lmforge serve` on a free port in a subprocess; its URL, once it answers."""
+def serve_process(checkpoint: Path, options: list[str], quiet: bool = False) -> Iterator[tuple[str, int]]:
+    """`lmforge serve` with ``options`` (key=value) on a free port in a subprocess: its URL and
+    pid, once it answers; ``quiet`` drops its log (the abuse benchmark's refusals)."""
     command = [sys.executable, "-m", "lmforge", "serve", f"checkpoint={checkpoint}", "--port", "0", "device=cpu",
-               f"model_name={NAME}", f"max_batch={max_batch}", f"max_pending={max_batch}", "log_level=warning"]
+               f"model_name={NAME}", "log_level=warning", *options]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL if quiet else None, text=True)
     try:
         line = proc.stdout.readline()
         if " on http://" not in line:
             raise RuntimeError(f"lmforge serve did not start (exit {proc.wait()}): {line!r}")
         url = line.split(" on ")[1].split()[0]
         for _ in range(3000):
-            try:
+            with contextlib.suppress(requests.ConnectionError):
                 if requests.get(url + "/health", timeout=1).ok:
                     break
-            except requests.ConnectionError:
-                time.sleep(0.01)
-        yield url
+            time.sleep(0.01)
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -178,7 +179,7 @@ def main() -> None:
         prompts = [chat_prompt_ids(tokenizer, c) for c in chats]
         config = dict(max_new_tokens=args.max_tokens, temperature=TEMPERATURE, stop_token_ids=[])
         http_runs, engine_runs = [], []
-        with serve_process(checkpoint, args.requests) as url:
+        with serve_process(checkpoint, [f"max_batch={args.requests}", f"max_pending={args.requests}"]) as (url, _):
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             run_http(client, chats[:2], 2)  # warm-up: the decoding layout, the first connections
             run_engine(Engine(model, tokenizer, max_batch=args.requests), prompts[:2], {**config, "max_new_tokens": 2})

@@ -24,7 +24,6 @@ head/body timeouts (2 s) so slow clients are reaped within the run. Two phases:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -32,19 +31,18 @@ import platform
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
 import torch
 from generate import cpu_name, git_commit  # this folder is the script's first import path
-from serve import build_checkpoint
+from serve import NAME, build_checkpoint, serve_process
 
 from lmforge.checkpoints.load import load_model
 from lmforge.data.tokenizer import Tokenizer
@@ -53,33 +51,8 @@ from lmforge.serve.protocol import MAX_TURNS
 from lmforge.stages.serve import ServeRecipe
 
 REPO = Path(__file__).resolve().parents[1]
-NAME = "bench"
 TIMEOUT_S = 2.0  # the server's head and body timeouts in this run
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Tell me about the king."}], "max_tokens": 16}
-
-
-@contextlib.contextmanager
-def serve_process(checkpoint: Path) -> Iterator[tuple[str, int]]:
-    """`lmforge serve` on a free port in a subprocess: its URL and pid, once it answers."""
-    command = [sys.executable, "-m", "lmforge", "serve", f"checkpoint={checkpoint}", "--port", "0", "device=cpu",
-               f"model_name={NAME}", "max_batch=8", "log_level=warning", f"head_timeout_s={TIMEOUT_S}",
-               f"body_timeout_s={TIMEOUT_S}", "max_connections=128"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = proc.stdout.readline()
-        if " on http://" not in line:
-            raise RuntimeError(f"lmforge serve did not start (exit {proc.wait()}): {line!r}")
-        url = line.split(" on ")[1].split()[0]
-        for _ in range(3000):
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(url + "/health", timeout=1).ok:
-                    break
-            time.sleep(0.01)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def rss_mb(pid: int) -> float:
@@ -295,7 +268,8 @@ def main() -> None:
         checkpoint = Path(args.checkpoint) if args.checkpoint else build_checkpoint(args, Path(tmp))
         model, _ = load_model(str(checkpoint), device="cpu")
         tokenizer, max_len = Tokenizer.load(checkpoint), model.cfg.max_seq_len
-        with serve_process(checkpoint) as (url, pid):
+        with serve_process(checkpoint, ["max_batch=8", f"head_timeout_s={TIMEOUT_S}", f"body_timeout_s={TIMEOUT_S}",
+                                        "max_connections=128"], quiet=True) as (url, pid):
             for _ in range(3):  # warm-up: the decoding layout, the first connections
                 requests.post(url + "/v1/chat/completions", json=CHAT, timeout=120)
             baseline = rss_mb(pid)
