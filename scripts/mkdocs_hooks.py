@@ -58,7 +58,7 @@ def key_table_html(rows: list) -> str:
         lines.append(
             f'<tr id="{html.escape(r.key)}"><td style="white-space: nowrap">{indent}<code>{html.escape(r.key)}</code></td>'
             f"<td>{html.escape(r.type)}</td><td{keep_whole}><code>{html.escape(default)}</code></td>"
-            f"<td>{code_spans(r.comment)}</td></tr>"
+            f"<td>{code_spans(r.help)}</td></tr>"
         )
     lines += ["</tbody>", "</table>"]
     return "\n".join(lines)

@@ -10,47 +10,17 @@ import argparse
 import dataclasses
 import difflib
 import errno
-import inspect
 import json
-import re
 import sys
 import textwrap
 import types
 from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from lmforge import __version__
-from lmforge.core.config import ConfigError, dump_config, load_config, parse_scalar, plugins, type_name
+from lmforge.core.config import ConfigError, dump_config, field_help, load_config, parse_scalar, plugins, type_name
 from lmforge.core.io import InputError
 from lmforge.core.run import setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
-
-FIELD_LINE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """The comment written beside (or on the lines just above) each field of a config dataclass
-    and of the dataclasses it inherits from: the source is the documentation of every key."""
-    comments: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            lines = inspect.getsource(klass).splitlines()
-        except (OSError, TypeError):
-            continue
-        above: list[str] = []
-        for line in lines[1:]:
-            stripped = line.strip()
-            if stripped.startswith("#"):
-                above.append(stripped.lstrip("# "))
-                continue
-            match = FIELD_LINE.match(line)
-            if match and not stripped.startswith(("def ", "@", "return")):
-                text = match.group(2) or " ".join(above)
-                if text:
-                    comments[match.group(1)] = text.strip()
-            above = []
-    return comments
 
 
 class RecipeKey(NamedTuple):
@@ -59,7 +29,7 @@ class RecipeKey(NamedTuple):
     key: str  # dotted from the recipe's top; an entry of a list of mappings is named alone
     type: str
     default: str  # as the help shows it: "default 0.1", "required", "default None (derived: 6)"
-    comment: str
+    help: str  # the field's help metadata (``core.config.field_help``)
     depth: int  # 1 for the keys of a list's entries, shown indented under the list
     value: Any  # the default itself, for the example override
 
@@ -108,7 +78,6 @@ def recipe_keys(cls: type, defaults: Any = None, prefix: str = "", depth: int = 
     if defaults is None:
         defaults = fresh
     hints = get_type_hints(cls)
-    comments = field_comments(cls)
     rows = []
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -117,12 +86,12 @@ def recipe_keys(cls: type, defaults: Any = None, prefix: str = "", depth: int = 
         key = f"{prefix}{f.name}"
         declared = declared_default(f)
         value = declared if defaults is None else getattr(defaults, f.name)
-        comment = comments.get(f.name, "")
+        help_ = field_help(f)
         if dataclasses.is_dataclass(tp):
             rows += recipe_keys(tp, value, f"{key}.", depth)
             continue
         if declared is dataclasses.MISSING:
-            rows.append(RecipeKey(key, type_name(tp), "required", comment, depth, None))
+            rows.append(RecipeKey(key, type_name(tp), "required", help_, depth, None))
             continue
         if fresh is not None and declared != getattr(fresh, f.name):
             resolved = f": {value!r}" if isinstance(value, (int, float, str)) else ""
@@ -132,17 +101,17 @@ def recipe_keys(cls: type, defaults: Any = None, prefix: str = "", depth: int = 
             shown = f"default {short_repr(value)}"
         if (entry := list_entry_dataclass(tp)) is not None:
             names = ", ".join(g.name for g in dataclasses.fields(entry) if g.init)
-            rows.append(RecipeKey(key, f"list of {{{names}}}", shown, comment, depth, value))
+            rows.append(RecipeKey(key, f"list of {{{names}}}", shown, help_, depth, value))
             rows += recipe_keys(entry, None, "", depth + 1)
         elif (section := optional_dataclass(tp)) is not None:
             if value is None:
                 shown += f"; the {key}.* keys below turn it on"
             else:
                 shown = f"default the {key}.* keys below; null turns it off"
-            rows.append(RecipeKey(key, type_name(tp), shown, comment, depth, None))
+            rows.append(RecipeKey(key, type_name(tp), shown, help_, depth, None))
             rows += recipe_keys(section, value, f"{key}.", depth)
         else:
-            rows.append(RecipeKey(key, type_name(tp), shown, comment, depth, value))
+            rows.append(RecipeKey(key, type_name(tp), shown, help_, depth, value))
     return rows
 
 
@@ -150,7 +119,7 @@ HELP_WIDTH = 100
 
 
 def key_table(rows: list[RecipeKey]) -> str:
-    """The rows as columns of key, type and default, each key's comment on the lines below.
+    """The rows as columns of key, type and default, each key's help on the lines below.
 
     A type too long for its column wraps within it and a default too long for its column
     gets a line of its own, so the columns stay aligned and no line is wider than HELP_WIDTH.
@@ -173,8 +142,8 @@ def key_table(rows: list[RecipeKey]) -> str:
             lines.append(f"  {key_part:<{key_width}}{type_part:<{type_width}}{default_part}".rstrip())
         if not beside:
             lines += textwrap.wrap(r.default, HELP_WIDTH, initial_indent=below, subsequent_indent=below + "  ")
-        if r.comment:
-            lines += textwrap.wrap(r.comment, HELP_WIDTH, initial_indent=below, subsequent_indent=below)
+        if r.help:
+            lines += textwrap.wrap(r.help, HELP_WIDTH, initial_indent=below, subsequent_indent=below)
     return "\n".join(lines)
 
 
@@ -226,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class VerbParser(argparse.ArgumentParser):
-    """A verb's parser; its recipe-key table (which reads the recipe dataclasses' source for
-    their comments) is built only when help is printed, not on every run."""
+    """A verb's parser; its recipe-key table (the recipe dataclasses' fields with their help
+    metadata) is built only when help is printed, not on every run."""
 
     def __init__(self, *args, recipe: type, **kwargs):
         super().__init__(*args, **kwargs)

@@ -4,6 +4,9 @@ A recipe is a YAML mapping whose shape is a dataclass tree. ``load_config`` read
 file with ``core.untrusted.load_yaml`` (safe tags, aliases bounded), applies ``a.b.c=value`` overrides, and builds the
 dataclasses, checking every value against its annotation. Mistakes are reported with
 the dotted key, the offending value and, for unknown keys, the closest valid key.
+
+A field's help text and range live in its metadata (``option``, ``in_range``, ``positive``...):
+``lmforge <verb> --help``, the docs' reference pages and the range errors all read them there.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message says which key and why."""
 
 
-# --------------------------------------------------------------------------- ranges
+# --------------------------------------------------------------------------- fields: help and ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +71,25 @@ class Range:
         return "finite" if finite and not self.allow_inf else "a number"
 
 
+def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A recipe key with no range: its default (or ``default_factory``) and its help, the text
+    ``lmforge <verb> --help`` and the docs' reference show beside the key."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help})
+
+
+def field_help(f: dataclasses.Field) -> str:
+    """A field's help text, declared by ``help=`` on ``option``, ``in_range``, ``positive``...; "" if none."""
+    return f.metadata.get("help", "")
+
+
 def in_range(default: Any = dataclasses.MISSING, low: float | None = None, high: float | None = None, *,
              low_open: bool = False, high_open: bool = False, allow_inf: bool = False, also: tuple = (),
-             keys: Range | None = None, **field_kwargs: Any) -> Any:
+             keys: Range | None = None, help: str = "", **field_kwargs: Any) -> Any:
     """A dataclass field whose numbers must lie in the range (for a list or mapping: each entry,
-    and with ``keys`` each key of a mapping); ``load_config`` checks it before anything runs."""
+    and with ``keys`` each key of a mapping); ``load_config`` checks it before anything runs.
+    ``help`` is the key's help text, as for ``option``."""
     rng = Range(low, high, low_open, high_open, allow_inf, also)
-    metadata = {"range": rng, **({"key_range": keys} if keys is not None else {})}
+    metadata = {"range": rng, "help": help, **({"key_range": keys} if keys is not None else {})}
     return dataclasses.field(default=default, metadata=metadata, **field_kwargs)
 
 
@@ -102,11 +117,11 @@ def seed_field(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
     return in_range(default, 0, SEED_MAX, **kwargs)
 
 
-def plugin_field(default: Any = None) -> Any:
+def plugin_field(default: Any = None, *, help: str = "") -> Any:
     """A ``module:function`` a recipe names: Python code lmforge imports and runs (a reward, a
     judge). Imported when the stage starts, never while the recipe is read; ``plugins`` lists
     them, and ``--print-config`` shows the list."""
-    return dataclasses.field(default=default, metadata={"plugin": True})
+    return dataclasses.field(default=default, metadata={"plugin": True, "help": help})
 
 
 def plugins(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -401,13 +416,17 @@ def recipe_defaults(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
 
 def _suggestion(cls: type, key: str, prefix: str) -> str:
     """``; did you mean 'x'?`` for an unknown key: a key of a section below that it names
-    (``skip_bad_records`` for ``data.skip_bad_records``), else the closest key here, else the valid keys."""
+    (``skip_bad_records`` for ``data.skip_bad_records``), else the closest key here with its help
+    text, else the valid keys."""
     below = [k for k in _dotted_keys(cls) if k.endswith("." + key)]
     if below:
         return "; did you mean " + " or ".join(f"'{prefix}{k}'" for k in below[:3]) + "?"
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-    return f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(names))}"
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    if not close:
+        return f"; valid keys: {', '.join(sorted(fields))}"
+    help_ = field_help(fields[close[0]])
+    return f"; did you mean '{prefix}{close[0]}'{f' ({help_})' if help_ else ''}?"
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
@@ -563,10 +582,12 @@ __all__ = [
     "at_least",
     "check_ranges",
     "dump_config",
+    "field_help",
     "field_range",
     "from_dict",
     "in_range",
     "load_config",
+    "option",
     "parse_scalar",
     "plugin_field",
     "plugins",

@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from lmforge.core.config import at_least, save_config
+from lmforge.core.config import at_least, option, save_config
 from lmforge.core.io import InputError, atomic_write_bytes
 from lmforge.core.run import log, progress_bar
 from lmforge.curate.executor import make_executor
@@ -55,15 +55,24 @@ DEFAULT_STEPS: list[dict[str, Any]] = [
 
 @dataclass
 class CurateConfig:
-    run_dir: str = "runs/curate"
+    run_dir: str = option(
+        "runs/curate",
+        help="receives output/ (the kept documents, what `lmforge prepare` reads), rejects/, stats.json, report.md",
+    )
     inputs: InputsConfig = field(default_factory=InputsConfig)
-    # each step: {type: <step type>, name: <optional label>, <that type's keys>}; see docs/curate.md
-    steps: list[dict[str, Any]] = field(default_factory=lambda: [dict(s) for s in DEFAULT_STEPS])
-    output_format: Literal["parquet", "jsonl"] = "parquet"
-    executor: Literal["local", "ray"] = "local"
-    workers: int = at_least(1, 2)  # local processes (1: in this process), or CPUs of a local Ray
-    ray_address: str | None = None  # executor ray: "auto" joins a running cluster; null starts one
-    known_duplicates: str | None = None  # TSV url_a, url_b[, kind, jaccard]: dedup precision/recall in the report
+    steps: list[dict[str, Any]] = option(
+        default_factory=lambda: [dict(s) for s in DEFAULT_STEPS],
+        help="each step: {type: <step type>, name: <optional label>, <that type's keys>}; see docs/curate.md",
+    )
+    output_format: Literal["parquet", "jsonl"] = option("parquet", help="the file format of output/'s shards")
+    executor: Literal["local", "ray"] = option(
+        "local", help="local: processes on this machine; ray: tasks on a Ray cluster"
+    )
+    workers: int = at_least(1, 2, help="local processes (1: in this process), or CPUs of a local Ray")
+    ray_address: str | None = option(None, help='executor ray: "auto" joins a running cluster; null starts one')
+    known_duplicates: str | None = option(
+        None, help="TSV url_a, url_b[, kind, jaccard]: dedup precision/recall in the report"
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1:

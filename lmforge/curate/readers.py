@@ -25,12 +25,12 @@ import codecs
 import re
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from lmforge.core.config import at_least
+from lmforge.core.config import at_least, option
 from lmforge.core.io import InputError, expand_paths
 from lmforge.data import documents
 from lmforge.data.documents import (
@@ -60,12 +60,18 @@ Format = Literal["auto", "warc", "html", "jsonl", "parquet", "text"]
 class InputsConfig:
     """Where the raw documents are and how to cut them into shards."""
 
-    paths: list[str] = field(default_factory=list)  # files, globs (``**`` allowed) or folders (their HTML files)
-    format: Format = "auto"  # auto: by suffix (.warc[.gz], .html/.htm/.xhtml, .jsonl[.gz], .parquet, else text)
-    text_field: str = "text"  # JSONL key / Parquet column with the text
-    id_field: str = "id"  # optional; missing ids become <file>:<line>
-    records_per_shard: int = at_least(0, 100)  # 0: one shard per file
-    warc_record_types: list[str] = field(default_factory=lambda: ["response", "conversion"])
+    paths: list[str] = option(default_factory=list, help="files, globs (``**`` allowed) or folders (their HTML files)")
+    format: Format = option(
+        "auto", help="auto: by suffix (.warc[.gz], .html/.htm/.xhtml, .jsonl[.gz], .parquet, else text)"
+    )
+    text_field: str = option("text", help="JSONL key / Parquet column with the text")
+    id_field: str = option("id", help="optional; missing ids become <file>:<line>")
+    records_per_shard: int = at_least(0, 100, help="0: one shard per file")
+    warc_record_types: list[str] = option(
+        default_factory=lambda: ["response", "conversion"],
+        help="the WARC record types read as documents (warcinfo, response, resource, request, metadata, revisit, "
+        "conversion, continuation)",
+    )
 
     def __post_init__(self) -> None:
         if self.records_per_shard < 0:

@@ -26,6 +26,7 @@ from itertools import islice
 from pathlib import Path
 from typing import IO, Any
 
+from lmforge.core.config import option
 from lmforge.core.io import InputError, expand_paths
 from lmforge.data.chatml import ExampleError, chatml_text, validate_messages
 
@@ -37,11 +38,13 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 class DocumentsConfig:
     """Where documents come from and how to read them."""
 
-    paths: list[str] = field(default_factory=list)  # files or glob patterns (``**`` allowed)
-    text_field: str = "text"  # JSONL key / Parquet column holding the text
-    id_field: str = "id"  # optional; missing ids become ``<file>:<line>``
-    messages_field: str | None = None  # a key / column of TRL `messages`: each conversation read as its ChatML text
-    skip_bad_records: bool = False  # count and skip bad records instead of stopping
+    paths: list[str] = option(default_factory=list, help="files or glob patterns (``**`` allowed)")
+    text_field: str = option("text", help="JSONL key / Parquet column holding the text")
+    id_field: str = option("id", help="optional; missing ids become ``<file>:<line>``")
+    messages_field: str | None = option(
+        None, help="a key / column of TRL `messages`: each conversation read as its ChatML text"
+    )
+    skip_bad_records: bool = option(False, help="count and skip bad records instead of stopping")
 
     @property
     def read_field(self) -> str:

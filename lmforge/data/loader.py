@@ -12,13 +12,13 @@ they are passed over, never served, and every other sample keeps its window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lmforge.core.config import positive, seed_field
+from lmforge.core.config import option, positive, seed_field
 from lmforge.core.io import InputError
 from lmforge.data.shards import Shard, open_shards, read_manifest
 from lmforge.data.skipped import SkippedSamples
@@ -26,9 +26,11 @@ from lmforge.data.skipped import SkippedSamples
 
 @dataclass
 class DatasetSource:
-    path: str  # a directory written by ``lmforge prepare``
-    weight: float = positive(1.0)
-    name: str | None = None  # of its validation metrics in a mixture (val/<name>/loss); None: the directory's name
+    path: str = option(help="a directory written by ``lmforge prepare``")
+    weight: float = positive(1.0, help="its share of the samples drawn, relative to the other datasets' weights")
+    name: str | None = option(
+        None, help="of its validation metrics in a mixture (val/<name>/loss); None: the directory's name"
+    )
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
@@ -47,12 +49,16 @@ class DatasetSource:
 class LoaderConfig:
     """Which token datasets to read and how to cut them into windows."""
 
-    datasets: list[DatasetSource] = field(default_factory=list)
-    seq_len: int = positive(256)
-    bos_aligned: bool = True  # start windows at document starts where the documents allow
-    shuffle: bool = True
-    seed: int = seed_field(0)
-    verify_shards: bool = False  # hash every shard against its manifest first (always on when a run resumes)
+    datasets: list[DatasetSource] = option(default_factory=list, help="the prepared token datasets, mixed by weight")
+    seq_len: int = positive(
+        256, help="tokens per training sequence (each window holds seq_len + 1: inputs and targets)"
+    )
+    bos_aligned: bool = option(True, help="start windows at document starts where the documents allow")
+    shuffle: bool = option(True, help="windows in a seeded order per epoch, else in file order")
+    seed: int = seed_field(0, help="the seed of the window order and of the mixture's draws")
+    verify_shards: bool = option(
+        False, help="hash every shard against its manifest first (always on when a run resumes)"
+    )
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:

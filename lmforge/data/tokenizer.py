@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmforge.core.config import at_least, positive
+from lmforge.core.config import at_least, option, positive
 from lmforge.core.io import InputError, atomic_write_bytes, atomic_write_json, read_json
 
 
@@ -39,19 +39,28 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 class TokenizerConfig:
     """What BPE vocabulary to learn and which special tokens to reserve."""
 
-    vocab_size: int = at_least(256, 8192)
-    min_frequency: int = at_least(0, 2)  # a pair must occur this often to be merged
-    bos_token: str = "<|begin_of_text|>"
-    eos_token: str = "<|end_of_text|>"
-    pad_token: str = "<|pad|>"
-    chat_tokens: list[str] = field(default_factory=lambda: ["<|im_start|>", "<|im_end|>"])
-    extra_special_tokens: list[str] = field(default_factory=list)
-    model_max_length: int = positive(2048)  # recorded in tokenizer_config.json for HF users
-    max_train_chars: int | None = positive(None)  # cap on training text, None = use all of it
-    # numbers are cut into pre-tokens of at most this many digits before BPE: 3 as in GPT-4 and
-    # Llama 3; 1 gives every digit its own token (Llama 1/2, PaLM), so that "4600" begins with
-    # the tokens of "46": what a small model needs to copy numbers and add them
-    digit_group: int = at_least(1, 3)
+    vocab_size: int = at_least(
+        256, 8192, help="tokens in the vocabulary: the 256 bytes, the merges and the special tokens"
+    )
+    min_frequency: int = at_least(0, 2, help="a pair must occur this often to be merged")
+    bos_token: str = option("<|begin_of_text|>", help="the special token that begins each document")
+    eos_token: str = option("<|end_of_text|>", help="the special token that ends each document")
+    pad_token: str = option("<|pad|>", help="the special token that pads a batch's shorter rows")
+    chat_tokens: list[str] = option(
+        default_factory=lambda: ["<|im_start|>", "<|im_end|>"], help="the special tokens of the ChatML chat template"
+    )
+    extra_special_tokens: list[str] = option(
+        default_factory=list, help="more special tokens to reserve: never split, never merged"
+    )
+    model_max_length: int = positive(2048, help="recorded in tokenizer_config.json for HF users")
+    max_train_chars: int | None = positive(None, help="cap on training text, None = use all of it")
+    digit_group: int = at_least(
+        1,
+        3,
+        help="numbers are cut into pre-tokens of at most this many digits before BPE: 3 as in GPT-4 and Llama 3; "
+        '1 gives every digit its own token (Llama 1/2, PaLM), so that "4600" begins with the tokens of "46": '
+        "what a small model needs to copy numbers and add them",
+    )
 
     def __post_init__(self) -> None:
         specials = self.special_tokens

@@ -10,25 +10,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lmforge.core.config import at_least, positive
+from lmforge.core.config import at_least, option, positive
 
 
 @dataclass
 class ParallelConfig:
     """Data (FSDP2 / HSDP), tensor and pipeline parallel degrees and their options."""
 
-    dp_replicate: int = positive(1)  # data-parallel replicas that each hold whole weights (HSDP when dp_shard > 1 too)
-    dp_shard: int = at_least(1, -1, also=(-1,))  # FSDP2 sharding degree; -1 = what the world size leaves after the other degrees
-    tp: int = positive(1)  # tensor parallel: attention heads, MLP width and vocabulary split over this many devices
-    pp: int = positive(1)  # pipeline parallel: consecutive layers split into this many stages
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # GPipe (all forwards, then all backwards) or 1F1B
-    pp_microbatches: int | None = positive(None)  # pipeline micro-batches per train.micro_batch_size rows; None = pp
-    reshard_after_forward: bool = True  # FSDP: True = ZeRO-3 (free gathered weights after forward); False = ZeRO-2-like
-    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"  # FSDP weights in this dtype, grads reduced in fp32; auto = train.precision
-    sequence_parallel: bool = False  # tp: norms and residuals sharded along the sequence (less activation memory)
-    loss_parallel: bool = True  # tp: vocabulary-parallel output and cross-entropy, logits never gathered
-    async_checkpoint: bool = False  # write sharded checkpoints in the background while training continues
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # process-group backend; auto = nccl on GPUs, gloo on CPUs
+    dp_replicate: int = positive(
+        1, help="data-parallel replicas that each hold whole weights (HSDP when dp_shard > 1 too)"
+    )
+    dp_shard: int = at_least(
+        1, -1, also=(-1,), help="FSDP2 sharding degree; -1 = what the world size leaves after the other degrees"
+    )
+    tp: int = positive(
+        1, help="tensor parallel: attention heads, MLP width and vocabulary split over this many devices"
+    )
+    pp: int = positive(1, help="pipeline parallel: consecutive layers split into this many stages")
+    pp_schedule: Literal["gpipe", "1f1b"] = option("1f1b", help="GPipe (all forwards, then all backwards) or 1F1B")
+    pp_microbatches: int | None = positive(
+        None, help="pipeline micro-batches per train.micro_batch_size rows; None = pp"
+    )
+    reshard_after_forward: bool = option(
+        True, help="FSDP: True = ZeRO-3 (free gathered weights after forward); False = ZeRO-2-like"
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = option(
+        "auto", help="FSDP weights in this dtype, grads reduced in fp32; auto = train.precision"
+    )
+    sequence_parallel: bool = option(
+        False, help="tp: norms and residuals sharded along the sequence (less activation memory)"
+    )
+    loss_parallel: bool = option(True, help="tp: vocabulary-parallel output and cross-entropy, logits never gathered")
+    async_checkpoint: bool = option(False, help="write sharded checkpoints in the background while training continues")
+    backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto", help="process-group backend; auto = nccl on GPUs, gloo on CPUs"
+    )
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp"):

@@ -55,7 +55,16 @@ import torch
 
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.load import load_model
-from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
+from lmforge.core.config import (
+    ConfigError,
+    at_least,
+    in_range,
+    option,
+    plugin_field,
+    positive,
+    seed_field,
+    unit_interval,
+)
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.data.chat import chat_prompt_ids
 from lmforge.data.chatml import IM_END
@@ -77,26 +86,30 @@ class JudgeRefused(JudgeError):
 class JudgeConfig:
     """The critic or judge: exactly one of ``checkpoint``, ``base_url`` (with ``model``) or ``function``."""
 
-    checkpoint: str | None = None  # an lmforge checkpoint or run directory, run in this process
-    base_url: str | None = None  # an OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1
-    model: str | None = None  # the endpoint's model name
-    api_key_env: str | None = "OPENAI_API_KEY"  # the environment variable holding the key; unset or null: none sent
-    function: str | None = field(default=None, metadata={"plugin": True})  # module:function, imported at stage start
-    max_new_tokens: int = positive(128)  # critiques and revisions
-    temperature: float = at_least(0, 0.0)  # critiques and revisions; comparisons are always greedy
-    top_p: float = unit_interval(1.0, low_open=True)
-    seed: int = seed_field(0)  # with the item's key, the seed of each sampled critique or revision
-    answer_tokens: int = positive(8)  # the length of a comparison's answer: "(A)" and a little room
-    top_logprobs: int = in_range(20, 1, 20)  # alternatives per answer token (OpenAI's API allows at most 20)
-    logprobs: bool = True  # ask the endpoint for log-probs (false: a parsed choice, for APIs without them)
-    max_batch: int = positive(32)  # checkpoint: rows decoding together
-    dtype: Literal["float32", "bfloat16"] = "float32"  # checkpoint
-    device: str = "auto"  # checkpoint: auto = cuda when available, else cpu
-    timeout_s: float = positive(120.0)  # endpoint: per request, from connecting to the reply's last byte
-    max_retries: int = at_least(0, 4)  # endpoint: after the first try, on timeouts, connection errors, cut replies, 429, 5xx
-    backoff_s: float = at_least(0, 1.0)  # endpoint: the first retry waits this, each next one twice as long
-    concurrency: int = positive(4)  # endpoint: requests in flight
-    cache: bool = True  # endpoint: keep every answer on disk (run_dir/judge-cache) and reuse it
+    checkpoint: str | None = option(None, help="an lmforge checkpoint or run directory, run in this process")
+    base_url: str | None = option(None, help="an OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1")
+    model: str | None = option(None, help="the endpoint's model name")
+    api_key_env: str | None = option(
+        "OPENAI_API_KEY", help="the environment variable holding the key; unset or null: none sent"
+    )
+    function: str | None = plugin_field(help="module:function, imported at stage start")
+    max_new_tokens: int = positive(128, help="critiques and revisions")
+    temperature: float = at_least(0, 0.0, help="critiques and revisions; comparisons are always greedy")
+    top_p: float = unit_interval(1.0, low_open=True, help="nucleus sampling of critiques and revisions; 1 = off")
+    seed: int = seed_field(0, help="with the item's key, the seed of each sampled critique or revision")
+    answer_tokens: int = positive(8, help='the length of a comparison\'s answer: "(A)" and a little room')
+    top_logprobs: int = in_range(20, 1, 20, help="alternatives per answer token (OpenAI's API allows at most 20)")
+    logprobs: bool = option(True, help="ask the endpoint for log-probs (false: a parsed choice, for APIs without them)")
+    max_batch: int = positive(32, help="checkpoint: rows decoding together")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="checkpoint")
+    device: str = option("auto", help="checkpoint: auto = cuda when available, else cpu")
+    timeout_s: float = positive(120.0, help="endpoint: per request, from connecting to the reply's last byte")
+    max_retries: int = at_least(
+        0, 4, help="endpoint: after the first try, on timeouts, connection errors, cut replies, 429, 5xx"
+    )
+    backoff_s: float = at_least(0, 1.0, help="endpoint: the first retry waits this, each next one twice as long")
+    concurrency: int = positive(4, help="endpoint: requests in flight")
+    cache: bool = option(True, help="endpoint: keep every answer on disk (run_dir/judge-cache) and reuse it")
 
     def kind(self) -> Literal["checkpoint", "endpoint", "callable"]:
         given = {"checkpoint": self.checkpoint, "endpoint": self.base_url, "callable": self.function}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from lmforge.core.config import at_least, check_ranges, positive
+from lmforge.core.config import at_least, check_ranges, option, positive
 
 
 @dataclass
@@ -16,43 +16,84 @@ class ModelConfig:
     beside it win; in Python use ``ModelConfig.from_preset(name, **overrides)``.
     """
 
-    preset: str | None = None  # tiny | gpt2-124m | smollm2-135m | llama3-1b (see PRESETS)
-    vocab_size: int = positive(8192)
-    d_model: int = positive(384)
-    n_layers: int = positive(6)
-    n_heads: int = positive(6)
-    n_kv_heads: int | None = positive(None)  # None = n_heads (MHA); 1 = MQA; in between = GQA
-    head_dim: int | None = positive(None)  # None = d_model // n_heads
-    ffn: Literal["swiglu", "gelu"] = "swiglu"
-    ffn_hidden: int | None = positive(None)  # None = 8/3 d_model rounded up to 64 (SwiGLU) or 4 d_model (GELU)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = positive(1e-5)
-    positions: Literal["rope", "alibi"] = "rope"  # rope = rotary embeddings (rope_*); alibi = ALiBi's per-head linear distance bias (Press et al. 2022), no rotation
-    rope_theta: float = positive(10000.0)
-    # how RoPE stretches past rope_original_max_seq_len (model.rope): linear = position interpolation (PI),
-    # dynamic = NTK-aware base growing with the sequence, yarn, longrope (Phi-3), llama3 (Llama 3.1)
-    rope_scaling: Literal["none", "linear", "dynamic", "yarn", "longrope", "llama3"] = "none"
-    rope_factor: float = at_least(1, 1.0)  # how many times the context is stretched (linear, dynamic, yarn, llama3: Llama 3.1/3.2 use 8 or 32; longrope: sets the attention factor)
-    rope_low_freq_factor: float = positive(1.0)  # llama3: wavelengths above rope_original_max_seq_len / this are fully stretched
-    rope_high_freq_factor: float = positive(4.0)  # llama3: wavelengths below rope_original_max_seq_len / this are kept
-    rope_original_max_seq_len: int | None = positive(None)  # the context the model was pretrained at (Llama 3: 8192); dynamic, yarn, longrope, llama3
-    rope_beta_fast: float = positive(32.0)  # yarn: RoPE pairs turning more than this many times over the original context keep their frequency
-    rope_beta_slow: float = positive(1.0)  # yarn: pairs turning fewer than this many times are fully interpolated
-    rope_mscale: float | None = positive(None)  # yarn (DeepSeek): with rope_mscale_all_dim, attention factor (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)
-    rope_mscale_all_dim: float | None = positive(None)  # yarn (DeepSeek): the denominator's mscale, set with rope_mscale
-    rope_attention_factor: float | None = positive(None)  # yarn, longrope: scale of RoPE's cos and sin (None = the paper's: yarn 0.1 ln s + 1, longrope sqrt(1 + ln s / ln L))
-    rope_truncate: bool = True  # yarn: round the ends of the interpolation ramp to whole pairs (transformers' default)
-    rope_short_factor: list[float] | None = positive(None)  # longrope: head_dim/2 divisors of the frequencies, for sequences up to rope_original_max_seq_len
-    rope_long_factor: list[float] | None = positive(None)  # longrope: head_dim/2 divisors of the frequencies, for longer sequences
-    max_seq_len: int = positive(2048)
-    sliding_window: int | None = positive(None)  # a sliding layer's query sees the last this many positions, itself included (Mistral, Qwen2); None = every layer sees all
-    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = None  # one per layer (transformers' layer_types); None = every layer sliding when sliding_window is set
-    tie_embeddings: bool = False
-    qk_norm: bool = False
-    qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2 has them)
-    out_bias: bool = False  # bias on the attention output projection
-    mlp_bias: bool = False
-    init_std: float = positive(0.02)
+    preset: str | None = option(None, help="tiny | gpt2-124m | smollm2-135m | llama3-1b (see PRESETS)")
+    vocab_size: int = positive(8192, help="rows of the token embedding (at least the tokenizer's vocabulary)")
+    d_model: int = positive(384, help="the width of the residual stream")
+    n_layers: int = positive(6, help="transformer blocks")
+    n_heads: int = positive(6, help="query heads per attention layer")
+    n_kv_heads: int | None = positive(None, help="None = n_heads (MHA); 1 = MQA; in between = GQA")
+    head_dim: int | None = positive(None, help="None = d_model // n_heads")
+    ffn: Literal["swiglu", "gelu"] = option("swiglu", help="swiglu: the gated MLP of Llama; gelu: GPT-2's")
+    ffn_hidden: int | None = positive(None, help="None = 8/3 d_model rounded up to 64 (SwiGLU) or 4 d_model (GELU)")
+    norm: Literal["rmsnorm", "layernorm"] = option("rmsnorm", help="rmsnorm (Llama) or layernorm (GPT-2)")
+    norm_eps: float = positive(1e-5, help="the epsilon added to the variance in every norm")
+    positions: Literal["rope", "alibi"] = option(
+        "rope",
+        help="rope = rotary embeddings (rope_*); "
+        "alibi = ALiBi's per-head linear distance bias (Press et al. 2022), no rotation",
+    )
+    rope_theta: float = positive(10000.0, help="RoPE's base θ: pair i turns by position · θ^(-2i / head_dim)")
+    rope_scaling: Literal["none", "linear", "dynamic", "yarn", "longrope", "llama3"] = option(
+        "none",
+        help="how RoPE stretches past rope_original_max_seq_len (model.rope): linear = position interpolation (PI), "
+        "dynamic = NTK-aware base growing with the sequence, yarn, longrope (Phi-3), llama3 (Llama 3.1)",
+    )
+    rope_factor: float = at_least(
+        1,
+        1.0,
+        help="how many times the context is stretched (linear, dynamic, yarn, llama3: Llama 3.1/3.2 use 8 or 32; "
+        "longrope: sets the attention factor)",
+    )
+    rope_low_freq_factor: float = positive(
+        1.0, help="llama3: wavelengths above rope_original_max_seq_len / this are fully stretched"
+    )
+    rope_high_freq_factor: float = positive(
+        4.0, help="llama3: wavelengths below rope_original_max_seq_len / this are kept"
+    )
+    rope_original_max_seq_len: int | None = positive(
+        None, help="the context the model was pretrained at (Llama 3: 8192); dynamic, yarn, longrope, llama3"
+    )
+    rope_beta_fast: float = positive(
+        32.0, help="yarn: RoPE pairs turning more than this many times over the original context keep their frequency"
+    )
+    rope_beta_slow: float = positive(1.0, help="yarn: pairs turning fewer than this many times are fully interpolated")
+    rope_mscale: float | None = positive(
+        None,
+        help="yarn (DeepSeek): with rope_mscale_all_dim, attention factor (0.1 mscale ln s + 1) / "
+        "(0.1 mscale_all_dim ln s + 1)",
+    )
+    rope_mscale_all_dim: float | None = positive(
+        None, help="yarn (DeepSeek): the denominator's mscale, set with rope_mscale"
+    )
+    rope_attention_factor: float | None = positive(
+        None,
+        help="yarn, longrope: scale of RoPE's cos and sin (None = the paper's: yarn 0.1 ln s + 1, "
+        "longrope sqrt(1 + ln s / ln L))",
+    )
+    rope_truncate: bool = option(
+        True, help="yarn: round the ends of the interpolation ramp to whole pairs (transformers' default)"
+    )
+    rope_short_factor: list[float] | None = positive(
+        None, help="longrope: head_dim/2 divisors of the frequencies, for sequences up to rope_original_max_seq_len"
+    )
+    rope_long_factor: list[float] | None = positive(
+        None, help="longrope: head_dim/2 divisors of the frequencies, for longer sequences"
+    )
+    max_seq_len: int = positive(2048, help="the longest sequence the model takes (its context)")
+    sliding_window: int | None = positive(
+        None,
+        help="a sliding layer's query sees the last this many positions, itself included (Mistral, Qwen2); "
+        "None = every layer sees all",
+    )
+    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = option(
+        None, help="one per layer (transformers' layer_types); None = every layer sliding when sliding_window is set"
+    )
+    tie_embeddings: bool = option(False, help="the output head shares the token embedding's weights")
+    qk_norm: bool = option(False, help="RMSNorm on each head's queries and keys before attention (Qwen3)")
+    qkv_bias: bool = option(False, help="biases on the query/key/value projections (Qwen2 has them)")
+    out_bias: bool = option(False, help="bias on the attention output projection")
+    mlp_bias: bool = option(False, help="biases on the MLP's linears")
+    init_std: float = positive(0.02, help="the standard deviation of the weights' normal initialisation")
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lmforge.core.config import at_least, in_range, positive
+from lmforge.core.config import at_least, in_range, option, positive
 from lmforge.objectives.base import LossOutput, Objective
 from lmforge.objectives.preference import (
     cpo_loss,
@@ -58,14 +58,21 @@ DPO_TYPES = {"dpo": "sigmoid", "ipo": "ipo", "cdpo": "cdpo", "rdpo": "robust", "
 
 @dataclass
 class PreferenceLossConfig:
-    loss: PreferenceLoss = "dpo"  # dpo | ipo | cdpo | rdpo | hinge (reference) ; simpo | orpo | cpo (reference-free)
-    beta: float = positive(0.1)  # β (IPO's τ; ORPO's λ). TRL's default 0.1; SimPO's paper uses 2.0-2.5
-    label_smoothing: float = in_range(0.0, 0, 0.5, high_open=True)  # ε for cdpo and rdpo (0.1 is typical), and optional for simpo/cpo
-    simpo_gamma: float = at_least(0, 0.5)  # SimPO's target margin γ (TRL's simpo_gamma)
-    cpo_alpha: float = at_least(0, 1.0)  # weight of CPO's NLL term on the chosen completion
-    # + w·NLL(chosen completion) for the reference-based losses: RPO (Pang et al. 2024), TRL's
-    # loss_type [..., "sft"] with loss_weights; keeps DPO from lowering the chosen answer's likelihood
-    sft_weight: float = at_least(0, 0.0)
+    loss: PreferenceLoss = option(
+        "dpo", help="dpo | ipo | cdpo | rdpo | hinge (reference) ; simpo | orpo | cpo (reference-free)"
+    )
+    beta: float = positive(0.1, help="β (IPO's τ; ORPO's λ). TRL's default 0.1; SimPO's paper uses 2.0-2.5")
+    label_smoothing: float = in_range(
+        0.0, 0, 0.5, high_open=True, help="ε for cdpo and rdpo (0.1 is typical), and optional for simpo/cpo"
+    )
+    simpo_gamma: float = at_least(0, 0.5, help="SimPO's target margin γ (TRL's simpo_gamma)")
+    cpo_alpha: float = at_least(0, 1.0, help="weight of CPO's NLL term on the chosen completion")
+    sft_weight: float = at_least(
+        0,
+        0.0,
+        help="+ w·NLL(chosen completion) for the reference-based losses: RPO (Pang et al. 2024), "
+        "TRL's loss_type [..., \"sft\"] with loss_weights; keeps DPO from lowering the chosen answer's likelihood",
+    )
 
     def __post_init__(self) -> None:
         if self.loss not in DPO_TYPES and self.loss not in REFERENCE_FREE:

@@ -34,9 +34,9 @@ from lmforge.objectives.reference import Reference, completion_logprobs, trim_pa
 
 @dataclass
 class KTOLossConfig:
-    beta: float = positive(0.1)  # β; TRL's default
-    desirable_weight: float = positive(1.0)  # λ_D; keep λ_D·n_D / (λ_U·n_U) in [1, 4/3] (TRL, KTO paper)
-    undesirable_weight: float = positive(1.0)  # λ_U
+    beta: float = positive(0.1, help="β; TRL's default")
+    desirable_weight: float = positive(1.0, help="λ_D; keep λ_D·n_D / (λ_U·n_U) in [1, 4/3] (TRL, KTO paper)")
+    undesirable_weight: float = positive(1.0, help="λ_U")
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.desirable_weight <= 0 or self.undesirable_weight <= 0:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmforge.core.config import at_least
+from lmforge.core.config import at_least, option
 from lmforge.objectives.base import LossOutput, Objective
 from lmforge.objectives.preference import bradley_terry_loss, masked_sum, pair_has_targets
 from lmforge.objectives.reference import trim_padding
@@ -22,8 +22,8 @@ from lmforge.objectives.reference import trim_padding
 
 @dataclass
 class RewardLossConfig:
-    center_coef: float = at_least(0, 0.0)  # c·(r_c + r_r)² keeps rewards near 0; TRL recommends 0.01
-    use_margin: bool = True  # subtract the data's per-pair `margin` field when present
+    center_coef: float = at_least(0, 0.0, help="c·(r_c + r_r)² keeps rewards near 0; TRL recommends 0.01")
+    use_margin: bool = option(True, help="subtract the data's per-pair `margin` field when present")
 
 
 class RewardObjective(Objective):

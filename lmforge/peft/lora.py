@@ -27,14 +27,14 @@ import fnmatch
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.core.config import positive, unit_interval
+from lmforge.core.config import option, positive, unit_interval
 from lmforge.peft.nf4 import NF4Linear
 
 DEFAULT_TARGETS = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3"]
@@ -51,18 +51,25 @@ class LoraConfig:
     Defaults follow torchtune's LoRA configs (r 8, α 16, dropout 0) on every projection.
     """
 
-    r: int = positive(8)
-    alpha: float = positive(16.0)
-    dropout: float = unit_interval(0.0, high_open=True)
-    target_modules: list[str] | str = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    use_rslora: bool = False  # s = α/√r instead of α/r
-    use_dora: bool = False
-    init: Literal["kaiming", "gaussian"] = "kaiming"  # A's init; B always starts at zero
-    # QLoRA: store each targeted linear's weight in NF4 (double-quantised scales) under the adapter.
-    # The QLoRA paper's blocks are 64 and 256, so a weight needs a multiple of 64·256 elements.
-    quantize_base: bool = False
-    nf4_block_size: int = positive(64)
-    nf4_scaler_block_size: int = positive(256)
+    r: int = positive(8, help="the adapters' rank")
+    alpha: float = positive(16.0, help="α: the adapter's update is scaled by α/r")
+    dropout: float = unit_interval(0.0, high_open=True, help="dropout on the adapter's input")
+    target_modules: list[str] | str = option(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        help="the linears that get an adapter: module-name suffixes or globs, or one full-match regex",
+    )
+    use_rslora: bool = option(False, help="s = α/√r instead of α/r")
+    use_dora: bool = option(False, help="DoRA: the adapted weight's magnitude is learned apart from its direction")
+    init: Literal["kaiming", "gaussian"] = option("kaiming", help="A's init; B always starts at zero")
+    quantize_base: bool = option(
+        False,
+        help="QLoRA: store each targeted linear's weight in NF4 (double-quantised scales) under the adapter. The "
+        "QLoRA paper's blocks are 64 and 256, so a weight needs a multiple of 64·256 elements.",
+    )
+    nf4_block_size: int = positive(64, help="quantize_base: weights per NF4 block, each with its own scale")
+    nf4_scaler_block_size: int = positive(
+        256, help="quantize_base: NF4 blocks per block of their scales, themselves quantised (double quantisation)"
+    )
 
     def __post_init__(self) -> None:
         if self.r < 1:

@@ -22,7 +22,7 @@ from torch import nn
 
 from lmforge.checkpoints.files import load_model_config
 from lmforge.checkpoints.load import load_model, load_reward_model, resolve_checkpoint
-from lmforge.core.config import ConfigError, at_least
+from lmforge.core.config import ConfigError, at_least, option
 from lmforge.core.io import InputError
 from lmforge.model.reward import HEAD_FILE, model_inputs
 from lmforge.model.transformer import Transformer
@@ -36,12 +36,14 @@ CRITIC_FILE = "critic.safetensors"
 class CriticConfig:
     """The ``critic:`` section: where the value function lives and how its loss weighs."""
 
-    kind: Literal["separate", "shared"] = "separate"  # shared: a value head on the policy's trunk
-    # separate: its transformer's weights: "policy" (the policy's checkpoint), "reward_model" (the
-    # reward.components' reward model, its head included) or a checkpoint path
-    init: str = "policy"
-    vf_coef: float = at_least(0, 0.1)  # c_1 in L = L^CLIP + c_1 L^V (TRL's PPO: 0.1)
-    value_clip: float | None = at_least(0, 0.2)  # PPO2's value clipping range (None: unclipped)
+    kind: Literal["separate", "shared"] = option("separate", help="shared: a value head on the policy's trunk")
+    init: str = option(
+        "policy",
+        help="separate: its transformer's weights: \"policy\" (the policy's checkpoint), "
+        '"reward_model" (the reward.components\' reward model, its head included) or a checkpoint path',
+    )
+    vf_coef: float = at_least(0, 0.1, help="c_1 in L = L^CLIP + c_1 L^V (TRL's PPO: 0.1)")
+    value_clip: float | None = at_least(0, 0.2, help="PPO2's value clipping range (None: unclipped)")
 
     def init_path(self, policy: str, reward: RewardConfig) -> Path | None:
         """The checkpoint a separate critic starts from (None: shared), checked before any model is loaded."""

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.config import at_least, in_range, positive
+from lmforge.core.config import at_least, in_range, option, positive
 from lmforge.rl.advantages import masked_mean
 from lmforge.rl.kl import KLEstimator, kl_estimate
 
@@ -84,15 +84,23 @@ def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch
 class PolicyLossConfig:
     """The clipped surrogate's settings; the defaults are PPO's (ε = 0.2, token ratio, token-mean)."""
 
-    clip_low: float = in_range(0.2, 0, 1, low_open=True)  # ε_low: the ratio's floor is 1 − ε_low
-    clip_high: float | None = positive(None)  # ε_high (None: ε_low). DAPO's clip-higher: 0.28
-    dual_clip: float | None = in_range(None, 1, low_open=True)  # c > 1 for A < 0 (verl's clip_ratio_c 3.0; TRL's delta)
-    ratio_level: RatioLevel = "token"  # "sequence": GSPO's length-normalised sequence ratio
-    aggregation: Aggregation = "token-mean"
-    max_length: int | None = positive(None)  # Dr. GRPO's constant: the maximum completion length
-    kl_coef: float = at_least(0, 0.0)  # β of the KL-in-loss term β·KL_t (GRPO: 0.04 in the paper; 0 = no reference)
-    kl_estimator: KLEstimator = "k3"
-    entropy_coef: float = at_least(0, 0.0)  # loss −= coef · H (aggregated like the policy loss)
+    clip_low: float = in_range(0.2, 0, 1, low_open=True, help="ε_low: the ratio's floor is 1 − ε_low")
+    clip_high: float | None = positive(None, help="ε_high (None: ε_low). DAPO's clip-higher: 0.28")
+    dual_clip: float | None = in_range(
+        None, 1, low_open=True, help="c > 1 for A < 0 (verl's clip_ratio_c 3.0; TRL's delta)"
+    )
+    ratio_level: RatioLevel = option("token", help='"sequence": GSPO\'s length-normalised sequence ratio')
+    aggregation: Aggregation = option(
+        "token-mean",
+        help="how per-token losses become the batch's: token-mean, seq-mean-token-mean (GRPO's paper), "
+        "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)",
+    )
+    max_length: int | None = positive(None, help="Dr. GRPO's constant: the maximum completion length")
+    kl_coef: float = at_least(
+        0, 0.0, help="β of the KL-in-loss term β·KL_t (GRPO: 0.04 in the paper; 0 = no reference)"
+    )
+    kl_estimator: KLEstimator = option("k3", help="KL_t of the KL-in-loss term (k3: GRPO's, unbiased and >= 0)")
+    entropy_coef: float = at_least(0, 0.0, help="loss −= coef · H (aggregated like the policy loss)")
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmforge.core.config import ConfigError, at_least, in_range, positive
+from lmforge.core.config import ConfigError, at_least, in_range, option, positive
 from lmforge.rl.advantages import AllSum, gae, local_sum, masked_mean, masked_var, whiten
 from lmforge.rl.critic import CriticConfig
 from lmforge.rl.kl import KLController, KLEstimator, kl_shaped_rewards
@@ -33,15 +33,15 @@ class PPOConfig(RolloutBatchConfig):
     """The ``ppo:`` section: rollout batches (``updates_per_batch``: PPO epochs, ``minibatches``),
     the KL in the reward, GAE and the critic."""
 
-    prompts_per_step: int = positive(16)
-    updates_per_batch: int = positive(2)
-    kl_coef: float = at_least(0, 0.05)  # β, the KL penalty in the reward
-    kl_target: float | None = positive(None)  # adaptive β towards this KL per completion (None: fixed)
-    kl_horizon: float = positive(10000.0)  # the adaptive controller's horizon, in completions
-    kl_estimator: KLEstimator = "k1"  # KL_t in the reward (k1: InstructGPT's, TRL's, verl's)
-    gamma: float = in_range(1.0, 0.0, 1.0)  # γ, the discount over response tokens
-    lam: float = in_range(0.95, 0.0, 1.0)  # λ of GAE
-    whiten_advantages: bool = True
+    prompts_per_step: int = positive(16, help="prompts (groups of rollout.n responses) per rollout batch")
+    updates_per_batch: int = positive(2, help="μ: passes over each rollout batch (TRL's num_iterations, PPO's epochs)")
+    kl_coef: float = at_least(0, 0.05, help="β, the KL penalty in the reward")
+    kl_target: float | None = positive(None, help="adaptive β towards this KL per completion (None: fixed)")
+    kl_horizon: float = positive(10000.0, help="the adaptive controller's horizon, in completions")
+    kl_estimator: KLEstimator = option("k1", help="KL_t in the reward (k1: InstructGPT's, TRL's, verl's)")
+    gamma: float = in_range(1.0, 0.0, 1.0, help="γ, the discount over response tokens")
+    lam: float = in_range(0.95, 0.0, 1.0, help="λ of GAE")
+    whiten_advantages: bool = option(True, help="normalise the advantages to mean 0 and variance 1 over the batch")
     critic: CriticConfig = field(default_factory=CriticConfig)
 
     def check(self, rollout: RolloutConfig) -> None:

@@ -37,13 +37,13 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from lmforge.checkpoints.load import load_reward_model, resolve_checkpoint
-from lmforge.core.config import ConfigError, at_least, in_range, plugin_field, positive
+from lmforge.core.config import ConfigError, at_least, in_range, option, plugin_field, positive
 from lmforge.core.io import InputError
 from lmforge.data.chat import tokenize_segments
 from lmforge.data.chatml import IM_END
@@ -62,15 +62,25 @@ FIELD_KINDS = ("exact_match", "numeric_match", "demo_exact_match", "similarity")
 class RewardComponentConfig:
     """One term of the reward (see the module docstring for each kind)."""
 
-    kind: Kind = "exact_match"
-    weight: float = in_range(1.0)  # any finite number
-    name: str | None = None  # how its score is logged; default: the kind
-    field: str = "answer"  # exact_match, numeric_match, demo_exact_match, similarity: the prompt field holding the reference
-    rel_tol: float = at_least(0, 1e-6)  # numeric_match
-    pattern: str | None = None  # regex: found in the response -> 1
-    path: str | None = None  # reward_model: `lmforge reward`'s run directory or final/ checkpoint
-    function: str | None = plugin_field()  # callable: "module:function" (a plugin: Python code run as the stage starts), called as function(response_text, prompt)
-    batch_size: int = positive(16)  # reward_model: rows scored together
+    kind: Kind = option(
+        "exact_match",
+        help="exact_match, numeric_match, regex, demo_exact_match, similarity, "
+        "reward_model or callable (`lmforge.rl.rewards`)",
+    )
+    weight: float = in_range(1.0, help="any finite number")
+    name: str | None = option(None, help="how its score is logged; default: the kind")
+    field: str = option(
+        "answer",
+        help="exact_match, numeric_match, demo_exact_match, similarity: the prompt field holding the reference",
+    )
+    rel_tol: float = at_least(0, 1e-6, help="numeric_match")
+    pattern: str | None = option(None, help="regex: found in the response -> 1")
+    path: str | None = option(None, help="reward_model: `lmforge reward`'s run directory or final/ checkpoint")
+    function: str | None = plugin_field(
+        help='callable: "module:function" (a plugin: Python code run as the stage starts), '
+        "called as function(response_text, prompt)"
+    )
+    batch_size: int = positive(16, help="reward_model: rows scored together")
 
     @property
     def label(self) -> str:
@@ -81,11 +91,15 @@ class RewardComponentConfig:
 class RewardConfig:
     """The ``reward:`` section: the components and the length terms."""
 
-    components: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
-    length_penalty: float = at_least(0, 0.0)  # c in -c * tokens / max_new_tokens
-    overlong_buffer: int = at_least(0, 0)  # DAPO's L_cache; 0 = no soft overlong punishment
-    overlong_penalty: float = at_least(0, 1.0)  # the soft punishment's scale at and past max_new_tokens
-    mask_truncated: bool = False  # DAPO's overlong filtering: truncated responses carry no loss / are never kept
+    components: list[RewardComponentConfig] = option(
+        default_factory=lambda: [RewardComponentConfig()], help="the reward's terms, summed by weight"
+    )
+    length_penalty: float = at_least(0, 0.0, help="c in -c * tokens / max_new_tokens")
+    overlong_buffer: int = at_least(0, 0, help="DAPO's L_cache; 0 = no soft overlong punishment")
+    overlong_penalty: float = at_least(0, 1.0, help="the soft punishment's scale at and past max_new_tokens")
+    mask_truncated: bool = option(
+        False, help="DAPO's overlong filtering: truncated responses carry no loss / are never kept"
+    )
 
     def required_fields(self) -> list[str]:
         """The prompt fields the components read, which every prompt record must have."""

@@ -30,13 +30,13 @@ prompt order, and the next group id (``state_dict``/``load_state_dict``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from lmforge.core.config import at_least, positive, seed_field, unit_interval
+from lmforge.core.config import at_least, option, positive, seed_field, unit_interval
 from lmforge.core.io import InputError
 from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer
@@ -48,16 +48,20 @@ from lmforge.rl.prompts import Prompt
 class RolloutConfig:
     """How responses are sampled: ``n`` per prompt, the sampling settings, when to stop."""
 
-    n: int = positive(8)  # samples per prompt: one group
-    max_new_tokens: int = positive(128)
-    temperature: float = at_least(0, 1.0)  # 1: the recorded log-probs are the sampling distribution's (see above)
-    top_p: float = unit_interval(1.0, low_open=True)  # 1 = off
-    top_k: int = at_least(0, 0)  # 0 = off
-    stop: list[str] = field(default_factory=list)  # the response is cut before the first of these
-    stop_token_ids: list[int] | None = at_least(0, None)  # null: <|im_end|> and end of text for chat prompts, end of text otherwise
-    seed: int = seed_field(0)
-    max_batch: int = positive(512)  # rows decoding together (a prompt's n samples count n): a wave costs max_new_tokens steps
-    shuffle: bool = True  # prompts in a seeded order per epoch, else in file order
+    n: int = positive(8, help="samples per prompt: one group")
+    max_new_tokens: int = positive(128, help="the longest response; a response cut there counts as truncated")
+    temperature: float = at_least(0, 1.0, help="1: the recorded log-probs are the sampling distribution's (see above)")
+    top_p: float = unit_interval(1.0, low_open=True, help="1 = off")
+    top_k: int = at_least(0, 0, help="0 = off")
+    stop: list[str] = option(default_factory=list, help="the response is cut before the first of these")
+    stop_token_ids: list[int] | None = at_least(
+        0, None, help="null: <|im_end|> and end of text for chat prompts, end of text otherwise"
+    )
+    seed: int = seed_field(0, help="the seed of the prompt order and of each prompt's samples")
+    max_batch: int = positive(
+        512, help="rows decoding together (a prompt's n samples count n): a wave costs max_new_tokens steps"
+    )
+    shuffle: bool = option(True, help="prompts in a seeded order per epoch, else in file order")
 
     @property
     def exact_logprobs(self) -> bool:

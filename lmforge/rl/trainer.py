@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lmforge.checkpoints.files import load_weights
-from lmforge.core.config import ConfigError, at_least, positive
+from lmforge.core.config import ConfigError, at_least, option, positive
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
@@ -80,12 +80,14 @@ PHASES = {"ref_logprobs": "reference", "values": "critic", "old_logprobs": "old_
 class RolloutBatchConfig:
     """How rollout batches are drawn and served, GRPO's and PPO's alike."""
 
-    prompts_per_step: int = positive(8)  # prompts (groups of rollout.n responses) per rollout batch
-    updates_per_batch: int = positive(1)  # μ: passes over each rollout batch (TRL's num_iterations, PPO's epochs)
-    minibatches: int = positive(1)  # optimizer steps per pass, minibatch i on the batch's rows i mod m
-    zero_variance: Literal["keep", "drop"] = "keep"  # drop: DAPO's dynamic sampling (refilled, see max_refills)
-    max_refills: int = at_least(0, 3)  # drop: extra rounds of sampling that replace the dropped groups
-    samples_every: int = at_least(0, 10)  # steps between samples/step-N.jsonl dumps (0: none)
+    prompts_per_step: int = positive(8, help="prompts (groups of rollout.n responses) per rollout batch")
+    updates_per_batch: int = positive(1, help="μ: passes over each rollout batch (TRL's num_iterations, PPO's epochs)")
+    minibatches: int = positive(1, help="optimizer steps per pass, minibatch i on the batch's rows i mod m")
+    zero_variance: Literal["keep", "drop"] = option(
+        "keep", help="drop: DAPO's dynamic sampling (refilled, see max_refills)"
+    )
+    max_refills: int = at_least(0, 3, help="drop: extra rounds of sampling that replace the dropped groups")
+    samples_every: int = at_least(0, 10, help="steps between samples/step-N.jsonl dumps (0: none)")
 
     def check(self, rollout: RolloutConfig) -> None:
         rows = self.prompts_per_step * rollout.n
@@ -98,9 +100,11 @@ class RolloutBatchConfig:
 class GRPOConfig(RolloutBatchConfig):
     """The ``grpo:`` section: how rollout batches are drawn and turned into advantages."""
 
-    # grpo: (r - mean) / std of the group; dr_grpo: r - mean (no std); rloo: leave-one-out mean;
-    # reinforce_pp: the score at the last token, whitened over every response token of the batch
-    advantage: Estimator = "grpo"
+    advantage: Estimator = option(
+        "grpo",
+        help="grpo: (r - mean) / std of the group; dr_grpo: r - mean (no std); rloo: leave-one-out mean; "
+        "reinforce_pp: the score at the last token, whitened over every response token of the batch",
+    )
 
     def check(self, rollout: RolloutConfig) -> None:
         if rollout.n < 2:

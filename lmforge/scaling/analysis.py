@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
+from lmforge.core.config import ConfigError, at_least, in_range, option, positive, seed_field, unit_interval
 from lmforge.scaling.isoflop import EnvelopeFit, IsoFlopFit, PowerLaw, fit_envelope, fit_isoflop
 from lmforge.scaling.parametric import CHINCHILLA, KAPLAN, LawFit, constants_table, fit_law
 from lmforge.scaling.runs import Runs
@@ -19,17 +19,17 @@ from lmforge.scaling.runs import Runs
 class FitSettings:
     """The `fit:` section of `lmforge scaling fit`."""
 
-    runs: str | None = None  # the runs CSV: run,params,tokens,flops,loss
-    curves: str | None = None  # training curves CSV (run,step,params,tokens,flops,loss) for Approach 1
-    approaches: list[int] = in_range(low=1, high=3, default_factory=lambda: [1, 2, 3])  # Hoffmann et al.'s 1, 2, 3
-    bootstrap: int = at_least(0, 500)  # resamples for standard errors and intervals (Besiroglu et al.: 4000)
-    seed: int = seed_field(0)
-    level: float = unit_interval(0.95, low_open=True, high_open=True)  # of the percentile intervals
-    huber_delta: float = positive(1e-3)  # Hoffmann et al.'s δ
-    budget_tolerance: float = positive(0.05)  # decades of FLOPs that count as one IsoFLOP budget
-    agreement: float = positive(0.05)  # the approaches agree when their a are all within this
-    grid_stride: int = positive(1)  # every k-th value of each axis of the 4,500-start grid (1: all)
-    exclude_highest: int = at_least(0, 0)  # leave out the k highest losses (Besiroglu et al.: 5)
+    runs: str | None = option(None, help="the runs CSV: run,params,tokens,flops,loss")
+    curves: str | None = option(None, help="training curves CSV (run,step,params,tokens,flops,loss) for Approach 1")
+    approaches: list[int] = in_range(low=1, high=3, default_factory=lambda: [1, 2, 3], help="Hoffmann et al.'s 1, 2, 3")
+    bootstrap: int = at_least(0, 500, help="resamples for standard errors and intervals (Besiroglu et al.: 4000)")
+    seed: int = seed_field(0, help="the seed of the bootstrap's resamples")
+    level: float = unit_interval(0.95, low_open=True, high_open=True, help="of the percentile intervals")
+    huber_delta: float = positive(1e-3, help="Hoffmann et al.'s δ")
+    budget_tolerance: float = positive(0.05, help="decades of FLOPs that count as one IsoFLOP budget")
+    agreement: float = positive(0.05, help="the approaches agree when their a are all within this")
+    grid_stride: int = positive(1, help="every k-th value of each axis of the 4,500-start grid (1: all)")
+    exclude_highest: int = at_least(0, 0, help="leave out the k highest losses (Besiroglu et al.: 5)")
 
 
 @dataclass

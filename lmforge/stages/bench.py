@@ -18,13 +18,13 @@ LMFORGE_PEAK_FLOPS=float32=2e11,bfloat16=9e11 (the test suite sets it).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from lmforge.checkpoints.device import resolve_device
-from lmforge.core.config import load_config, positive
+from lmforge.core.config import load_config, option, positive
 from lmforge.core.run import log
 from lmforge.train.metrics import (
     STABLE_SECONDS,
@@ -41,12 +41,14 @@ PEAK_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass
 class BenchRecipe:
-    what: Literal["peak"] = "peak"
-    device: str = "auto"
-    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])  # any of float32, bfloat16, float16
-    size: int = positive(STABLE_SIZE)  # n of the n x n matmul
-    seconds: float = positive(STABLE_SECONDS)  # per dtype; the best rate observed is kept
-    measure: bool = False  # a GPU in the data-sheet table: time it and use the measured figure for MFU
+    what: Literal["peak"] = option("peak", help="peak: matmul FLOP/s per dtype, cached for MFU")
+    device: str = option("auto", help="auto = cuda when available, else cpu")
+    dtypes: list[str] = option(
+        default_factory=lambda: ["float32", "bfloat16"], help="any of float32, bfloat16, float16"
+    )
+    size: int = positive(STABLE_SIZE, help="n of the n x n matmul")
+    seconds: float = positive(STABLE_SECONDS, help="per dtype; the best rate observed is kept")
+    measure: bool = option(False, help="a GPU in the data-sheet table: time it and use the measured figure for MFU")
 
     def __post_init__(self) -> None:
         allowed = ", ".join(PEAK_DTYPES)

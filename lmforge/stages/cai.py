@@ -51,7 +51,7 @@ import torch
 
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.load import load_model, resolve_checkpoint
-from lmforge.core.config import ConfigError, load_config, positive, seed_field, unit_interval
+from lmforge.core.config import ConfigError, load_config, option, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text
 from lmforge.core.run import log, progress_bar, record_config, run_dir_lock, start_run
 from lmforge.data.documents import SkipLog
@@ -71,46 +71,54 @@ CACHE = "judge-cache"
 
 @dataclass
 class CAIDataConfig:
-    prompts: list[str] = field(default_factory=list)  # JSONL/Parquet prompt files or globs
-    max_prompts: int | None = positive(None)  # the first this many prompts; null = all
-    on_bad: Literal["error", "skip"] = "error"  # a bad prompt record (no prompt, too long...)
+    prompts: list[str] = option(default_factory=list, help="JSONL/Parquet prompt files or globs")
+    max_prompts: int | None = positive(None, help="the first this many prompts; null = all")
+    on_bad: Literal["error", "skip"] = option("error", help="a bad prompt record (no prompt, too long...)")
 
 
 @dataclass
 class CAIRolloutConfig(RolloutConfig):
     """The policy's sampling: ``n`` responses per prompt (label: >= 2; revise: 1), in file order."""
 
-    n: int = positive(2)
-    max_new_tokens: int = positive(64)
-    shuffle: bool = False
+    n: int = positive(2, help="samples per prompt: one group")
+    max_new_tokens: int = positive(64, help="the longest response")
+    shuffle: bool = option(False, help="prompts in a seeded order per epoch, else in file order")
 
 
 @dataclass
 class ReviseOptions:
-    rounds: int = positive(1)  # critique -> revision rounds per prompt, each on a drawn principle
+    rounds: int = positive(1, help="critique -> revision rounds per prompt, each on a drawn principle")
 
 
 @dataclass
 class LabelOptions:
-    threshold: float = unit_interval(0.5)  # keep a pair when its confidence max(P, 1 - P) is at least this
-    on_no_choice: Literal["error", "skip"] = "error"  # an answer naming neither (A) nor (B): stop, or skip and count
+    threshold: float = unit_interval(0.5, help="keep a pair when its confidence max(P, 1 - P) is at least this")
+    on_no_choice: Literal["error", "skip"] = option(
+        "error", help="an answer naming neither (A) nor (B): stop, or skip and count"
+    )
 
 
 @dataclass
 class CAIRecipe:
-    what: Literal["revise", "label"] = "label"
-    run_dir: str = "runs/cai"
-    checkpoint: str = "runs/sft"  # the policy that answers the prompts: a checkpoint or a run directory
-    constitution: str = "data/constitutions/helpful_harmless.yaml"
+    what: Literal["revise", "label"] = option(
+        "label", help="revise: critique -> revision SFT data; label: AI preference pairs"
+    )
+    run_dir: str = option(
+        "runs/cai", help="receives sft.jsonl and trace.jsonl (revise), or pairs.jsonl and judgements.jsonl (label)"
+    )
+    checkpoint: str = option("runs/sft", help="the policy that answers the prompts: a checkpoint or a run directory")
+    constitution: str = option(
+        "data/constitutions/helpful_harmless.yaml", help="the YAML file of principles the critic or judge applies"
+    )
     data: CAIDataConfig = field(default_factory=CAIDataConfig)
     rollout: CAIRolloutConfig = field(default_factory=CAIRolloutConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the critic (revise) or judge (label)
+    judge: JudgeConfig = option(default_factory=JudgeConfig, help="the critic (revise) or judge (label)")
     revise: ReviseOptions = field(default_factory=ReviseOptions)
     label: LabelOptions = field(default_factory=LabelOptions)
-    seed: int = seed_field(0)  # the principle drawn for each round or pair
-    prompts_per_chunk: int = positive(8)  # prompts sampled, judged and appended together (the unit of resuming)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # the policy's
-    device: str = "auto"  # the policy's: auto = cuda when available, else cpu
+    seed: int = seed_field(0, help="the principle drawn for each round or pair")
+    prompts_per_chunk: int = positive(8, help="prompts sampled, judged and appended together (the unit of resuming)")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="the policy's")
+    device: str = option("auto", help="the policy's: auto = cuda when available, else cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

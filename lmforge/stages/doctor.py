@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lmforge.core.config import option
 from lmforge.train.metrics import cached_peak, peak_cache_path
 
 PACKAGES = ("lmforge", "torch", "transformers", "tokenizers", "safetensors", "numpy", "peft", "lm_eval",
@@ -35,8 +36,8 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 @dataclass
 class DoctorRecipe:
-    run_dir: str = "runs"  # free disk is reported for this folder (or the nearest parent that exists)
-    json: bool = False  # print JSON instead of lines
+    run_dir: str = option("runs", help="free disk is reported for this folder (or the nearest parent that exists)")
+    json: bool = option(False, help="print JSON instead of lines")
 
 
 def package_versions() -> dict[str, str | None]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from lmforge.core.config import Renamed
+from lmforge.core.config import Renamed, option
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
@@ -45,16 +45,23 @@ RENAMED_OBJECTIVE_KEYS = {key: Renamed(f"objective.{key}") for key in
 
 @dataclass
 class DPORecipe:
-    run_dir: str = "runs/dpo"
-    checkpoint: str = "runs/sft"  # the policy to start from (and the reference): usually the SFT model
+    run_dir: str = option(
+        "runs/dpo",
+        help="the run directory: config.yaml, metrics.jsonl, checkpoints/, final/ (the trained model), summary.json",
+    )
+    checkpoint: str = option("runs/sft", help="the policy to start from (and the reference): usually the SFT model")
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    objective: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)  # loss, beta, ...
-    lora: LoraConfig | None = None  # adapters only; the reference is then the model with adapters disabled
-    precompute_reference: bool = True  # reference log-probs in one pass before training (no reference in memory after)
+    objective: PreferenceLossConfig = option(default_factory=PreferenceLossConfig, help="loss, beta, ...")
+    lora: LoraConfig | None = option(None, help="adapters only; the reference is then the model with adapters disabled")
+    precompute_reference: bool = option(
+        True, help="reference log-probs in one pass before training (no reference in memory after)"
+    )
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=4, batch_tokens=4096))
-    score: ScoreConfig = field(default_factory=ScoreConfig)  # scored before and after training (none by default)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
+    score: ScoreConfig = option(default_factory=ScoreConfig, help="scored before and after training (none by default)")
+    parallel: ParallelConfig = option(
+        default_factory=ParallelConfig, help="read under torchrun: dp_shard, dp_replicate"
+    )
 
     RENAMED_KEYS: ClassVar[dict[str, Renamed]] = {**RENAMED_OBJECTIVE_KEYS, **RENAMED_EVAL_KEYS}
 

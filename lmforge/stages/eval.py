@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from lmforge.core.config import at_least, load_config, positive, seed_field
+from lmforge.core.config import at_least, load_config, option, positive, seed_field
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, check_output_dir
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
 from lmforge.eval.evaluate import EvalSettings, MetricResult, results_table
@@ -34,19 +34,23 @@ from lmforge.eval.tasks import DEFAULT_FEWSHOT_SEED
 
 @dataclass
 class EvalRecipe:
-    checkpoint: str = "runs/demo/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
-    # task YAML files, suites (a group of tasks and its CORE aggregate) or bundled names (data/eval/<name>.yaml);
-    # any other file: bits per byte of its text
-    tasks: list[str] = field(default_factory=list)
-    limit: float | None = positive(None)  # the first N documents of each task (below 1: that share); null = all
-    num_fewshot: int | None = at_least(0, None)  # overrides each task's num_fewshot, unless a task fixes 0
-    run_dir: str | None = None  # receives results.json, results.md and config.yaml
-    batch_size: int = positive(16)  # rows per forward / sequences decoding together
-    fewshot_seed: int | None = seed_field(DEFAULT_FEWSHOT_SEED)  # the harness's fewshot_random_seed
-    seed: int = seed_field(1234)  # sampled generation
-    bootstrap_iters: int = at_least(0, 100000)  # resamples for bootstrapped stderrs (perplexity, median); 0 = none
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"  # auto = cuda when available, else cpu
+    checkpoint: str = option(
+        "runs/demo/pretrain", help="a checkpoint directory, or a run directory (its newest valid checkpoint)"
+    )
+    tasks: list[str] = option(
+        default_factory=list,
+        help="task YAML files, suites (a group of tasks and its CORE aggregate) or bundled names "
+        "(data/eval/<name>.yaml); any other file: bits per byte of its text",
+    )
+    limit: float | None = positive(None, help="the first N documents of each task (below 1: that share); null = all")
+    num_fewshot: int | None = at_least(0, None, help="overrides each task's num_fewshot, unless a task fixes 0")
+    run_dir: str | None = option(None, help="receives results.json, results.md and config.yaml")
+    batch_size: int = positive(16, help="rows per forward / sequences decoding together")
+    fewshot_seed: int | None = seed_field(DEFAULT_FEWSHOT_SEED, help="the harness's fewshot_random_seed")
+    seed: int = seed_field(1234, help="sampled generation")
+    bootstrap_iters: int = at_least(0, 100000, help="resamples for bootstrapped stderrs (perplexity, median); 0 = none")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="the model's weights and compute")
+    device: str = option("auto", help="auto = cuda when available, else cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from lmforge.checkpoints.files import TOKENIZER_FILES, WEIGHTS, load_model_config
 from lmforge.checkpoints.load import read_checkpoint_weights, resolve_checkpoint
-from lmforge.core.config import load_config
+from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.core.run import log
 from lmforge.data.chatml import CHATML_TEMPLATE
@@ -47,11 +47,15 @@ from lmforge.model.hf import (
 
 @dataclass
 class ExportRecipe:
-    checkpoint: str = "runs/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
-    run_dir: str = "runs/hf"  # the Hugging Face model folder to write (an earlier export there is replaced)
-    format: Literal["hf"] = "hf"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = as stored in the checkpoint
-    merge_lora: str | None = None  # a PEFT-format adapter folder to merge into the checkpoint's weights
+    checkpoint: str = option(
+        "runs/pretrain", help="a checkpoint directory, or a run directory (its newest valid checkpoint)"
+    )
+    run_dir: str = option(
+        "runs/hf", help="the Hugging Face model folder to write (an earlier export there is replaced)"
+    )
+    format: Literal["hf"] = option("hf", help="hf: a transformers model folder (config.json, safetensors, tokenizer)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto", help="auto = as stored in the checkpoint")
+    merge_lora: str | None = option(None, help="a PEFT-format adapter folder to merge into the checkpoint's weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

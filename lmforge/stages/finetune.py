@@ -28,7 +28,7 @@ import lmforge.objectives.reference as references
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.files import TOKENIZER_FILES, load_model_config
 from lmforge.checkpoints.load import load_model, resolve_checkpoint
-from lmforge.core.config import ConfigError, positive, seed_field
+from lmforge.core.config import ConfigError, option, positive, seed_field
 from lmforge.core.io import InputError, atomic_write_json, expand_paths
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
 from lmforge.data.chat import add_chat_template
@@ -60,14 +60,18 @@ BASE_EXPORT = "base-hf"  # a LoRA run's base as a Hugging Face folder, the base 
 class PreferenceDataConfig:
     """The ``data:`` section of the preference stages (dpo, kto, reward)."""
 
-    train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
-    val: list[str] = field(default_factory=list)  # held-out pairs: validation margins and accuracy
-    max_length: int = positive(512)  # tokens of prompt + completion
-    on_bad: Literal["error", "skip"] = "error"  # a bad record (identical pair, empty completion, prompt too long...)
-    # a completion past max_length: truncated (TRL's DPO/KTO keep_start), skipped and counted, or an error;
-    # the reward stage skips by default (RewardDataConfig), as a reward read at a cut-off token is meaningless
-    on_too_long: Literal["error", "truncate", "skip"] = "truncate"
-    seed: int = seed_field(0)
+    train: list[str] = option(default_factory=list, help="JSONL/Parquet files or globs")
+    val: list[str] = option(default_factory=list, help="held-out pairs: validation margins and accuracy")
+    max_length: int = positive(512, help="tokens of prompt + completion")
+    on_bad: Literal["error", "skip"] = option(
+        "error", help="a bad record (identical pair, empty completion, prompt too long...)"
+    )
+    on_too_long: Literal["error", "truncate", "skip"] = option(
+        "truncate",
+        help="a completion past max_length: truncated (TRL's DPO/KTO keep_start), skipped and counted, or an error; "
+        "the reward stage skips by default (RewardDataConfig), as a reward read at a cut-off token is meaningless",
+    )
+    seed: int = seed_field(0, help="the seed of the training rows' order")
 
 
 @dataclass

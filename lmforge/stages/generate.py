@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -30,7 +30,7 @@ import torch
 
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.load import load_model
-from lmforge.core.config import at_least, load_config, positive, seed_field, unit_interval
+from lmforge.core.config import at_least, load_config, option, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_write_text
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
 from lmforge.data.chat import chat_prompt_ids, read_sft_records
@@ -43,22 +43,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class GenerateRecipe:
-    checkpoint: str = "runs/demo/pretrain"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
-    prompts: list[str] = field(default_factory=lambda: ["To be, or not to be"])
-    max_new_tokens: int = positive(128)
-    temperature: float = at_least(0, 0.8)  # 0 = greedy
-    top_k: int = at_least(0, 0)  # 0 = off
-    top_p: float = unit_interval(0.95, low_open=True)  # nucleus; 1 = off
-    stop: list[str] = field(default_factory=list)  # cut the completion before the first of these
-    stop_token_ids: list[int] | None = at_least(0, None)  # stop at any of these token ids; null = the tokenizer's end of text; [] = never early
-    seed: int | None = seed_field(0)  # same seed, same prompts -> same completions; null = unseeded
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"  # auto = cuda when available, else cpu
-    add_bos: bool = True  # prompt = [bos] + encode(text), as documents were in pre-training (chat: always)
-    chat: bool = False  # each prompt is a user turn: ChatML template applied, stop at <|im_end|>
-    system: str | None = None  # chat: a system turn before each prompt
-    messages_file: str | None = None  # chat: JSONL of {"messages": [...]} conversations ending with the user; replaces prompts
-    run_dir: str | None = None  # when set, receives generations.jsonl and config.yaml
+    checkpoint: str = option(
+        "runs/demo/pretrain", help="a checkpoint directory, or a run directory (its newest valid checkpoint)"
+    )
+    prompts: list[str] = option(
+        default_factory=lambda: ["To be, or not to be"], help="the texts to continue, decoded together"
+    )
+    max_new_tokens: int = positive(128, help="the longest completion")
+    temperature: float = at_least(0, 0.8, help="0 = greedy")
+    top_k: int = at_least(0, 0, help="0 = off")
+    top_p: float = unit_interval(0.95, low_open=True, help="nucleus; 1 = off")
+    stop: list[str] = option(default_factory=list, help="cut the completion before the first of these")
+    stop_token_ids: list[int] | None = at_least(
+        0, None, help="stop at any of these token ids; null = the tokenizer's end of text; [] = never early"
+    )
+    seed: int | None = seed_field(0, help="same seed, same prompts -> same completions; null = unseeded")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="the model's weights and compute")
+    device: str = option("auto", help="auto = cuda when available, else cpu")
+    add_bos: bool = option(True, help="prompt = [bos] + encode(text), as documents were in pre-training (chat: always)")
+    chat: bool = option(False, help="each prompt is a user turn: ChatML template applied, stop at <|im_end|>")
+    system: str | None = option(None, help="chat: a system turn before each prompt")
+    messages_file: str | None = option(
+        None, help='chat: JSONL of {"messages": [...]} conversations ending with the user; replaces prompts'
+    )
+    run_dir: str | None = option(None, help="when set, receives generations.jsonl and config.yaml")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Literal
 
 from lmforge.checkpoints.load import load_model
-from lmforge.core.config import ConfigError, positive, seed_field
+from lmforge.core.config import ConfigError, option, positive, seed_field
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.peft.lora import LoraConfig
@@ -59,34 +59,41 @@ from lmforge.train.prepare import prepare_model
 
 @dataclass
 class GRPODataConfig:
-    train: list[str] = field(default_factory=list)  # prompt files (JSONL/Parquet) or globs
-    val: list[str] = field(default_factory=list)  # held-out tasks (conversations ending with the answer) for score:
-    max_length: int = positive(256)  # prompt + response tokens; a prompt must leave rollout.max_new_tokens
-    on_bad: Literal["error", "skip"] = "error"  # a bad prompt record (none, empty, a reward field missing, too long)
-    on_too_long: Literal["error", "skip"] = "error"  # unused: a too-long prompt is a bad record (on_bad)
-    seed: int = seed_field(0)
+    train: list[str] = option(default_factory=list, help="prompt files (JSONL/Parquet) or globs")
+    val: list[str] = option(
+        default_factory=list, help="held-out tasks (conversations ending with the answer) for score:"
+    )
+    max_length: int = positive(256, help="prompt + response tokens; a prompt must leave rollout.max_new_tokens")
+    on_bad: Literal["error", "skip"] = option(
+        "error", help="a bad prompt record (none, empty, a reward field missing, too long)"
+    )
+    on_too_long: Literal["error", "skip"] = option("error", help="unused: a too-long prompt is a bad record (on_bad)")
+    seed: int = seed_field(0, help="unused: rollout.seed orders the prompts")
 
 
 @dataclass
 class GRPORolloutConfig(RolloutConfig):
-    n: int = positive(8)  # G: responses per prompt (at least 2)
-    max_new_tokens: int = positive(64)
+    n: int = positive(8, help="G: responses per prompt (at least 2)")
+    max_new_tokens: int = positive(64, help="the longest response; a response cut there counts as truncated")
 
 
 @dataclass
 class GRPORecipe:
-    run_dir: str = "runs/grpo"
-    checkpoint: str = "runs/sft"  # the policy to start from (and the KL reference)
+    run_dir: str = option(
+        "runs/grpo",
+        help="the run directory: config.yaml, metrics.jsonl, checkpoints/, final/ (the trained model), summary.json",
+    )
+    checkpoint: str = option("runs/sft", help="the policy to start from (and the KL reference)")
     data: GRPODataConfig = field(default_factory=GRPODataConfig)
     rollout: GRPORolloutConfig = field(default_factory=GRPORolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     objective: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(kl_coef=0.0))
-    lora: LoraConfig | None = None  # adapters only; the reference is then the model with adapters disabled
+    lora: LoraConfig | None = option(None, help="adapters only; the reference is then the model with adapters disabled")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-6, warmup_steps=0, schedule="constant",
                                                                    grad_clip=1.0, eval_every=0, micro_batch_size=8,
                                                                    checkpoint_every=50, log_every=1))
-    score: ScoreConfig = field(default_factory=ScoreConfig)  # scored before and after training (none by default)
+    score: ScoreConfig = option(default_factory=ScoreConfig, help="scored before and after training (none by default)")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from lmforge.core.config import Renamed
+from lmforge.core.config import Renamed, option
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.documents import SkipLog
@@ -41,17 +41,24 @@ from lmforge.train.loop import TrainConfig
 
 @dataclass
 class KTORecipe:
-    run_dir: str = "runs/kto"
-    checkpoint: str = "runs/sft"  # the policy to start from (and the reference)
+    run_dir: str = option(
+        "runs/kto",
+        help="the run directory: config.yaml, metrics.jsonl, checkpoints/, final/ (the trained model), summary.json",
+    )
+    checkpoint: str = option("runs/sft", help="the policy to start from (and the reference)")
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    objective: KTOLossConfig = field(default_factory=KTOLossConfig)  # beta, desirable_weight, undesirable_weight
-    pairs: list[str] = field(default_factory=list)  # held-out prompt/chosen/rejected pairs, scored before and after
-    lora: LoraConfig | None = None
-    precompute_reference: bool = True  # reference log-probs in one pass before training
+    objective: KTOLossConfig = option(default_factory=KTOLossConfig, help="beta, desirable_weight, undesirable_weight")
+    pairs: list[str] = option(
+        default_factory=list, help="held-out prompt/chosen/rejected pairs, scored before and after"
+    )
+    lora: LoraConfig | None = option(None, help="adapters only; the reference is then the model with adapters disabled")
+    precompute_reference: bool = option(True, help="reference log-probs in one pass before training")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=8))
-    score: ScoreConfig = field(default_factory=ScoreConfig)  # scored before and after training (none by default)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
+    score: ScoreConfig = option(default_factory=ScoreConfig, help="scored before and after training (none by default)")
+    parallel: ParallelConfig = option(
+        default_factory=ParallelConfig, help="read under torchrun: dp_shard, dp_replicate"
+    )
 
     RENAMED_KEYS: ClassVar[dict[str, Renamed]] = {
         **{key: Renamed(f"objective.{key}") for key in ("beta", "desirable_weight", "undesirable_weight")},

@@ -26,11 +26,11 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmforge.core.config import ConfigError, at_least, dump_config, load_config, plugins, to_dict
+from lmforge.core.config import ConfigError, at_least, dump_config, load_config, option, plugins, to_dict
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, file_stamps, named_paths
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, clear_run_dir, log, record_config, run_dir_lock, start_run
 from lmforge.core.untrusted import path_name
@@ -42,10 +42,14 @@ MARKER = ".lmforge-complete.json"
 
 @dataclass
 class StageSpec:
-    name: str = ""
-    verb: str = ""  # any `lmforge` verb with a recipe: tokenizer, prepare, pretrain, generate, ...
-    recipe: str | None = None  # YAML recipe; None = the verb's defaults
-    overrides: list[str] = field(default_factory=list)  # key=value, as on the command line
+    name: str = option(
+        "",
+        help="the stage's name, unique: its report row, its run_dir/<name> when its recipe sets no "
+        "run_dir; default: its verb",
+    )
+    verb: str = option("", help="any `lmforge` verb with a recipe: tokenizer, prepare, pretrain, generate, ...")
+    recipe: str | None = option(None, help="YAML recipe; None = the verb's defaults")
+    overrides: list[str] = option(default_factory=list, help="key=value, as on the command line")
 
 
 # ``{name}`` with an identifier inside, in a round stage's recipe path or overrides (YAML's
@@ -65,10 +69,14 @@ class RoundsConfig:
     ``<name>_r<r>``, with ``{round}``, ``{prev}`` and ``{prev_model}`` replaced in its recipe path
     and overrides (``PLACEHOLDERS``), so round r's rs samples with round r-1's model."""
 
-    count: int = at_least(0, 0)  # k, the number of rounds (>= 1 with stages; 0 and no stages: no rounds)
-    stages: list[StageSpec] = field(default_factory=list)
-    model: str | None = None  # where each round leaves its model, with {round}: a stage's run_dir, e.g. runs/it/r{round}/dpo
-    start: str | None = None  # the model round 1 starts from (its {prev_model}); scored on the report card as `start`
+    count: int = at_least(0, 0, help="k, the number of rounds (>= 1 with stages; 0 and no stages: no rounds)")
+    stages: list[StageSpec] = option(default_factory=list, help="the stages of one round, in order")
+    model: str | None = option(
+        None, help="where each round leaves its model, with {round}: a stage's run_dir, e.g. runs/it/r{round}/dpo"
+    )
+    start: str | None = option(
+        None, help="the model round 1 starts from (its {prev_model}); scored on the report card as `start`"
+    )
 
 
 @dataclass
@@ -82,12 +90,19 @@ class PlannedStage:
 
 @dataclass
 class LifecycleRecipe:
-    run_dir: str = "runs/lifecycle"  # receives report.md, its figures (<stage>-loss.png; curate: <stage>-stats.png), lifecycle.json
-    stages: list[StageSpec] = field(default_factory=list)
-    rounds: RoundsConfig = field(default_factory=RoundsConfig)  # the same stages k times after `stages`, each round reading the one before
-    force: bool = False  # rerun stages even when their outputs are complete
-    # tasks scored on each stage's final model after the run, compared in report.md (stages.report_card)
-    report_card: ReportCardConfig = field(default_factory=ReportCardConfig)
+    run_dir: str = option(
+        "runs/lifecycle",
+        help="receives report.md, its figures (<stage>-loss.png; curate: <stage>-stats.png), lifecycle.json",
+    )
+    stages: list[StageSpec] = option(default_factory=list, help="the stages, run in order")
+    rounds: RoundsConfig = option(
+        default_factory=RoundsConfig, help="the same stages k times after `stages`, each round reading the one before"
+    )
+    force: bool = option(False, help="rerun stages even when their outputs are complete")
+    report_card: ReportCardConfig = option(
+        default_factory=ReportCardConfig,
+        help="tasks scored on each stage's final model after the run, compared in report.md (stages.report_card)",
+    )
 
     def __post_init__(self) -> None:
         planned_stages(self)  # a bad placeholder or a repeated name fails as the recipe is read, naming its file

@@ -23,7 +23,9 @@ from lmforge.stages.pretrain import PretrainRecipe
 
 @dataclass
 class PlanRecipe(PretrainRecipe):
-    world_size: int | None = positive(None)  # processes to plan for; None = the product of the degrees (dp_shard -1 as 1)
+    world_size: int | None = positive(
+        None, help="processes to plan for; None = the product of the degrees (dp_shard -1 as 1)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

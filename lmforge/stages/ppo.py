@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.core.config import ConfigError, positive
+from lmforge.core.config import ConfigError, option, positive
 from lmforge.core.io import InputError
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.config import ParallelConfig
@@ -63,20 +63,23 @@ from lmforge.train.metrics import loss_curve_lines
 
 @dataclass
 class PPORolloutConfig(RolloutConfig):
-    n: int = positive(1)  # responses per prompt (the critic is the baseline: no group needed)
-    max_new_tokens: int = positive(64)
+    n: int = positive(1, help="responses per prompt (the critic is the baseline: no group needed)")
+    max_new_tokens: int = positive(64, help="the longest response; a response cut there counts as truncated")
 
 
 @dataclass
 class PPORecipe:
-    run_dir: str = "runs/ppo"
-    checkpoint: str = "runs/sft"  # the policy to start from (and the KL reference)
+    run_dir: str = option(
+        "runs/ppo",
+        help="the run directory: config.yaml, metrics.jsonl, checkpoints/, final/ (the trained model), summary.json",
+    )
+    checkpoint: str = option("runs/sft", help="the policy to start from (and the KL reference)")
     data: GRPODataConfig = field(default_factory=GRPODataConfig)
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     objective: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(kl_coef=0.0))
-    lora: LoraConfig | None = None  # adapters on the policy only; a separate critic trains whole
+    lora: LoraConfig | None = option(None, help="adapters on the policy only; a separate critic trains whole")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-6, warmup_steps=0, schedule="constant",
                                                                    grad_clip=1.0, eval_every=0, micro_batch_size=8,
                                                                    checkpoint_every=50, log_every=1))

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.core.config import positive, save_config, unit_interval
+from lmforge.core.config import option, positive, save_config, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths, remove_temporaries
 from lmforge.core.run import log, progress_bar
 from lmforge.data.documents import DocumentsConfig, SkipLog
@@ -29,16 +29,22 @@ from lmforge.data.tokenizer import Tokenizer
 
 @dataclass
 class PrepareRecipe:
-    run_dir: str = "runs/data"  # the prepared dataset: shards, manifest.json, config.yaml, stats.json
-    tokenizer: str = "runs/tokenizer"  # directory holding tokenizer.json
+    run_dir: str = option("runs/data", help="the prepared dataset: shards, manifest.json, config.yaml, stats.json")
+    tokenizer: str = option("runs/tokenizer", help="directory holding tokenizer.json")
     data: DocumentsConfig = field(default_factory=DocumentsConfig)
-    val_fraction: float = unit_interval(0.05, high_open=True)  # the share of data.paths that goes to val, by `split`
-    split: SplitRule = "hash"  # hash: by document id over all files | source_hash, source_tail: per file (data/split.py)
-    val_paths: list[str] = field(default_factory=list)  # files/globs that are the val split, as read; data.paths all train
-    shard_tokens: int = positive(50_000_000)  # a shard is closed once it holds this many tokens
-    add_bos: bool = True
-    add_eos: bool = True
-    batch_docs: int = positive(512)  # documents per parallel encode call
+    val_fraction: float = unit_interval(
+        0.05, high_open=True, help="the share of data.paths that goes to val, by `split`"
+    )
+    split: SplitRule = option(
+        "hash", help="hash: by document id over all files | source_hash, source_tail: per file (data/split.py)"
+    )
+    val_paths: list[str] = option(
+        default_factory=list, help="files/globs that are the val split, as read; data.paths all train"
+    )
+    shard_tokens: int = positive(50_000_000, help="a shard is closed once it holds this many tokens")
+    add_bos: bool = option(True, help="begin each document with the tokenizer's bos token")
+    add_eos: bool = option(True, help="end each document with the tokenizer's eos token")
+    batch_docs: int = positive(512, help="documents per parallel encode call")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:

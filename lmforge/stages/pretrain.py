@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.load import checkpoint_dirs
-from lmforge.core.config import ConfigError
+from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
 from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
@@ -55,8 +55,10 @@ from lmforge.train.prepare import prepare_model
 
 @dataclass
 class PretrainRecipe:
-    run_dir: str = "runs/pretrain"
-    tokenizer: str = "runs/tokenizer"  # copied into every checkpoint; gives bytes per token for bpb
+    run_dir: str = option(
+        "runs/pretrain", help="the run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/"
+    )
+    tokenizer: str = option("runs/tokenizer", help="copied into every checkpoint; gives bytes per token for bpb")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: LoaderConfig = field(default_factory=LoaderConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

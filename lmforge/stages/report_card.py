@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge.core.config import ConfigError, positive, to_dict
+from lmforge.core.config import ConfigError, option, positive, to_dict
 from lmforge.core.io import atomic_write_json, file_stamps
 from lmforge.core.run import log
 from lmforge.eval.suite import load_tasks
@@ -29,11 +29,15 @@ KEY_FILE = "card-key.json"
 class ReportCardConfig:
     """The lifecycle recipe's ``report_card:`` section."""
 
-    tasks: list[str] = field(default_factory=list)  # lmforge eval's --tasks (files, suites, bundled names); empty: none
-    stages: list[str] = field(default_factory=list)  # stage names to score; empty: every stage that leaves a model
-    limit: float | None = positive(None)  # the first N documents of each task
-    batch_size: int = positive(16)
-    device: str = "auto"
+    tasks: list[str] = option(
+        default_factory=list, help="lmforge eval's --tasks (files, suites, bundled names); empty: none"
+    )
+    stages: list[str] = option(
+        default_factory=list, help="stage names to score; empty: every stage that leaves a model"
+    )
+    limit: float | None = positive(None, help="the first N documents of each task")
+    batch_size: int = positive(16, help="rows per forward / sequences decoding together")
+    device: str = option("auto", help="auto = cuda when available, else cpu")
 
 
 def stage_checkpoint(entry: dict) -> str | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from lmforge.core.config import option
 from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
@@ -33,21 +34,28 @@ from lmforge.train.metrics import loss_curve_lines
 
 @dataclass
 class RewardDataConfig(PreferenceDataConfig):
-    # an over-long pair is skipped and counted, as TRL's RewardTrainer drops it: truncated, its
-    # reward would be read at a cut-off token with no EOS; `truncate` keeps it anyway
-    on_too_long: Literal["error", "truncate", "skip"] = "skip"
+    on_too_long: Literal["error", "truncate", "skip"] = option(
+        "skip",
+        help="an over-long pair is skipped and counted, as TRL's RewardTrainer drops it: truncated, "
+        "its reward would be read at a cut-off token with no EOS; `truncate` keeps it anyway",
+    )
 
 
 @dataclass
 class RewardRecipe:
-    run_dir: str = "runs/reward"
-    checkpoint: str = "runs/sft"  # the backbone: usually the SFT model
+    run_dir: str = option(
+        "runs/reward",
+        help="the run directory: config.yaml, metrics.jsonl, checkpoints/, final/ (the trained model), summary.json",
+    )
+    checkpoint: str = option("runs/sft", help="the backbone: usually the SFT model")
     data: RewardDataConfig = field(default_factory=RewardDataConfig)
-    objective: RewardLossConfig = field(default_factory=RewardLossConfig)  # center_coef, use_margin
-    lora: LoraConfig | None = None  # adapters on the backbone; the head is always trained
+    objective: RewardLossConfig = option(default_factory=RewardLossConfig, help="center_coef, use_margin")
+    lora: LoraConfig | None = option(None, help="adapters on the backbone; the head is always trained")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=8))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
+    parallel: ParallelConfig = option(
+        default_factory=ParallelConfig, help="read under torchrun: dp_shard, dp_replicate"
+    )
 
 
 def reward_stage(recipe: RewardRecipe, parallel: ParallelContext | None = None) -> FinetuneStage:

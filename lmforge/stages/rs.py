@@ -41,7 +41,7 @@ import torch
 
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.load import load_model
-from lmforge.core.config import ConfigError, at_least, in_range, positive
+from lmforge.core.config import ConfigError, at_least, in_range, option, positive
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, read_json
 from lmforge.core.run import log, progress_bar, record_config, run_dir_lock, start_run
 from lmforge.data.documents import SkipLog
@@ -57,33 +57,37 @@ OUTPUTS = {"sft": "sft.jsonl", "pairs": "pairs.jsonl"}
 
 @dataclass
 class RSDataConfig:
-    prompts: list[str] = field(default_factory=list)  # JSONL/Parquet prompt files or globs
-    max_prompts: int | None = positive(None)  # the first this many prompts; null = all
-    on_bad: Literal["error", "skip"] = "error"  # a bad record (no prompt, a field the reward needs missing...)
+    prompts: list[str] = option(default_factory=list, help="JSONL/Parquet prompt files or globs")
+    max_prompts: int | None = positive(None, help="the first this many prompts; null = all")
+    on_bad: Literal["error", "skip"] = option(
+        "error", help="a bad record (no prompt, a field the reward needs missing...)"
+    )
 
 
 @dataclass
 class RSRolloutConfig(RolloutConfig):
     """The rollout settings with rs's defaults: the prompts in file order, so the output follows them."""
 
-    n: int = positive(8)  # K, samples per prompt
-    max_new_tokens: int = positive(64)
-    shuffle: bool = False
+    n: int = positive(8, help="K, samples per prompt")
+    max_new_tokens: int = positive(64, help="the longest response; a response cut there counts as truncated")
+    shuffle: bool = option(False, help="prompts in a seeded order per epoch, else in file order")
 
 
 @dataclass
 class RSRecipe:
-    run_dir: str = "runs/rs"
-    checkpoint: str = "runs/sft"  # the policy that samples: a checkpoint or a run directory
+    run_dir: str = option(
+        "runs/rs", help="receives sft.jsonl or pairs.jsonl, chunks/ (what a resumed run reuses), summary.json"
+    )
+    checkpoint: str = option("runs/sft", help="the policy that samples: a checkpoint or a run directory")
     data: RSDataConfig = field(default_factory=RSDataConfig)
     rollout: RSRolloutConfig = field(default_factory=RSRolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    output: Literal["sft", "pairs"] = "sft"  # the best as SFT data, or best vs worst as preference pairs
-    threshold: float | None = in_range(None)  # keep a prompt only when its best reward is >= this; null = always
-    min_margin: float = at_least(0, 0.0)  # pairs: best reward - worst reward must exceed this
-    prompts_per_chunk: int = positive(16)  # prompts sampled and written together (the unit of resuming)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"  # auto = cuda when available, else cpu
+    output: Literal["sft", "pairs"] = option("sft", help="the best as SFT data, or best vs worst as preference pairs")
+    threshold: float | None = in_range(None, help="keep a prompt only when its best reward is >= this; null = always")
+    min_margin: float = at_least(0, 0.0, help="pairs: best reward - worst reward must exceed this")
+    prompts_per_chunk: int = positive(16, help="prompts sampled and written together (the unit of resuming)")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="the policy's")
+    device: str = option("auto", help="auto = cuda when available, else cpu")
 
 
 # --------------------------------------------------------------------------- selection

@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from lmforge.core.config import ConfigError, load_config, positive, save_config, unit_interval
+from lmforge.core.config import ConfigError, load_config, option, positive, save_config, unit_interval
 from lmforge.core.io import (
     InputError,
     atomic_write_json,
@@ -57,31 +57,33 @@ from lmforge.train.metrics import GPU_PEAKS
 
 @dataclass
 class BudgetOptions:
-    flops: float | None = positive(None)  # training FLOPs; else from gpu x count x hours x mfu
-    gpu: str | None = None  # a data-sheet GPU (H100, A100, ...) for its dense bf16 peak
-    peak_flops: float | None = positive(None)  # per device, instead of the gpu's data sheet
-    count: int = positive(1)  # devices
-    hours: float | None = positive(None)
-    mfu: float = unit_interval(0.4, low_open=True)  # model FLOPs utilization
+    flops: float | None = positive(None, help="training FLOPs; else from gpu x count x hours x mfu")
+    gpu: str | None = option(None, help="a data-sheet GPU (H100, A100, ...) for its dense bf16 peak")
+    peak_flops: float | None = positive(None, help="per device, instead of the gpu's data sheet")
+    count: int = positive(1, help="devices")
+    hours: float | None = positive(None, help="wall-clock hours of training, with gpu or peak_flops, count and mfu")
+    mfu: float = unit_interval(0.4, low_open=True, help="model FLOPs utilization")
 
 
 @dataclass
 class PlanOptions:
-    fit: str | None = None  # a fit.json of `lmforge scaling fit`; None = out/fit.json
-    inference_tokens: float | None = positive(None)  # tokens the model will serve (Sardana et al. 2024)
-    unique_tokens: float | None = positive(None)  # unique training tokens available (Muennighoff et al. 2023)
-    params: Literal["non_embedding", "total"] = "non_embedding"  # what the fit's N counted
-    aspect_ratio: float = positive(64.0)  # d_model / n_layers of the emitted model
+    fit: str | None = option(None, help="a fit.json of `lmforge scaling fit`; None = out/fit.json")
+    inference_tokens: float | None = positive(None, help="tokens the model will serve (Sardana et al. 2024)")
+    unique_tokens: float | None = positive(None, help="unique training tokens available (Muennighoff et al. 2023)")
+    params: Literal["non_embedding", "total"] = option("non_embedding", help="what the fit's N counted")
+    aspect_ratio: float = positive(64.0, help="d_model / n_layers of the emitted model")
 
 
 @dataclass
 class ScalingRecipe(PlanRecipe):
-    what: Literal["fit", "plan", "flops"] = "fit"
-    out: str = "runs/scaling"  # fit.json, fit.md, *.png; plan.json, plan.md, pretrain.yaml; flops.json
+    what: Literal["fit", "plan", "flops"] = option(
+        "fit", help="fit a runs CSV, plan a budget, or count a recipe's FLOPs"
+    )
+    out: str = option("runs/scaling", help="fit.json, fit.md, *.png; plan.json, plan.md, pretrain.yaml; flops.json")
     fit: FitSettings = field(default_factory=FitSettings)
     budget: BudgetOptions = field(default_factory=BudgetOptions)
     plan: PlanOptions = field(default_factory=PlanOptions)
-    tokens: float | None = positive(None)  # flops: training tokens; None = train.max_steps x tokens per step
+    tokens: float | None = positive(None, help="flops: training tokens; None = train.max_steps x tokens per step")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

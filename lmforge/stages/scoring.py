@@ -19,13 +19,13 @@ alike) and is then a function of the model alone: ``Scorer(model) -> dict`` of f
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from lmforge.core.config import Renamed, at_least, positive
+from lmforge.core.config import Renamed, at_least, option, positive
 from lmforge.data.chat import chat_prompt_ids, read_sft_records
 from lmforge.data.sft_demo import exact_match
 from lmforge.data.tokenizer import Tokenizer
@@ -47,10 +47,12 @@ Scorer = Callable[[nn.Module], dict]
 class ScoreConfig:
     """The recipe's ``score:`` section: a named scorer and what it reads."""
 
-    name: Literal["none", "exact_match"] = "none"  # exact_match: greedy answers compared with the reference answers
-    tasks: list[str] = field(default_factory=list)  # files of tasks to score; empty: the validation data
-    max_examples: int = at_least(0, 200)
-    max_new_tokens: int = positive(32)
+    name: Literal["none", "exact_match"] = option(
+        "none", help="exact_match: greedy answers compared with the reference answers"
+    )
+    tasks: list[str] = option(default_factory=list, help="files of tasks to score; empty: the validation data")
+    max_examples: int = at_least(0, 200, help="the first this many examples are scored")
+    max_new_tokens: int = positive(32, help="the longest greedy answer")
 
     def files(self, val: list[str]) -> list[str]:
         """The task files the scorer reads: ``score.tasks``, else the validation data (none without a scorer)."""

@@ -31,7 +31,7 @@ import torch
 
 from lmforge.checkpoints.device import resolve_device
 from lmforge.checkpoints.load import load_model
-from lmforge.core.config import in_range, load_config, positive
+from lmforge.core.config import in_range, load_config, option, positive
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.tokenizer import Tokenizer
@@ -49,22 +49,31 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class ServeRecipe:
-    checkpoint: str = "runs/demo/sft"  # a checkpoint directory, or a run directory (its newest valid checkpoint)
-    host: str = "127.0.0.1"  # the address to listen on (0.0.0.0: every interface)
-    port: int = in_range(8000, 0, 65535)  # 0 = a free port, printed
-    model_name: str | None = None  # the model id clients send; null = the checkpoint as given
-    # clients must send 'Authorization: Bearer <key>'; null = LMFORGE_API_KEY or none; empty is refused
-    api_key: str | None = None
-    max_batch: int = positive(16)  # rows decoding together in the engine's batch
-    max_pending: int = positive(64)  # requests held at once (decoding or waiting); one more gets 429
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"  # auto = cuda when available, else cpu
-    log_level: Literal["warning", "info", "debug"] = "info"
-    # a larger request body gets 413 before it is read; 2 MiB of JSON parses in tens of ms on the event loop
-    max_body_bytes: int = in_range(2 * 2**20, 1024, 2**30)
-    body_timeout_s: float = in_range(30.0, 0, 3600, low_open=True)  # a body not all sent by then gets 408
-    head_timeout_s: float = in_range(10.0, 0, 3600, low_open=True)  # a connection with no whole request head is closed
-    max_connections: int = in_range(256, 1, 65536)  # connections open at once; past it a request gets 503
+    checkpoint: str = option(
+        "runs/demo/sft", help="a checkpoint directory, or a run directory (its newest valid checkpoint)"
+    )
+    host: str = option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    port: int = in_range(8000, 0, 65535, help="0 = a free port, printed")
+    model_name: str | None = option(None, help="the model id clients send; null = the checkpoint as given")
+    api_key: str | None = option(
+        None, help="clients must send 'Authorization: Bearer <key>'; null = LMFORGE_API_KEY or none; empty is refused"
+    )
+    max_batch: int = positive(16, help="rows decoding together in the engine's batch")
+    max_pending: int = positive(64, help="requests held at once (decoding or waiting); one more gets 429")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="the model's weights and compute")
+    device: str = option("auto", help="auto = cuda when available, else cpu")
+    log_level: Literal["warning", "info", "debug"] = option("info", help="the server's log level")
+    max_body_bytes: int = in_range(
+        2 * 2**20,
+        1024,
+        2**30,
+        help="a larger request body gets 413 before it is read; 2 MiB of JSON parses in tens of ms on the event loop",
+    )
+    body_timeout_s: float = in_range(30.0, 0, 3600, low_open=True, help="a body not all sent by then gets 408")
+    head_timeout_s: float = in_range(
+        10.0, 0, 3600, low_open=True, help="a connection with no whole request head is closed"
+    )
+    max_connections: int = in_range(256, 1, 65536, help="connections open at once; past it a request gets 503")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

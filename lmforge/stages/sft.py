@@ -24,7 +24,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from lmforge.core.config import Renamed, positive, seed_field
+from lmforge.core.config import Renamed, option, positive, seed_field
 from lmforge.core.run import log
 from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
@@ -40,32 +40,39 @@ from lmforge.train.metrics import loss_curve_lines
 
 @dataclass
 class SFTDataConfig:
-    train: list[str] = field(default_factory=list)  # JSONL/Parquet files or globs
-    val: list[str] = field(default_factory=list)
-    max_length: int = positive(512)  # tokens per example (and per packed row)
-    packing: bool = True  # several examples per row, block-diagonal attention
-    on_bad: Literal["error", "skip"] = "error"  # an invalid example: stop, or skip and count
-    on_too_long: Literal["error", "truncate", "skip"] = "error"
-    seed: int = seed_field(0)
+    train: list[str] = option(default_factory=list, help="JSONL/Parquet files or globs")
+    val: list[str] = option(default_factory=list, help="held-out JSONL/Parquet files or globs: validation loss")
+    max_length: int = positive(512, help="tokens per example (and per packed row)")
+    packing: bool = option(True, help="several examples per row, block-diagonal attention")
+    on_bad: Literal["error", "skip"] = option("error", help="an invalid example: stop, or skip and count")
+    on_too_long: Literal["error", "truncate", "skip"] = option(
+        "error", help="an example past max_length: an error, its first max_length tokens kept, or skipped and counted"
+    )
+    seed: int = seed_field(0, help="the seed of the training rows' order")
 
 
 @dataclass
 class SFTObjectiveConfig:
     """The masked causal LM loss has one option: which tokens carry it (the labels built from the chat)."""
 
-    assistant_only: bool = True  # loss on assistant turns only (else on every token)
+    assistant_only: bool = option(True, help="loss on assistant turns only (else on every token)")
 
 
 @dataclass
 class SFTRecipe:
-    run_dir: str = "runs/sft"
-    checkpoint: str = "runs/pretrain"  # base model: a checkpoint, a run directory, or an imported HF model
+    run_dir: str = option(
+        "runs/sft",
+        help="the run directory: config.yaml, metrics.jsonl, checkpoints/, final/ (the trained model), summary.json",
+    )
+    checkpoint: str = option("runs/pretrain", help="base model: a checkpoint, a run directory, or an imported HF model")
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     objective: SFTObjectiveConfig = field(default_factory=SFTObjectiveConfig)
-    lora: LoraConfig | None = None  # set to fine-tune adapters only (use_dora for DoRA)
+    lora: LoraConfig | None = option(None, help="set to fine-tune adapters only (use_dora for DoRA)")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
-    score: ScoreConfig = field(default_factory=ScoreConfig)  # scored before and after training (none by default)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # read under torchrun: dp_shard, dp_replicate
+    score: ScoreConfig = option(default_factory=ScoreConfig, help="scored before and after training (none by default)")
+    parallel: ParallelConfig = option(
+        default_factory=ParallelConfig, help="read under torchrun: dp_shard, dp_replicate"
+    )
 
     RENAMED_KEYS: ClassVar[dict[str, Renamed]] = {"data.assistant_only": Renamed("objective.assistant_only"),
                                                   **RENAMED_EVAL_KEYS}

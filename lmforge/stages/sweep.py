@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ from lmforge.core.config import (
     apply_override,
     from_dict,
     load_config,
+    option,
     positive,
     save_config,
     to_dict,
@@ -69,17 +70,23 @@ SHORT_KEYS = {"d_model": "d", "n_layers": "l", "n_heads": "h", "n_kv_heads": "kv
 
 @dataclass
 class SweepRecipe:
-    run_dir: str = "runs/sweep"  # each run in run_dir/<name>; runs.csv, curves.csv, sweep.json beside them
-    pretrain: str = "recipes/demo/pretrain.yaml"  # the pretrain recipe every run starts from
-    overrides: list[str] = field(default_factory=list)  # dotted overrides of that recipe for every run (train.eval_every=25)
-    # model sizes: a preset name, or a mapping of ModelConfig fields over the recipe's model section
-    # (with `preset`: that preset and these fields instead) and an optional `name` for the runs
-    models: list[str | dict[str, Any]] = field(default_factory=list)
-    grid: Literal["isoflop", "tokens"] = "isoflop"  # isoflop: flops x models; tokens: models x tokens
-    flops: list[float] = positive(default_factory=list)  # isoflop: the FLOP budgets C, one run per budget and size
-    tokens: list[float] = positive(default_factory=list)  # tokens grid: the token budgets D of each size
-    warmup_fraction: float | None = unit_interval(None)  # warm-up as a share of each run's steps; None: train.warmup_steps
-    max_parallel: int = positive(1)  # runs at once; 1: one after another in this process, more: a process each
+    run_dir: str = option("runs/sweep", help="each run in run_dir/<name>; runs.csv, curves.csv, sweep.json beside them")
+    pretrain: str = option("recipes/demo/pretrain.yaml", help="the pretrain recipe every run starts from")
+    overrides: list[str] = option(
+        default_factory=list, help="dotted overrides of that recipe for every run (train.eval_every=25)"
+    )
+    models: list[str | dict[str, Any]] = option(
+        default_factory=list,
+        help="model sizes: a preset name, or a mapping of ModelConfig fields over the recipe's model section "
+        "(with `preset`: that preset and these fields instead) and an optional `name` for the runs",
+    )
+    grid: Literal["isoflop", "tokens"] = option("isoflop", help="isoflop: flops x models; tokens: models x tokens")
+    flops: list[float] = positive(default_factory=list, help="isoflop: the FLOP budgets C, one run per budget and size")
+    tokens: list[float] = positive(default_factory=list, help="tokens grid: the token budgets D of each size")
+    warmup_fraction: float | None = unit_interval(
+        None, help="warm-up as a share of each run's steps; None: train.warmup_steps"
+    )
+    max_parallel: int = positive(1, help="runs at once; 1: one after another in this process, more: a process each")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.core.config import positive, unit_interval
+from lmforge.core.config import option, positive, unit_interval
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import log, progress_bar, record_config, run_dir_lock, start_run
 from lmforge.data.documents import DocumentsConfig, SkipLog, read_documents, split_of
@@ -23,13 +23,16 @@ from lmforge.data.tokenizer import TokenizerConfig, compression_stats, train_tok
 
 @dataclass
 class TokenizerRecipe:
-    run_dir: str = "runs/tokenizer"  # receives tokenizer.json, tokenizer_config.json, stats.json
+    run_dir: str = option("runs/tokenizer", help="receives tokenizer.json, tokenizer_config.json, stats.json")
     data: DocumentsConfig = field(default_factory=DocumentsConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    # Documents whose id hashes below this fraction are held out to measure compression.
-    # Use the same value as `prepare`'s val_fraction so the tokenizer never sees validation text.
-    heldout_fraction: float = unit_interval(0.05, high_open=True)
-    max_heldout_chars: int = positive(20_000_000)
+    heldout_fraction: float = unit_interval(
+        0.05,
+        high_open=True,
+        help="Documents whose id hashes below this fraction are held out to measure compression. Use the same value "
+        "as `prepare`'s val_fraction so the tokenizer never sees validation text.",
+    )
+    max_heldout_chars: int = positive(20_000_000, help="cap on the held-out text compression is measured on")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.heldout_fraction < 1.0:

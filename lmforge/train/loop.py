@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.core.config import at_least, positive, seed_field, to_dict, unit_interval
+from lmforge.core.config import at_least, option, positive, seed_field, to_dict, unit_interval
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.distributed.mesh import ParallelContext
@@ -59,46 +59,72 @@ from lmforge.train.step_log import StepLog
 class TrainConfig:
     """Optimizer, schedule, batch, precision, evaluation and checkpointing of a training run."""
 
-    max_steps: int = positive(1000)
-    lr: float = positive(3e-4)  # peak learning rate
-    min_lr_ratio: float = unit_interval(0.1)  # the schedule ends at lr * min_lr_ratio
-    warmup_steps: int = at_least(0, 100)
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    decay_fraction: float = unit_interval(0.2, low_open=True)  # wsd: share of steps spent decaying
-    weight_decay: float = at_least(0, 0.1)  # on weight matrices only
-    beta1: float = unit_interval(0.9, high_open=True)
-    beta2: float = unit_interval(0.95, high_open=True)
-    eps: float = positive(1e-8)
-    grad_clip: float = at_least(0, 1.0)  # max global gradient norm; 0 disables clipping
-    micro_batch_size: int = positive(8)  # sequences per forward/backward on each rank
-    batch_tokens: int | None = positive(None)  # target tokens per optimizer step; None = one micro-batch
-    # autocast dtype; fp16 adds dynamic loss scaling; auto = bf16 where it is faster than fp32
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    activation_checkpointing: bool = False  # recompute each block in the backward pass
-    compile: bool = False  # torch.compile the model's forward and the loss as one graph
-    seed: int = seed_field(0)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    eval_every: int = at_least(0, 100)  # steps between validations (0: only at the end)
-    # task files, suites or bundled task names (`lmforge eval`'s --tasks) scored every eval_every steps and at
-    # the end, as eval/<task>/<metric>: the stage builds the scorer (lmforge.stages.scoring.eval_tasks_scorer)
-    eval_tasks: list[str] = field(default_factory=list)
-    eval_batches: int | None = positive(20)  # validation micro-batches per evaluation (per dataset of a mixture), over all data-parallel ranks (None: the whole split)
-    log_every: int = positive(10)  # steps between console lines (metrics.jsonl gets every step)
-    checkpoint_every: int = at_least(0, 500)  # steps between checkpoints (0: none but the one always written at the end)
-    keep_checkpoints: int = at_least(1, 2)  # the final checkpoint is always kept
-    resume: str = "auto"  # auto: newest valid checkpoint in run_dir | never | a checkpoint directory
-    tensorboard: bool = True  # mirror metrics.jsonl's scalars to run_dir/tensorboard
-    # experiment trackers that also get the scalars, the resolved config and the report's plots:
-    # wandb (offline in run_dir/wandb unless WANDB_MODE is set), mlflow (run_dir/mlruns unless MLFLOW_TRACKING_URI is set)
-    loggers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
-    max_minutes: float | None = positive(None)  # stop (with a checkpoint) after this much wall time
-    stop_at_step: int | None = positive(None)  # stop (with a checkpoint) at this step; the schedule still spans max_steps
-    max_nonfinite_steps: int = positive(3)  # stop after this many steps in a row with a NaN/inf loss or gradient norm (each skipped)
-    spikes: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike detection: warn, skip or roll back
-    # steps between measurements of the gradient noise scale B_simple in tokens (train.noise_scale;
-    # first micro-batch vs the whole step, so it needs >= 2 micro-batches per step); 0: off
-    noise_scale_every: int = at_least(0, 0)
-    noise_scale_decay: float = unit_interval(0.9, high_open=True)  # moving-average decay per measurement of |G|² and tr(Σ)
+    max_steps: int = positive(1000, help="optimizer steps; the schedule spans them")
+    lr: float = positive(3e-4, help="peak learning rate")
+    min_lr_ratio: float = unit_interval(0.1, help="the schedule ends at lr * min_lr_ratio")
+    warmup_steps: int = at_least(0, 100, help="steps of linear warm-up to lr")
+    schedule: Literal["cosine", "wsd", "constant"] = option(
+        "cosine",
+        help="after warm-up: cosine decay to the end, "
+        "wsd (warmup-stable-decay: flat, then a linear decay), or constant",
+    )
+    decay_fraction: float = unit_interval(0.2, low_open=True, help="wsd: share of steps spent decaying")
+    weight_decay: float = at_least(0, 0.1, help="on weight matrices only")
+    beta1: float = unit_interval(0.9, high_open=True, help="AdamW's β1")
+    beta2: float = unit_interval(0.95, high_open=True, help="AdamW's β2")
+    eps: float = positive(1e-8, help="AdamW's ε")
+    grad_clip: float = at_least(0, 1.0, help="max global gradient norm; 0 disables clipping")
+    micro_batch_size: int = positive(8, help="sequences per forward/backward on each rank")
+    batch_tokens: int | None = positive(None, help="target tokens per optimizer step; None = one micro-batch")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
+        "auto", help="autocast dtype; fp16 adds dynamic loss scaling; auto = bf16 where it is faster than fp32"
+    )
+    activation_checkpointing: bool = option(False, help="recompute each block in the backward pass")
+    compile: bool = option(False, help="torch.compile the model's forward and the loss as one graph")
+    seed: int = seed_field(0, help="the seed of torch's random numbers: the model's initialisation, dropout")
+    device: str = option("auto", help="auto | cpu | cuda | cuda:N")
+    eval_every: int = at_least(0, 100, help="steps between validations (0: only at the end)")
+    eval_tasks: list[str] = option(
+        default_factory=list,
+        help="task files, suites or bundled task names (`lmforge eval`'s --tasks) scored every eval_every steps and "
+        "at the end, as eval/<task>/<metric>: the stage builds the scorer "
+        "(lmforge.stages.scoring.eval_tasks_scorer)",
+    )
+    eval_batches: int | None = positive(
+        20,
+        help="validation micro-batches per evaluation (per dataset of a mixture), "
+        "over all data-parallel ranks (None: the whole split)",
+    )
+    log_every: int = positive(10, help="steps between console lines (metrics.jsonl gets every step)")
+    checkpoint_every: int = at_least(
+        0, 500, help="steps between checkpoints (0: none but the one always written at the end)"
+    )
+    keep_checkpoints: int = at_least(1, 2, help="the final checkpoint is always kept")
+    resume: str = option("auto", help="auto: newest valid checkpoint in run_dir | never | a checkpoint directory")
+    tensorboard: bool = option(True, help="mirror metrics.jsonl's scalars to run_dir/tensorboard")
+    loggers: list[Literal["wandb", "mlflow"]] = option(
+        default_factory=list,
+        help="experiment trackers that also get the scalars, the resolved config and the report's plots: wandb "
+        "(offline in run_dir/wandb unless WANDB_MODE is set), "
+        "mlflow (run_dir/mlruns unless MLFLOW_TRACKING_URI is set)",
+    )
+    max_minutes: float | None = positive(None, help="stop (with a checkpoint) after this much wall time")
+    stop_at_step: int | None = positive(
+        None, help="stop (with a checkpoint) at this step; the schedule still spans max_steps"
+    )
+    max_nonfinite_steps: int = positive(
+        3, help="stop after this many steps in a row with a NaN/inf loss or gradient norm (each skipped)"
+    )
+    spikes: SpikeConfig = option(default_factory=SpikeConfig, help="loss-spike detection: warn, skip or roll back")
+    noise_scale_every: int = at_least(
+        0,
+        0,
+        help="steps between measurements of the gradient noise scale B_simple in tokens (train.noise_scale; "
+        "first micro-batch vs the whole step, so it needs >= 2 micro-batches per step); 0: off",
+    )
+    noise_scale_decay: float = unit_interval(
+        0.9, high_open=True, help="moving-average decay per measurement of |G|² and tr(Σ)"
+    )
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.micro_batch_size < 1:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from lmforge.core.config import at_least, check_ranges, positive
+from lmforge.core.config import at_least, check_ranges, option, positive
 from lmforge.core.run import log
 
 EVENT = "loss_spike"
@@ -44,13 +44,17 @@ EVENT = "loss_spike"
 class SpikeConfig:
     """``train.spikes``: the loss-spike detector and what it does on a spike (off by default)."""
 
-    policy: Literal["off", "warn", "skip", "rollback"] = "off"
-    window: int = at_least(2, 128)  # accepted step losses the mean and standard deviation are taken over
-    threshold: float = positive(6.0)  # a spike: this many standard deviations above the window's mean
-    min_observations: int = at_least(2, 64)  # losses in the window before any step is judged
-    max_consecutive: int = positive(10)  # spikes in a row that restart the window (a new loss level, not a spike)
-    max_rollbacks: int = at_least(0, 3)  # per run; later spikes are skipped
-    skip_steps_after: int = at_least(0, 0)  # rollback: also skip the batches of this many steps after the spike
+    policy: Literal["off", "warn", "skip", "rollback"] = option(
+        "off",
+        help="on a spike: off (no detection), warn, skip the update, or rollback to the newest checkpoint "
+        "and skip its batches",
+    )
+    window: int = at_least(2, 128, help="accepted step losses the mean and standard deviation are taken over")
+    threshold: float = positive(6.0, help="a spike: this many standard deviations above the window's mean")
+    min_observations: int = at_least(2, 64, help="losses in the window before any step is judged")
+    max_consecutive: int = positive(10, help="spikes in a row that restart the window (a new loss level, not a spike)")
+    max_rollbacks: int = at_least(0, 3, help="per run; later spikes are skipped")
+    skip_steps_after: int = at_least(0, 0, help="rollback: also skip the batches of this many steps after the spike")
 
     def __post_init__(self) -> None:
         check_ranges(self, "train.spikes.")

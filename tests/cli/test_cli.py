@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from lmforge.cli.main import VERBS, VERBS_BY_NAME, main, recipe_keys
-from lmforge.core.config import load_config
+from lmforge.core.config import load_config, option, positive
 
 
 def run_cli(*args, cwd=None):
@@ -85,13 +85,49 @@ def test_curate_train_classifier_trains_from_the_command_line(tmp_path, capfd):
     assert "train-classifier: 54 training examples" in capfd.readouterr().err
 
 
-def test_verb_help_explains_each_key_with_the_comment_beside_its_field(capsys):
+def test_verb_help_explains_each_key_with_its_fields_help_text(capsys):
     with pytest.raises(SystemExit):
         main(["dpo", "--help"])
-    out = " ".join(capsys.readouterr().out.split())  # a long comment wraps over lines
+    out = " ".join(capsys.readouterr().out.split())  # a long help text wraps over lines
     assert "train.lr" in out and "peak learning rate" in out  # TrainConfig, nested
-    assert "keeps DPO from lowering the chosen answer's likelihood" in out  # a comment block above the field
+    assert "keeps DPO from lowering the chosen answer's likelihood" in out  # a help text of several lines
     assert "dpo | ipo | cdpo | rdpo | hinge" in out  # inherited from PreferenceLossConfig
+
+
+def keys_without_help(recipe: type) -> list[str]:
+    """The keys ``--help`` and the docs list for ``recipe`` whose field declares no help text."""
+    return [row.key for row in recipe_keys(recipe) if not row.help.strip()]
+
+
+# import_hf.py is being edited by another change; its three keys move to help= metadata once it lands
+PENDING_HELP = {"import"}
+
+
+@pytest.mark.parametrize("verb", [v.name if v.name not in PENDING_HELP else pytest.param(
+    v.name, marks=pytest.mark.skip(reason="lmforge/stages/import_hf.py: help= metadata pending")) for v in VERBS])
+def test_every_key_of_every_verbs_recipe_has_help_text(verb):
+    assert keys_without_help(VERBS_BY_NAME[verb].load().RECIPE) == []
+
+
+def test_a_recipe_field_without_help_text_is_found_and_a_comment_does_not_count():
+    @dataclasses.dataclass
+    class Section:
+        depth: int = positive(2)
+
+    @dataclasses.dataclass
+    class Entry:
+        name: str = option("", help="what it is called")
+        size: int = 1
+
+    @dataclasses.dataclass
+    class Recipe:
+        width: int = option(8, help="columns")
+        height: int = 3  # a comment is not help text
+        section: Section = dataclasses.field(default_factory=Section)
+        optional: Section | None = None
+        entries: list[Entry] = option(default_factory=list, help="the entries")
+
+    assert keys_without_help(Recipe) == ["height", "section.depth", "optional", "optional.depth", "size"]
 
 
 def verb_help(verb, capsys):
@@ -121,7 +157,7 @@ def test_run_help_shows_the_keys_of_a_stage_entry(capsys):
     assert "a list of a mapping" not in out
     for key, type_ in [("name", "str"), ("verb", "str"), ("recipe", "str or null"), ("overrides", "a list of str")]:
         assert re.search(rf"^ {{4}}{key}\s+{type_}\s+default", out, re.M), key
-    assert "any `lmforge` verb with a recipe" in out  # an entry key's comment
+    assert "any `lmforge` verb with a recipe" in out  # an entry key's help
 
 
 def test_pretrain_help_shows_the_path_weight_and_name_of_each_dataset(capsys):
@@ -142,14 +178,14 @@ def test_any_field_whose_post_init_fills_its_default_is_marked_derived():
     @dataclasses.dataclass
     class Shape:
         width: int = 8
-        height: int = 0  # 0 = width
+        height: int = option(0, help="0 = width")
 
         def __post_init__(self):
             self.height = self.height or self.width
 
     rows = {row.key: row for row in recipe_keys(Shape)}
     assert rows["width"].default == "default 8"
-    assert rows["height"].default == "default 0 (derived: 8)" and rows["height"].comment == "0 = width"
+    assert rows["height"].default == "default 0 (derived: 8)" and rows["height"].help == "0 = width"
 
 
 def test_nested_defaults_come_from_the_recipe_not_the_section_class(capsys):
@@ -216,7 +252,8 @@ def one_error_line(capsys, verb: str) -> str:
 def test_a_typo_in_a_command_line_override_is_blamed_on_the_command_line_not_the_recipe(capsys):
     assert main(["pretrain", "recipes/demo/pretrain.yaml", "train.max_step=10"]) == 2
     assert one_error_line(capsys, "pretrain") == (
-        "command-line override 'train.max_step=10': unknown key 'train.max_step'; did you mean 'train.max_steps'?")
+        "command-line override 'train.max_step=10': unknown key 'train.max_step'; "
+        "did you mean 'train.max_steps' (optimizer steps; the schedule spans them)?")
     assert main(["pretrain", "recipes/demo/pretrain.yaml", "trian.lr=3"]) == 2  # the unknown section came from it
     assert one_error_line(capsys, "pretrain").startswith("command-line override 'trian.lr=3': unknown key 'trian'")
     assert main(["pretrain", "recipes/demo/pretrain.yaml", "train.lr=fast"]) == 2
@@ -227,7 +264,8 @@ def test_an_error_in_the_recipe_file_is_blamed_on_the_file_even_beside_overrides
     recipe = tmp_path / "pretrain.yaml"
     recipe.write_text("train:\n  max_step: 10\n")
     assert main(["pretrain", str(recipe), "train.lr=0.001"]) == 2
-    assert one_error_line(capsys, "pretrain") == f"{recipe}: unknown key 'train.max_step'; did you mean 'train.max_steps'?"
+    assert one_error_line(capsys, "pretrain") == (
+        f"{recipe}: unknown key 'train.max_step'; did you mean 'train.max_steps' (optimizer steps; the schedule spans them)?")
 
 
 def test_a_bare_key_of_a_section_gets_the_dotted_key_suggested(capsys):

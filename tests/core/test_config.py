@@ -11,10 +11,13 @@ from lmforge.core.config import (
     at_least,
     check_ranges,
     dump_config,
+    field_help,
     field_range,
     from_dict,
     load_config,
+    option,
     parse_scalar,
+    plugin_field,
     positive,
     unit_interval,
 )
@@ -285,6 +288,25 @@ def holds_numbers(tp) -> bool:
     return tp in (int, float) or any(holds_numbers(a) for a in get_args(tp))
 
 
+def test_a_fields_help_text_lives_in_its_metadata_beside_its_default_and_range():
+    @dataclass
+    class Cfg:
+        name: str = option(help="what it is called")
+        width: int = positive(8, help="columns")
+        tags: list[str] = option(default_factory=list, help="labels")
+        reward: str | None = plugin_field(help="module:function")
+        plain: int = 1  # a comment is not help text
+
+    fields = {f.name: f for f in dataclasses.fields(Cfg)}
+    assert {name: field_help(f) for name, f in fields.items()} == {
+        "name": "what it is called", "width": "columns", "tags": "labels", "reward": "module:function", "plain": ""}
+    assert field_range(fields["width"]) == Range(0, low_open=True)
+    assert fields["reward"].metadata["plugin"]
+    assert Cfg(name="x").tags == [] and Cfg(name="x").width == 8
+    with pytest.raises(TypeError):
+        Cfg()  # option() without a default is a required key
+
+
 def test_every_numeric_field_of_every_config_declares_its_range():
     classes = reachable_dataclasses(config_roots())
     assert len(classes) > 30
@@ -370,3 +392,15 @@ def test_a_dpo_recipe_keeps_its_train_defaults_when_one_train_key_is_set():
     default = load_config(DPORecipe, None, ["checkpoint=c", "data.train=[x.jsonl]"]).train
     changed = load_config(DPORecipe, None, ["checkpoint=c", "data.train=[x.jsonl]", "train.max_steps=30"]).train
     assert changed.max_steps == 30 and changed.lr == default.lr == 5e-6 and changed.warmup_steps == default.warmup_steps
+
+
+def test_the_key_suggested_for_an_unknown_key_comes_with_its_help_text():
+    @dataclass
+    class Cfg:
+        width: int = positive(8, help="columns")
+        height: int = 3
+
+    with pytest.raises(ConfigError, match=r"^overrides: unknown key 'widht'; did you mean 'width' \(columns\)\?$"):
+        load_config(Cfg, None, ["widht=2"])
+    with pytest.raises(ConfigError, match=r"^overrides: unknown key 'heigth'; did you mean 'height'\?$"):
+        load_config(Cfg, None, ["heigth=2"])
