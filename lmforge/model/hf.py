@@ -5,7 +5,10 @@ Our ``Transformer`` is the architecture of ``LlamaForCausalLM``, ``MistralForCau
 layers ``layer_types`` names) and ``Qwen3ForCausalLM`` (QK-norm). All of them apply RoPE to
 the two halves of each head (``rotate_half``), as we do, so weights map one to one by name
 with no permutation. This module converts names, configs and weight files;
-``stages/export.py`` and ``stages/import_hf.py`` put them on disk. It never imports
+``stages/export.py`` and ``stages/import_hf.py`` put them on disk. Every ``config.json`` key
+of the four classes is classified in ``HF_CONFIG_KEYS`` (honoured, refused unless at a value
+lmforge computes, or inert), and import refuses a key it does not know rather than drop it
+(tests/model/test_hf_fields.py holds each class against transformers). It never imports
 ``transformers``: conversion needs only safetensors.
 """
 
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file
@@ -308,12 +312,117 @@ def _rope_fields(config: dict, max_position_embeddings: int, where: str) -> dict
     return fields
 
 
+# --------------------------------------------------------------------------- config.json keys
+
+HONOURED, REFUSED, INERT = "honoured", "refused", "inert"
+
+
+class HFKey(NamedTuple):
+    """How import treats one ``config.json`` key: ``honoured`` (read into ModelConfig), ``refused``
+    unless it is one of ``supported`` (lmforge computes only those; any other value is an InputError),
+    or ``inert`` (no effect on the logits of the class transformers builds for this model_type)."""
+
+    kind: str
+    why: str
+    # the values lmforge computes, or a test of (value, config.json); () = any value (honoured keys: any their reader takes)
+    supported: tuple | Callable[[Any, dict], bool] = ()
+
+
+def _refused(why: str, *supported: Any) -> HFKey:
+    """A key lmforge computes only at ``supported``: the values, or one test of (value, config.json)."""
+    return HFKey(REFUSED, why, supported[0] if len(supported) == 1 and callable(supported[0]) else supported)
+
+
+_INERT_BASE = dict.fromkeys(  # PretrainedConfig's own keys (transformers 4 and 5): metadata, outputs, generation, heads
+    """_name_or_path transformers_version dtype torch_dtype use_bfloat16 _attn_implementation_autoset attn_implementation
+    output_attentions output_hidden_states return_dict torchscript tf_legacy_loss chunk_size_feed_forward
+    is_encoder_decoder is_decoder add_cross_attention cross_attention_hidden_size tie_encoder_decoder
+    id2label label2id num_labels problem_type finetuning_task task_specific_params tokenizer_class prefix
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id use_cache
+    max_length min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty temperature top_k
+    top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
+    remove_invalid_values exponential_decay_length_penalty suppress_tokens begin_suppress_tokens""".split(),
+    HFKey(INERT, "metadata, outputs, generation defaults or token ids (a pad id only zeroes its embedding row at init)"),
+)
+_LLAMA_LINE = {
+    **_INERT_BASE,
+    "model_type": HFKey(HONOURED, "selects the class (SUPPORTED_ARCHITECTURES)"),
+    "architectures": HFKey(HONOURED, "must name the class of model_type"),
+    **dict.fromkeys("vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+                    "head_dim rms_norm_eps tie_word_embeddings max_position_embeddings".split(), HFKey(HONOURED, "the shape")),
+    **dict.fromkeys("rope_parameters rope_scaling rope_theta original_max_position_embeddings".split(),
+                    HFKey(HONOURED, "RoPE and its scaling (_rope_fields)")),
+    "hidden_act": HFKey(HONOURED, "lmforge's SwiGLU MLP uses silu", ("silu", "swish")),
+    "initializer_range": HFKey(INERT, "the init std of training from scratch (kept as init_std)"),
+    "pretraining_tp": HFKey(INERT, "transformers >= 4.45 ignores it; older ones split the same matmuls into slices"),
+    "is_llama_config": HFKey(INERT, "nanotron's marker (SmolLM)"),
+    "attention_dropout": _refused("lmforge has no attention dropout; set it to 0.0 to fine-tune without it", 0.0, None),
+    "partial_rotary_factor": _refused("RoPE must cover the whole head", 1.0, None),
+    "rope_interleaved": _refused("lmforge, like these transformers classes, rotates the two halves of each head", False, None),
+    "quantization_config": _refused("quantized weights; use the unquantized (bf16/fp16/fp32) ones", None, {}),
+    "pruned_heads": _refused("pruned attention heads change the projections' shapes", None, {}),
+    "auto_map": _refused("custom modelling code computes this model, not the transformers class (tokenizer entries are fine)",
+                         lambda v, _: isinstance(v, dict) and not any(k.startswith(("AutoConfig", "AutoModel")) for k in v)),
+}
+_NOT_READ = HFKey(INERT, "this model_type's transformers class does not read it")
+_BIASES = {"attention_bias": HFKey(HONOURED, "biases on q/k/v and the output projection"),
+           "mlp_bias": HFKey(HONOURED, "biases on the MLP's three projections")}
+_QWEN_WINDOW = dict.fromkeys("use_sliding_window sliding_window max_window_layers layer_types".split(),
+                             HFKey(HONOURED, "the sliding window and its layers (_sliding_window)"))
+_NO_WINDOW = dict.fromkeys(_QWEN_WINDOW, _NOT_READ)
+_CACHE_READS = "transformers' attention ignores it but its DynamicCache keeps only a sliding layer's window, so cached decoding would differ"
+_LLAMA_NO_WINDOW = {
+    **_NO_WINDOW,
+    "sliding_window": _refused(f"LlamaForCausalLM attends to every position; {_CACHE_READS} (a windowed model is model_type mistral)", None),
+    "layer_types": _refused(f"LlamaForCausalLM has only full attention; {_CACHE_READS}",
+                            lambda v, _: v is None or all(t == "full_attention" for t in v)),
+}
+_MISTRAL_WINDOW = {  # Mistral's window, when set, is on every layer
+    **_NO_WINDOW,
+    "sliding_window": HFKey(HONOURED, "every layer's window"),
+    "layer_types": _refused(f"Mistral windows every layer or none; {_CACHE_READS}", lambda v, c: v is None or all(
+        t == ("full_attention" if c.get("sliding_window") is None else "sliding_attention") for t in v)),
+}
+# model_type -> every config.json key lmforge knows for it; any other key is refused (lmforge does not know what it does)
+HF_CONFIG_KEYS: dict[str, dict[str, HFKey]] = {
+    "llama": {**_LLAMA_LINE, **_BIASES, **_LLAMA_NO_WINDOW},
+    "mistral": {**_LLAMA_LINE, **dict.fromkeys(_BIASES, _NOT_READ), **_MISTRAL_WINDOW},
+    "qwen2": {**_LLAMA_LINE, **dict.fromkeys(_BIASES, _NOT_READ), **_QWEN_WINDOW},
+    "qwen3": {**_LLAMA_LINE, "attention_bias": _BIASES["attention_bias"], "mlp_bias": _NOT_READ, **_QWEN_WINDOW},
+}
+
+
+def supports(spec: HFKey, value: Any, config: dict) -> bool:
+    """Whether lmforge computes ``value`` of a key classified ``spec`` in ``config``."""
+    if callable(spec.supported):
+        return spec.supported(value, config)
+    return not spec.supported or value in spec.supported
+
+
+def check_hf_config_keys(config: dict, model_type: str, where: str) -> None:
+    """Refuse a key set to a value lmforge does not compute, and a key lmforge does not know, rather than drop it."""
+    known = HF_CONFIG_KEYS[model_type]
+    for key, value in config.items():
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        spec = known.get(key)
+        if spec is None:
+            raise InputError(
+                f"{where}: key {key!r} = {shown} is not one lmforge knows for model_type {model_type!r}: lmforge does not "
+                "know what it does to the arithmetic (a newer transformers may read it), so it refuses rather than drop it"
+            )
+        if not supports(spec, value, config):
+            listed = not callable(spec.supported)
+            supported = f"; lmforge supports {' or '.join(json.dumps(s) for s in spec.supported)}" if listed else ""
+            raise InputError(f"{where}: {key} = {shown} is not supported ({spec.why}){supported}")
+
+
 def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
     """The ``ModelConfig`` of a Llama, Mistral, Qwen2 or Qwen3 ``config.json``.
 
     Plain RoPE and its scaling types (``linear``, ``dynamic``, ``yarn``, ``longrope``, Llama 3.1's
     ``llama3``) are read; anything else our model would compute differently is an ``InputError``
-    (other RoPE types, partial rotary, activations other than SiLU, quantized weights). A sliding
+    (other RoPE types, a key ``HF_CONFIG_KEYS`` refuses at its value, a key it does not know). A sliding
     window is read as transformers reads it: Mistral's on every layer, Qwen2/Qwen3's with
     ``use_sliding_window`` on the layers ``layer_types`` names (or those from ``max_window_layers`` on).
     """
@@ -324,12 +433,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> ModelConfi
         raise InputError(f"{where}: model_type {model_type!r} (architectures {archs}) is not supported; lmforge imports {supported}")
     if archs and archs != [SUPPORTED_ARCHITECTURES[model_type]]:
         raise InputError(f"{where}: architectures {archs} is not supported; lmforge imports {supported}")
-    if config.get("quantization_config"):
-        raise InputError(f"{where}: quantized checkpoints are not supported; use the unquantized (bf16/fp16/fp32) weights")
-    if (act := config.get("hidden_act", "silu")) not in ("silu", "swish"):
-        raise InputError(f"{where}: hidden_act {act!r} is not supported; lmforge's SwiGLU MLP uses silu")
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise InputError(f"{where}: partial_rotary_factor {config['partial_rotary_factor']} is not supported; RoPE must cover the whole head")
+    check_hf_config_keys(config, model_type, where)
     n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
     max_seq_len = config.get("max_position_embeddings", 2048)
     rope = _rope_fields(config, max_seq_len, where)

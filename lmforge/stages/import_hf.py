@@ -5,8 +5,10 @@ dtype kept), model.json, the folder's tokenizer.json + tokenizer_config.json, an
 checksums.json. load_model(out_dir) then computes the same logits as the HF model.
 Nothing is downloaded. RoPE scaling of type linear, dynamic, yarn, longrope and llama3 is
 kept, and so is a sliding window (Mistral's on every layer, Qwen2/Qwen3's with use_sliding_window
-on the layers layer_types or max_window_layers name); other RoPE types, partial rotary and
-quantized weights are refused.
+on the layers layer_types or max_window_layers name). A config.json key that lmforge would
+compute differently (other RoPE types, partial rotary, attention dropout, quantized weights,
+custom modelling code; lmforge.model.hf.HF_CONFIG_KEYS lists them), or a key it does not know,
+is refused with one line naming the file and the key, and nothing is written.
 
   lmforge import ~/models/SmolLM2-135M runs/smollm2-135m
 """
