@@ -386,3 +386,35 @@ def test_export_merge_lora_keeps_the_chat_template(tmp_path, tokenizer_dir, voca
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [hf_tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|end_of_text|>")]
     assert "chat_template" not in json.loads((tokenizer_dir / "tokenizer_config.json").read_text())  # the base is untouched
+
+
+@pytest.mark.parametrize("model_type, config_class", [
+    ("gpt2", "GPT2Config"), ("gemma2", "Gemma2Config"), ("phi3", "Phi3Config"), ("olmo2", "Olmo2Config"),
+])
+def test_cli_import_of_an_unsupported_model_type_is_one_line_exit_2_nothing_written(tmp_path, capsys, model_type, config_class):
+    from lmforge.model.hf import SUPPORTED_ARCHITECTURES
+
+    (tmp_path / "hf").mkdir()
+    config = getattr(transformers, config_class)().to_dict()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lmforge import: error: {tmp_path / 'hf' / 'config.json'}: model_type {model_type!r}")
+    assert all(f"{cls} (model_type {t!r})" in err[0] for t, cls in SUPPORTED_ARCHITECTURES.items())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("patch, named", [
+    ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "RoPE scaling 'proportional' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout = 0.1 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "key 'attn_logit_softcapping' = 50.0 is not one lmforge knows"),
+], ids=["rope-type", "refused-key", "unknown-key"])
+def test_cli_import_of_a_key_lmforge_cannot_honour_is_one_line_exit_2_nothing_written(tmp_path, capsys, vocab_size, patch, named):
+    hf_folder(tmp_path / "hf", small_hf_config("llama", vocab_size))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **patch}))
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lmforge import: error: {tmp_path / 'hf' / 'config.json'}: ") and named in err[0]
+    assert not (tmp_path / "out").exists()
