@@ -26,7 +26,7 @@ from typing import Literal
 from safetensors.torch import save_file
 
 from lmforge.checkpoints.files import MODEL_CONFIG, TOKENIZER_FILES, WEIGHTS, write_checksums
-from lmforge.core.config import load_config
+from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, read_json
 from lmforge.core.run import log
 from lmforge.model.hf import (
@@ -41,9 +41,11 @@ from lmforge.model.hf import (
 
 @dataclass
 class ImportRecipe:
-    hf_dir: str | None = None  # local Hugging Face model folder (config.json + safetensors weights)
-    run_dir: str = "runs/import"  # the lmforge checkpoint directory to write (an earlier one there is replaced)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = as stored in the HF folder
+    hf_dir: str | None = option(None, help="local Hugging Face model folder (config.json + safetensors weights)")
+    run_dir: str = option(
+        "runs/import", help="the lmforge checkpoint directory to write (an earlier one there is replaced)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto", help="auto = as stored in the HF folder")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -99,12 +99,7 @@ def keys_without_help(recipe: type) -> list[str]:
     return [row.key for row in recipe_keys(recipe) if not row.help.strip()]
 
 
-# import_hf.py is being edited by another change; its three keys move to help= metadata once it lands
-PENDING_HELP = {"import"}
-
-
-@pytest.mark.parametrize("verb", [v.name if v.name not in PENDING_HELP else pytest.param(
-    v.name, marks=pytest.mark.skip(reason="lmforge/stages/import_hf.py: help= metadata pending")) for v in VERBS])
+@pytest.mark.parametrize("verb", [v.name for v in VERBS])
 def test_every_key_of_every_verbs_recipe_has_help_text(verb):
     assert keys_without_help(VERBS_BY_NAME[verb].load().RECIPE) == []
 
