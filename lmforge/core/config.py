@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import logging
 import math
+import os
 import re
+import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -122,6 +126,28 @@ def plugin_field(default: Any = None, *, help: str = "") -> Any:
     judge). Imported when the stage starts, never while the recipe is read; ``plugins`` lists
     them, and ``--print-config`` shows the list."""
     return dataclasses.field(default=default, metadata={"plugin": True, "help": help})
+
+
+def load_plugin(spec: str, key: str, example: str = "my_module:my_function") -> Callable:
+    """The callable a plugin field's ``module:function`` names, imported now (when its stage starts).
+    The module is looked up on ``sys.path`` with the working directory first, as ``python -m`` and
+    ``python script.py`` do, so a ``my_rewards.py`` beside the recipe's run needs no PYTHONPATH.
+    Any failure is one ``ConfigError`` naming ``key``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} = {spec!r}: write it as module:function (e.g. {example})")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raised while importing
+        raise ConfigError(f"{key} = {spec!r}: cannot import {module_name!r}: {exc!r} (is it in the working "
+                          "directory or on PYTHONPATH?)") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{key} = {spec!r}: {module_name!r} has no callable {attr!r}")
+    return fn
 
 
 def plugins(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -589,6 +615,7 @@ __all__ = [
     "load_config",
     "option",
     "parse_scalar",
+    "load_plugin",
     "plugin_field",
     "plugins",
     "positive",

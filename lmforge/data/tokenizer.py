@@ -77,12 +77,25 @@ class TokenizerConfig:
 class Tokenizer:
     """A trained tokenizer: ``encode``/``decode`` without hidden special-token handling."""
 
-    def __init__(self, hf: HFTokenizer, config: dict):
+    def __init__(self, hf: HFTokenizer, config: dict, source: str | Path = "tokenizer_config.json"):
         self.hf = hf
         self.config = config
-        self.bos_id = self.token_to_id(config["bos_token"])
-        self.eos_id = self.token_to_id(config["eos_token"])
-        self.pad_id = self.token_to_id(config["pad_token"])
+        self.bos_id, self.eos_id, self.pad_id = (self.special_id(config, key, source)
+                                                 for key in ("bos_token", "eos_token", "pad_token"))
+
+    def special_id(self, config: dict, key: str, source: str | Path) -> int:
+        """The id of the special token ``config[key]``: a string, or the ``{"content": ...}`` mapping
+        older transformers write (Llama 2's ``AddedToken``); a missing one is an ``InputError``
+        naming the file and key (Qwen's ``"bos_token": null``: lmforge begins every document with one)."""
+        token = config.get(key)
+        if isinstance(token, dict) and isinstance(token.get("content"), str):
+            token = token["content"]
+        if not isinstance(token, str) or not token:
+            raise InputError(f"{source}: {key} is {token!r}; lmforge needs a BOS, an EOS and a pad token: set "
+                             f'"{key}" to a special token of the vocabulary (for example "<|endoftext|>")')
+        if self.hf.token_to_id(token) is None:
+            raise InputError(f"{source}: {key} {token!r} is not in the vocabulary of tokenizer.json")
+        return self.hf.token_to_id(token)
 
     # -- loading and saving
     @classmethod
@@ -97,7 +110,9 @@ class Tokenizer:
         except Exception as exc:
             raise InputError(f"{tok_file}: not a valid tokenizer.json: {exc}") from exc
         config = read_json(cfg_file, "tokenizer config")
-        return cls(hf, config)
+        if not isinstance(config, dict):
+            raise InputError(f"{cfg_file}: not a JSON object of tokenizer settings")
+        return cls(hf, config, cfg_file)
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

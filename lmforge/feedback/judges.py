@@ -37,7 +37,6 @@ import concurrent.futures
 import functools
 import hashlib
 import http.client
-import importlib
 import io
 import json
 import os
@@ -59,6 +58,7 @@ from lmforge.core.config import (
     ConfigError,
     at_least,
     in_range,
+    load_plugin,
     option,
     plugin_field,
     positive,
@@ -516,16 +516,7 @@ def error_message(exc: urllib.error.HTTPError) -> str:
 
 def import_function(spec: str) -> Callable:
     """The function ``spec`` (module:function) names: a plugin, imported only when the stage starts."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ConfigError(f"judge.function = {spec!r}: write it as module:function (e.g. mypackage.rules:judge)")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except Exception as exc:  # ImportError, no such attribute, or whatever the module raised while importing
-        raise ConfigError(f"judge.function = {spec!r}: cannot import it: {exc!r} (is it on PYTHONPATH?)") from exc
-    if not callable(fn):
-        raise ConfigError(f"judge.function = {spec!r} is not callable")
-    return fn
+    return load_plugin(spec, "judge.function", "mypackage.rules:judge")
 
 
 class CallableJudge:

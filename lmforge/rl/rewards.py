@@ -32,7 +32,6 @@ Then, with ``L`` the response's tokens and ``L_max`` = ``max_new_tokens``:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import re
@@ -43,7 +42,7 @@ from typing import Literal
 import torch
 
 from lmforge.checkpoints.load import load_reward_model, resolve_checkpoint
-from lmforge.core.config import ConfigError, at_least, in_range, option, plugin_field, positive
+from lmforge.core.config import ConfigError, at_least, in_range, load_plugin, option, plugin_field, positive
 from lmforge.core.io import InputError
 from lmforge.data.chat import tokenize_segments
 from lmforge.data.chatml import IM_END
@@ -127,17 +126,9 @@ class RewardConfig:
 
 
 def load_callable(spec: str, key: str = "reward") -> Callable:
-    """The function ``module:function`` names, checked callable with (response_text, prompt)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{key}: function {spec!r} must be written module:function (e.g. my_rewards:brevity)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or whatever the module raised while importing
-        raise ConfigError(f"{key}: cannot import {module_name!r} for {spec!r}: {exc!r} (is it on PYTHONPATH?)") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"{key}: {module_name!r} has no callable {attr!r}")
+    """The function ``module:function`` names (``core.config.load_plugin``), checked callable with
+    (response_text, prompt)."""
+    fn = load_plugin(spec, f"{key}.function", "my_rewards:brevity")
     try:
         inspect.signature(fn).bind("response", None)
     except TypeError as exc:

@@ -404,3 +404,17 @@ def test_the_key_suggested_for_an_unknown_key_comes_with_its_help_text():
         load_config(Cfg, None, ["widht=2"])
     with pytest.raises(ConfigError, match=r"^overrides: unknown key 'heigth'; did you mean 'height'\?$"):
         load_config(Cfg, None, ["heigth=2"])
+
+
+def test_a_plugin_in_the_working_directory_imports_without_pythonpath(tmp_path, monkeypatch):
+    import sys
+
+    from lmforge.core.config import load_plugin
+
+    (tmp_path / "my_cwd_rewards.py").write_text("def brevity(text, prompt):\n    return -len(text)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_plugin("my_cwd_rewards:brevity", "reward.components[0].function")("abc", None) == -3
+    with pytest.raises(ConfigError, match=r"^reward\.function = 'my_cwd_rewards:nope': 'my_cwd_rewards' has no "
+                                          r"callable 'nope'$"):
+        load_plugin("my_cwd_rewards:nope", "reward.function")

@@ -108,3 +108,29 @@ def test_invalid_configs_are_rejected():
 def test_loading_a_missing_tokenizer_says_how_to_make_one(tmp_path):
     with pytest.raises(InputError, match="lmforge tokenizer"):
         Tokenizer.load(tmp_path)
+
+
+def copy_tokenizer(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+def test_special_tokens_written_as_added_token_mappings_load(small_tokenizer, small_tokenizer_dir, tmp_path):
+    bos = small_tokenizer.config["bos_token"]
+    d = copy_tokenizer(small_tokenizer_dir, tmp_path / "tok", bos_token={"__type": "AddedToken", "content": bos})
+    assert Tokenizer.load(d).bos_id == small_tokenizer.bos_id
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, r"bos_token is None; lmforge needs a BOS, an EOS and a pad token"),
+    ({"__type": "AddedToken"}, r"bos_token is \{'__type': 'AddedToken'\}"),
+    ("<|not-a-token|>", r"bos_token '<\|not-a-token\|>' is not in the vocabulary"),
+])
+def test_a_missing_or_unknown_special_token_names_the_file_and_key(small_tokenizer_dir, tmp_path, value, message):
+    d = copy_tokenizer(small_tokenizer_dir, tmp_path / "tok", bos_token=value)  # Qwen's folders: "bos_token": null
+    with pytest.raises(InputError, match=rf"^{d / 'tokenizer_config.json'}: {message}"):
+        Tokenizer.load(d)

@@ -204,7 +204,7 @@ def test_an_empty_critique_asks_no_revision_and_keeps_the_response(tmp_path, jud
     (["judge.checkpoint=x"], "exactly one of judge.checkpoint"),
     (["judge.function=null"], "exactly one of judge.checkpoint"),
     (["judge.function=null", "judge.base_url=http://127.0.0.1:9/v1"], "needs judge.model"),
-    (["judge.function=nomodule_xyz:f"], "cannot import it"),
+    (["judge.function=nomodule_xyz:f"], "cannot import 'nomodule_xyz'"),
     (["judge.function=nocolon"], "module:function"),
 ])
 def test_a_bad_recipe_is_refused_before_any_work(tmp_path, judge_checkpoint, prompts, overrides, message):

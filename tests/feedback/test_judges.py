@@ -77,7 +77,8 @@ def test_a_plugin_that_fails_to_import_is_one_error_line_when_the_stage_starts(p
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert code == 2 and "Traceback" not in err and len(errors) == 1, err
-    assert errors[0] == ("lmforge cai: error: judge.function = 'lmforge_test_plugin:judge': cannot import it: "
-                         "RuntimeError('plugin import') (is it on PYTHONPATH?)")
+    assert errors[0] == ("lmforge cai: error: judge.function = 'lmforge_test_plugin:judge': cannot import "
+                         "'lmforge_test_plugin': RuntimeError('plugin import') (is it in the working directory or on "
+                         "PYTHONPATH?)")
     assert plugin.exists()  # imported: the stage started
 

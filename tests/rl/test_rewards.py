@@ -106,7 +106,7 @@ def test_a_recipe_callable_is_called_with_the_text_and_the_prompt(small_tokenize
 
 
 @pytest.mark.parametrize("function, message", [
-    ("my_rewards.brevity", "must be written module:function"),
+    ("my_rewards.brevity", "write it as module:function"),
     ("no_such_module:f", "cannot import 'no_such_module'"),
     ("my_rewards:missing", "has no callable 'missing'"),
     ("my_rewards:NOT_CALLABLE", "has no callable 'NOT_CALLABLE'"),
