@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from lmforge.checkpoints.files import MODEL_CONFIG, TOKENIZER_FILES, WEIGHTS, wr
 from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, read_json
 from lmforge.core.run import log
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.hf import (
     SUPPORTED_ARCHITECTURES,
     cast_weights,
@@ -92,26 +92,20 @@ def run_import(recipe: ImportRecipe) -> Path:
     elif len(copied) < len(TOKENIZER_FILES):
         log.warning("import: %s has only %s; the checkpoint's tokenizer is incomplete", src, copied[0])
     else:
-        _warn_about_special_tokens(src / "tokenizer_config.json")
+        _warn_about_special_tokens(src)
     n_params = sum(v.numel() for v in state.values())
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
     log.info("import: %s (%s) -> %s (%.1fM parameters, %s)", src, SUPPORTED_ARCHITECTURES[hf_config["model_type"]], out, n_params / 1e6, dtype)
     return out
 
 
-def _warn_about_special_tokens(path: Path) -> None:
-    """lmforge's Tokenizer needs bos/eos/pad tokens named as strings; many HF folders name no pad token."""
+def _warn_about_special_tokens(directory: Path) -> None:
+    """Warn, with ``Tokenizer.load``'s own one-line error, when lmforge's stages could not load the
+    folder's tokenizer (many HF folders name no BOS or pad token): one rule, the loader's."""
     try:
-        tok_cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        log.warning("import: %s is not valid JSON; lmforge stages that load the tokenizer will fail", path)
-        return
-    absent = [k for k in ("bos_token", "eos_token", "pad_token") if not isinstance(tok_cfg.get(k), str)]
-    if absent:
-        log.warning(
-            "import: %s names no %s as a plain string; add them before lmforge stages that load the tokenizer",
-            path, ", ".join(absent),
-        )
+        Tokenizer.load(directory)
+    except InputError as exc:
+        log.warning("import: %s; lmforge stages that load the tokenizer stop there until it is fixed", exc)
 
 
 def _check_output_dir(out: Path, src: Path) -> None:
