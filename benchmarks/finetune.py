@@ -31,7 +31,7 @@ def child(args: argparse.Namespace) -> dict:
 
     from lmforge.core.config import load_config
     from lmforge.model.config import ModelConfig
-    from lmforge.model.transformer import Transformer
+    from lmforge.model.families import build as build_model
     from lmforge.objectives.clm import CausalLMObjective
     from lmforge.peft.lora import LoraConfig, apply_lora
     from lmforge.train.metrics import peak_memory_bytes
@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     cfg = load_config(ModelConfig, None, [f"preset={args.preset}", f"max_seq_len={max(256, args.seq)}", *args.model])
     with torch.device(device):
-        model = Transformer(cfg)
+        model = build_model(cfg)
     if args.mode != "full":
         apply_lora(model, LoraConfig(r=16, alpha=32, quantize_base=args.mode == "qlora"))
     params = [p for p in model.parameters() if p.requires_grad]

@@ -38,6 +38,7 @@ import transformers
 from lmforge.core.config import load_config
 from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.model.config import ModelConfig
+from lmforge.model.families import build as build_model
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 
@@ -50,7 +51,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def build_pair(cfg: ModelConfig) -> tuple[Transformer, torch.nn.Module]:
     torch.manual_seed(0)
-    ours = Transformer(cfg).eval()
+    ours = build_model(cfg).eval()
     config = {k: v for k, v in hf_config_dict(ours.cfg).items() if k not in ("architectures", "model_type", "torch_dtype")}
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     missing, unexpected = theirs.load_state_dict(state_dict_to_hf(ours.state_dict(), ours.cfg), strict=False)

@@ -49,7 +49,7 @@ from lmforge.data.chatml import IM_END
 from lmforge.data.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer
 from lmforge.inference.engine import Engine, GenerationConfig, Request
 from lmforge.model.config import ModelConfig
-from lmforge.model.transformer import Transformer
+from lmforge.model.families import build as build_model
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "pretrain" / "shakespeare.jsonl"
@@ -64,7 +64,7 @@ def build_checkpoint(args: argparse.Namespace, directory: Path) -> Path:
     tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size, max_train_chars=2_000_000))
     tokenizer.save(directory / "tokenizer")
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    model = build_model(cfg).eval()
     (directory / "ckpt").mkdir()
     write_model_files(directory / "ckpt", model, directory / "tokenizer")
     write_checksums(directory / "ckpt")

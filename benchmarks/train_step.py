@@ -31,6 +31,7 @@ import torch
 
 from lmforge.core.config import load_config
 from lmforge.model.config import ModelConfig
+from lmforge.model.families import build as build_model
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
@@ -59,7 +60,7 @@ def make_steps(cfg: ModelConfig, batch: torch.Tensor, precision: str, device: to
     """A zero-argument training step for lmforge (the loop's own ``StepRunner.run_step``) and for the peer."""
     torch.manual_seed(0)
     with torch.device(device):
-        ours = Transformer(cfg)
+        ours = build_model(cfg)
     peer = hf_model(cfg, ours, device) if peer_name == "transformers" else None
     ours_opt = build_adamw(ours, 1e-4, (0.9, 0.95), 1e-8, 0.1)
     runner = StepRunner(ours, CausalLMObjective(), ours_opt, precision, 1.0, compile=compile_)

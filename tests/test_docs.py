@@ -85,3 +85,17 @@ def test_docstrings_and_recipe_comments_carry_no_dates_or_commit_hashes(root):
     found = [f"{path.relative_to(REPO)}:{line}: {m.group(0)!r}" for path in files
              for line, text in source_prose(path) for m in [WHEN.search(text)] if m]
     assert not found, "dates, commit hashes or timings of a session belong in benchmarks/results/ and the docs: " + "; ".join(found)
+
+
+def test_the_readme_families_table_is_the_registrys():
+    """The README's model families are written from ``lmforge.model.families``, never by hand."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "families_table.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from lmforge.model.families import FAMILIES
+
+    readme = (script.parents[1] / "README.md").read_text(encoding="utf-8")
+    assert all(f"| `{name}` |" in readme for name in FAMILIES)

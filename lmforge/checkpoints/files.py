@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lmforge.core.io import InputError, atomic_write_json, file_stamps, reading, sha256_file
+from lmforge.model import families
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer, rope_tables
 
@@ -167,14 +168,14 @@ def load_model_config(directory: str | Path) -> ModelConfig:
     with reading(path):
         data = json.loads(path.read_text())
         data.pop("preset", None)  # the saved fields are already resolved
-        return ModelConfig(**data)
+        return families.model_config(data)
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str,
                 device: str | torch.device = "cpu") -> Transformer:
     """The model of ``cfg`` holding the weights ``state`` (read from the checkpoint ``where``)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = families.build(cfg)
     model.to_empty(device=device)
     load_weights(model, state, where=where)
     return model

@@ -106,10 +106,12 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> tuple[Transformer, Path]:
     """Build the model saved at ``path`` (a checkpoint of either kind, or a run directory: see
-    ``resolve_checkpoint``) and load its weights; return it and the checkpoint directory used."""
+    ``resolve_checkpoint``) and load its weights; return it, in evaluation mode (no dropout; the
+    training loop turns training on), and the checkpoint directory used."""
     directory = resolve_checkpoint(path, verify)
     cfg = load_model_config(directory)
-    return build_model(cfg, read_checkpoint_weights(directory, device), str(directory), device), directory
+    model = build_model(cfg, read_checkpoint_weights(directory, device), str(directory), device)
+    return model.eval(), directory
 
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu") -> RewardModel:

@@ -398,6 +398,12 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
             data = expand(data)
         except ValueError as exc:
             raise ConfigError(f"{_source(source, section)}: {where}: {exc}") from exc
+    select = getattr(cls, "class_for", None)
+    if select is not None:  # e.g. a model family's config class, named by the section's 'family' key
+        try:
+            cls = select(data)
+        except ValueError as exc:
+            raise ConfigError(f"{_source(source, prefix + 'family')}: {where}: {exc}") from exc
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
     unknown = [k for k in data if k not in fields]

@@ -48,16 +48,6 @@ class MemoryPlan:
         return self.parameters + self.gradients + self.optimizer + self.activations
 
 
-def layer_params(model) -> tuple[int, int]:
-    """(matrix and bias parameters, norm gains) of one block."""
-    d, h, kv, hd, f = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.ffn_hidden
-    mats = 2 * d * h * hd + 2 * d * kv * hd + (3 if model.ffn == "swiglu" else 2) * d * f
-    biases = (h * hd + 2 * kv * hd) * model.qkv_bias + d * model.out_bias
-    biases += ((2 if model.ffn == "swiglu" else 1) * f + d) * model.mlp_bias
-    norm = d * (2 if model.norm == "layernorm" else 1)
-    return mats + biases, 2 * norm + 2 * hd * model.qk_norm
-
-
 def activation_bytes_per_token(model, tp: int, sequence_parallel: bool, compute_bytes: int, residual_bytes: int,
                                checkpointed: bool) -> float:
     """Bytes autograd keeps per token for one block between its forward and its backward."""
@@ -83,7 +73,8 @@ def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_
     mixed = parallel.mixed_precision if parallel.mixed_precision != "auto" else ("bf16" if c == 2 else "fp32")
     gathered = 2 if (fsdp and mixed == "bf16") else 4  # bytes of the weights blocks compute with
     residual = 2 if (fsdp and mixed == "bf16") else 4  # the residual stream follows the embedding's dtype
-    mats, norms = layer_params(model)
+    counts = model.param_counts()  # the model family's one count (ModelConfig.param_counts)
+    embedding = counts.embedding + counts.positions
     V, d = model.vocab_size, model.d_model
     m = (parallel.pp_microbatches or pp) if pp > 1 else 1
     rows = micro_batch_size // m  # rows of one pipeline micro-batch
@@ -93,11 +84,13 @@ def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_
     for stage, layers in enumerate(stage_layer_ranges(model.n_layers, pp)):
         first, last = stage == 0, stage == pp - 1
         n_layers = len(layers)
-        block = mats // tp + norms
-        sharded_mats = n_layers * mats // tp + (V * d // tp if first else 0)
-        sharded_mats += V * d // tp if last and not (model.tie_embeddings and first) else 0
-        params = sharded_mats + n_layers * norms + (d * (2 if model.norm == "layernorm" else 1) if last else 0)
-        root = params - n_layers * block
+        mats = sum(counts.layers[i].matrices for i in layers)
+        norms = sum(counts.layers[i].norms for i in layers)
+        block = max((counts.layers[i].matrices // tp + counts.layers[i].norms for i in layers), default=0)
+        sharded_mats = mats // tp + (embedding // tp if first else 0)
+        sharded_mats += counts.head_matmul // tp if last and not (model.tie_embeddings and first) else 0
+        params = sharded_mats + norms + (counts.final_norm if last else 0)
+        root = params - sum(counts.layers[i].matrices // tp + counts.layers[i].norms for i in layers)
         master = 4 * params // (shard if fsdp else 1)
         if fsdp:
             resident = params if not parallel.reshard_after_forward else root + min(2, n_layers) * block
@@ -105,7 +98,8 @@ def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_
             weights_compute = compute_copies
         else:  # autocast's bf16 casts of the matrices, kept for backward (one block's under checkpointing)
             kept = 1 if activation_checkpointing else n_layers
-            compute_copies = 2 * (min(kept, n_layers) * mats // tp + (V * d // tp if last else 0)) if c == 2 else 0
+            kept_mats = mats if kept >= n_layers else max((counts.layers[i].matrices for i in layers), default=0)
+            compute_copies = 2 * (kept_mats // tp + (counts.head_matmul // tp if last else 0)) if c == 2 else 0
             weights_compute = compute_copies if c == 2 else master
         parameters = master + compute_copies
         gradients = 4 * params // (shard if fsdp else 1) + (gathered * block if fsdp else 0)

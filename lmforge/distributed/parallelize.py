@@ -31,8 +31,9 @@ from lmforge.core.config import ConfigError
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
     """Megatron-style tensor parallelism with DTensor (Shoeybi et al. 2019; Korthikanti et al. 2022).
 
-    Attention is split by heads (Q, K, V column-wise, output projection row-wise) and the
-    MLP by width (w1, w3 column-wise, w2 row-wise), so each block needs one all-reduce
+    The model's family declares each block's plan (``Transformer.tp_plan``): attention split by
+    heads (Q, K, V column-wise, output projection row-wise) and the MLP by width (w1, w3
+    column-wise, w2 row-wise), so each block needs one all-reduce
     forward and one backward. The embedding is split by vocabulary (row-wise) and so is
     the output head (column-wise); with ``loss_parallel`` its logits stay sharded and
     the cross-entropy runs inside ``torch.distributed.tensor.parallel.loss_parallel``.
@@ -54,23 +55,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequ
     parallelize_module(model, tp_mesh, root)
     if tied:  # both styles split the shared matrix by vocabulary: keep one parameter
         model.lm_head.weight = model.embed.weight
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(output_layouts=seq),
+        # attn(x, rope, attn_mask, kv_cache) and mlp(x): under sequence parallelism gather the sequence of x only
+        "attention": lambda: PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                                desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
+        "mlp": lambda: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "norm": lambda: SequenceParallel(),
+    }
     for block in model.layers.children():
-        plan = {
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=seq),
-            "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq),
-        }
-        if block.mlp.w3 is not None:
-            plan["mlp.w3"] = ColwiseParallel()
-        if sequence_parallel:
-            plan.update({
-                "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                # attn(x, rope, attn_mask, kv_cache): gather the sequence of x only
-                "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
-                                           desired_input_layouts=(Replicate(), None, None, None),
-                                           use_local_output=True),
-                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
-            })
+        plan = {name: styles[role]() for name, role in model.tp_plan(block).items()
+                if sequence_parallel or role in ("colwise", "rowwise")}
         parallelize_module(block, tp_mesh, plan)
         block.attn.n_heads //= tp  # the local projections hold this device's heads
         block.attn.n_kv_heads //= tp

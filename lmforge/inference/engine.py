@@ -251,14 +251,14 @@ def scored_prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: in
         # (B, capacity), by the time each slot holds: padding False, every slot after the prompt True
         key_mask = slot_times(T, cache.capacity, param.device)[None] >= (T - lengths)[:, None]
     # The head over the last position only: the model's forward is hidden_states then lm_head.
-    batch = Batch(cache, key_mask, lengths[:, None].clone(), model.lm_head(hidden[:, -1]))
+    batch = Batch(cache, key_mask, lengths[:, None].clone(), model.logits(hidden[:, -1]))
     return batch, {i: prompt_scores(model, hidden[i, T - len(prompts[i]) : -1], tokens[i, T - len(prompts[i]) + 1 :], top)
                    for i, top in (score or {}).items()}
 
 
 def prompt_scores(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> PromptScores:
     """log p(targets[t] | the tokens up to t) from the hidden states (T-1, D) before each target."""
-    logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
+    logprobs = torch.log_softmax(model.logits(hidden).float(), dim=-1)
     chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
     if not top:
         return chosen, None

@@ -1,11 +1,54 @@
-"""The transformer's shape, its presets, and the arithmetic users ask of it (params, FLOPs)."""
+"""The transformer's shape and the arithmetic users ask of it (params, FLOPs).
+
+``ModelConfig`` holds the fields of the shared parts (attention, MLP, norms, positions) and is
+the config of the Llama family; another family's config is a subclass that adds its own fields
+(``lmforge.model.families``). The ``family`` key of a recipe's ``model:`` section picks the class;
+a preset names its family. ``param_counts`` is the one parameter count: ``num_params``, the
+memory planner, MFU and ``lmforge scaling flops`` all read it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from lmforge.core.config import at_least, check_ranges, option, positive
+from lmforge.core.config import at_least, check_ranges, option, positive, unit_interval
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """The parameters of one block: its linears' weights and biases (split by tensor parallelism),
+    its norms' gains and biases (replicated), and the weights that take part in its matmuls
+    (per token; a mixture of experts' active ones)."""
+
+    matrices: int
+    norms: int
+    matmul: int
+
+    @property
+    def total(self) -> int:
+        return self.matrices + self.norms
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Every parameter of a model by where it sits; the output matrix, when tied, counted once (as the embedding)."""
+
+    layers: tuple[LayerCounts, ...]
+    embedding: int  # the token embedding
+    positions: int  # learned absolute positions (GPT-2), else 0
+    head: int  # the output matrix, 0 when tied to the embedding
+    head_matmul: int  # the output matrix's weights as a matmul (tied or not)
+    final_norm: int
+
+    def total(self, include_embedding: bool = True) -> int:
+        lookups = self.embedding + self.positions if include_embedding else 0
+        return sum(layer.total for layer in self.layers) + self.final_norm + self.head + lookups
+
+    @property
+    def matmul(self) -> int:
+        """Weights that take part in matmuls per token: every projection plus the output head."""
+        return sum(layer.matmul for layer in self.layers) + self.head_matmul
 
 
 @dataclass
@@ -16,7 +59,9 @@ class ModelConfig:
     beside it win; in Python use ``ModelConfig.from_preset(name, **overrides)``.
     """
 
-    preset: str | None = option(None, help="tiny | gpt2-124m | smollm2-135m | llama3-1b (see PRESETS)")
+    family: str = option("llama", help="the model family (lmforge.model.families): its blocks, counts, HF mapping; "
+                         "a preset sets it")
+    preset: str | None = option(None, help="a named shape; `lmforge import --help` lists each family's presets")
     vocab_size: int = positive(8192, help="rows of the token embedding (at least the tokenizer's vocabulary)")
     d_model: int = positive(384, help="the width of the residual stream")
     n_layers: int = positive(6, help="transformer blocks")
@@ -27,10 +72,11 @@ class ModelConfig:
     ffn_hidden: int | None = positive(None, help="None = 8/3 d_model rounded up to 64 (SwiGLU) or 4 d_model (GELU)")
     norm: Literal["rmsnorm", "layernorm"] = option("rmsnorm", help="rmsnorm (Llama) or layernorm (GPT-2)")
     norm_eps: float = positive(1e-5, help="the epsilon added to the variance in every norm")
-    positions: Literal["rope", "alibi"] = option(
+    positions: Literal["rope", "alibi", "learned"] = option(
         "rope",
         help="rope = rotary embeddings (rope_*); "
-        "alibi = ALiBi's per-head linear distance bias (Press et al. 2022), no rotation",
+        "alibi = ALiBi's per-head linear distance bias (Press et al. 2022), no rotation; "
+        "learned = a trained embedding per position added to the tokens' (GPT-2), max_seq_len of them",
     )
     rope_theta: float = positive(10000.0, help="RoPE's base θ: pair i turns by position · θ^(-2i / head_dim)")
     rope_scaling: Literal["none", "linear", "dynamic", "yarn", "longrope", "llama3"] = option(
@@ -93,11 +139,24 @@ class ModelConfig:
     qkv_bias: bool = option(False, help="biases on the query/key/value projections (Qwen2 has them)")
     out_bias: bool = option(False, help="bias on the attention output projection")
     mlp_bias: bool = option(False, help="biases on the MLP's linears")
+    embed_dropout: float = unit_interval(0.0, high_open=True, help="dropout on the embedding's output (training only)")
+    attn_dropout: float = unit_interval(0.0, high_open=True, help="dropout on the attention probabilities (training only)")
+    resid_dropout: float = unit_interval(
+        0.0, high_open=True, help="dropout on each attention and MLP output before the residual add (training only)"
+    )
     init_std: float = positive(0.02, help="the standard deviation of the weights' normal initialisation")
 
     def __post_init__(self) -> None:
+        from lmforge.model.families import FAMILIES, PRESETS  # the registry imports this module
+
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        family = FAMILIES.get(self.family)
+        if family is None:
+            raise ValueError(f"unknown model family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        if type(self) is not family.config:
+            raise TypeError(f"family {self.family!r} is configured by {family.config.__name__}, not {type(self).__name__} "
+                            "(lmforge.model.families.model_config builds the right one from a mapping)")
         check_ranges(self, source="model")  # built in Python too: a zero or negative size fails here
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
@@ -116,9 +175,9 @@ class ModelConfig:
         self._check_attention_pattern()
 
     def _check_attention_pattern(self) -> None:
-        if self.positions == "alibi" and self.rope_scaling != "none":
-            raise ValueError(f"rope_scaling {self.rope_scaling!r} set but positions is 'alibi', which has no RoPE to scale; "
-                             "set rope_scaling to 'none' or positions to 'rope'")
+        if self.positions != "rope" and self.rope_scaling != "none":
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} set but positions is {self.positions!r}, which has no RoPE "
+                             "to scale; set rope_scaling to 'none' or positions to 'rope'")
         if self.sliding_window is not None and not 1 <= self.sliding_window <= self.max_seq_len:
             raise ValueError(f"sliding_window = {self.sliding_window} must be in [1, max_seq_len = {self.max_seq_len}] "
                              "(a window as long as the context is full attention: set it to null)")
@@ -175,13 +234,16 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ModelConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], "preset": name, **overrides})
+        """The config of preset ``name`` (of whichever family names it), ``overrides`` on top."""
+        from lmforge.model.families import model_config
+
+        return model_config({**cls.expand_preset({"preset": name}), **overrides})
 
     @classmethod
     def expand_preset(cls, data: dict) -> dict:
-        """Recipe hook (see ``core.config.from_dict``): the preset's fields under the user's keys."""
+        """Recipe hook (see ``core.config.from_dict``): the preset's fields (its family included) under the user's keys."""
+        from lmforge.model.families import PRESETS
+
         name = data.get("preset")
         if name is None:
             return data
@@ -189,33 +251,58 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return {**PRESETS[name], **data}
 
+    @classmethod
+    def class_for(cls, data: dict) -> type[ModelConfig]:
+        """Recipe hook (see ``core.config.from_dict``): the config class of the section's ``family``."""
+        from lmforge.model.families import FAMILIES
+
+        name = data.get("family", "llama")
+        if name not in FAMILIES:
+            raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
+        return FAMILIES[name].config
+
     # -- arithmetic
+    def layer_counts(self, layer: int) -> LayerCounts:
+        """Block ``layer``'s parameters, as the shared parts build it (``model.transformer.Block``); a
+        family whose blocks hold more (post-norms, experts) overrides this, and a test holds every
+        family's counts to its built model's."""
+        d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_hidden
+        n_mats = 3 if self.ffn == "swiglu" else 2
+        weights = 2 * d * h * hd + 2 * d * kv * hd + n_mats * d * f
+        biases = (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.out_bias + ((n_mats - 1) * f + d) * self.mlp_bias
+        norms = 2 * self.norm_params(d) + 2 * hd * self.qk_norm
+        return LayerCounts(matrices=weights + biases, norms=norms, matmul=weights)
+
+    def norm_params(self, dim: int) -> int:
+        """Parameters of one norm over ``dim`` features: a gain (RMSNorm), or a gain and a bias (LayerNorm)."""
+        return dim * (2 if self.norm == "layernorm" else 1)
+
+    def param_counts(self) -> ParamCounts:
+        """Every parameter by where it sits: the one count ``num_params``, the memory planner, MFU and scaling read."""
+        embedding = self.vocab_size * self.d_model
+        return ParamCounts(
+            layers=tuple(self.layer_counts(i) for i in range(self.n_layers)),
+            embedding=embedding,
+            positions=self.max_seq_len * self.d_model if self.positions == "learned" else 0,
+            head=0 if self.tie_embeddings else embedding,
+            head_matmul=embedding,
+            final_norm=self.norm_params(self.d_model),
+        )
+
     def num_params(self, include_embedding: bool = True) -> int:
         """Parameter count; the (possibly tied) output matrix is counted once."""
-        d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_hidden
-        norm = d * (2 if self.norm == "layernorm" else 1)
-        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
-        attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.out_bias + 2 * hd * self.qk_norm
-        n_mats = 3 if self.ffn == "swiglu" else 2
-        mlp = n_mats * d * f + ((n_mats - 1) * f + d) * self.mlp_bias
-        per_layer = attn + mlp + 2 * norm
-        embed = self.vocab_size * d
-        head = 0 if self.tie_embeddings else self.vocab_size * d
-        total = self.n_layers * per_layer + norm + head + (embed if include_embedding else 0)
-        return total
+        return self.param_counts().total(include_embedding)
 
     def matmul_params(self) -> int:
         """Weights that take part in matmuls: every projection plus the output head (not norms, biases, lookups)."""
-        d, h, kv, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        attn = 2 * d * h * hd + 2 * d * kv * hd
-        mlp = (3 if self.ffn == "swiglu" else 2) * d * self.ffn_hidden
-        return self.n_layers * (attn + mlp) + self.vocab_size * d
+        return self.param_counts().matmul
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·Dh·T for attention (PaLM, App. B),
         where a sliding layer's T is at most its window."""
         keys = sum(min(seq_len, self.sliding_window) if s else seq_len for s in self.sliding_layers())
         return 6 * self.matmul_params() + 12 * self.n_heads * self.head_dim * keys
+
 
 
 # the rope_* keys each rope_scaling type reads (besides rope_theta); any other set away from its default is refused
@@ -230,23 +317,3 @@ ROPE_SCALING_FIELDS: dict[str, frozenset[str]] = {
     "llama3": frozenset({"rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"}),
 }
 ROPE_SCALING_KEYS = sorted(set().union(*ROPE_SCALING_FIELDS.values()))
-
-PRESETS: dict[str, dict] = {
-    # Fits the 2-core CPU: ~17M parameters, the shape of the CPU benchmarks.
-    "tiny": dict(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, ffn_hidden=1024, max_seq_len=1024),
-    # GPT-2 small's shape (LayerNorm, GELU MLP, biases, tied), with RoPE in place of learned positions.
-    "gpt2-124m": dict(
-        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, ffn="gelu", ffn_hidden=3072, norm="layernorm",
-        tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True, max_seq_len=1024,
-    ),
-    # HuggingFaceTB/SmolLM2-135M's shape: GQA 9/3, SwiGLU 1536, tied, theta 1e5.
-    "smollm2-135m": dict(
-        vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden=1536,
-        rope_theta=100000.0, tie_embeddings=True, max_seq_len=2048,
-    ),
-    # Llama-3.2-1B's shape: GQA 32/8, SwiGLU 8192, tied, theta 5e5.
-    "llama3-1b": dict(
-        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
-        rope_theta=500000.0, tie_embeddings=True, max_seq_len=8192,
-    ),
-}

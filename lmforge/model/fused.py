@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lmforge.model.families import family_of
 from lmforge.model.transformer import Attention, Transformer, rotation_pair_order
 
 
@@ -66,6 +67,8 @@ def is_plain(model: nn.Module) -> bool:
     """Whether the model's projections are plain ``nn.Linear`` modules over plain tensors, the
     only ones whose weights can be joined (a LoRA, NF4 or sharded model decodes as it is)."""
     if not isinstance(model, Transformer) or model.embed is None or model.lm_head is None:
+        return False
+    if not family_of(model).decoding_layout:
         return False
     projections = [model.lm_head]
     for block in model.layers.children():

@@ -129,9 +129,12 @@ def slow_16bit_kernels(dtype: torch.dtype, device_type: str) -> bool:
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-    decoding: bool = False,
+    decoding: bool = False, *, scale: float | None = None, softcap: float | None = None, dropout: float = 0.0,
 ) -> torch.Tensor:
-    """softmax(q kᵀ / √d + mask) v through ``F.scaled_dot_product_attention``, in q's dtype (or autocast's).
+    """softmax(q kᵀ · scale + mask) v through ``F.scaled_dot_product_attention``, in q's dtype (or autocast's);
+    ``scale`` defaults to 1/√d. ``dropout`` drops attention probabilities (training only: the
+    caller passes 0 in evaluation). ``softcap`` c bounds each score s to c·tanh(s / c) before the
+    mask (Gemma 2), which no fused kernel offers: that route computes the scores explicitly.
 
     On a CPU without AMX, 16-bit attention over whole sequences (training, evaluation, a
     reference model's scores) runs on the same values upcast to float32: PyTorch's CPU
@@ -147,15 +150,38 @@ def attend(
     gqa = k.shape[1] != q.shape[1]
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    if softcap is not None:
+        return capped_attention(q, k, v, attn_mask, is_causal, scale, softcap, dropout, dtype)
     fast = decoding or not slow_16bit_kernels(dtype, device)
     if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != (dtype if fast else torch.float32):
         attn_mask = attn_mask.to(dtype if fast else torch.float32)  # a float mask (ALiBi's bias) in the kernel's dtype
     if fast:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa,
+                                              scale=scale, dropout_p=dropout)
     with torch.autocast(device, enabled=False):
         q32, k32, v32 = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
-        y = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=gqa,
+                                           scale=scale, dropout_p=dropout)
     return y.to(dtype)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                     scale: float | None, softcap: float, dropout: float, dtype: torch.dtype) -> torch.Tensor:
+    """``attend`` with soft-capped scores, c·tanh(q kᵀ · scale / c), then the mask, a float32
+    softmax and the values (transformers' eager Gemma 2 attention computes the same)."""
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+        scores = softcap * torch.tanh(scores / softcap)
+        if is_causal:
+            attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask.float()
+        probs = F.dropout(scores.softmax(dim=-1), p=dropout) if dropout else scores.softmax(dim=-1)
+        return (probs.to(dtype) @ v).to(dtype)
 
 
 @dataclass
@@ -252,6 +278,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.out_bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.dropout = cfg.attn_dropout  # on the attention probabilities, in training
         self.wqkv: nn.Module | None = None  # wq, wk, wv joined into one projection (``model.fused``), else None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,7 +309,8 @@ class Attention(nn.Module):
         # Without a mask, causal when queries and keys are the same positions; a single new
         # token may see the whole cache (``hidden_states`` masks a multi-token step after a prefix).
         is_causal = attn_mask is None and T > 1
-        y = attend(q, k, v, attn_mask, is_causal, decoding=kv_cache is not None)
+        y = attend(q, k, v, attn_mask, is_causal, decoding=kv_cache is not None,
+                   dropout=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -306,29 +334,49 @@ class MLP(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout`` in training when ``p`` > 0; otherwise ``x`` itself (no kernel, no copy)."""
+    return F.dropout(x, p) if p and training else x
+
+
 class Block(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)); each branch's output dropped out in training."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, layer)
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
+        self.resid_dropout = cfg.resid_dropout
 
     def forward(self, x, rope, attn_mask=None, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), rope, attn_mask, kv_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        p = self.resid_dropout
+        x = x + dropout(self.attn(self.attn_norm(x), rope, attn_mask, kv_cache), p, self.training)
+        return x + dropout(self.mlp(self.mlp_norm(x)), p, self.training)
 
 
 class Transformer(nn.Module):
     """Embedding, blocks, final norm, LM head. On a pipeline stage (``keep_layers``) the parts
     the stage does not own are None (``layers`` keeps the owned blocks under their indices) and
-    ``forward`` skips them: token ids in on the first stage, hidden states in on the others."""
+    ``forward`` skips them: token ids in on the first stage, hidden states in on the others.
+
+    A family's model (``model.family``) is this class or a subclass that names its config
+    class and block class and, where its arithmetic differs around the blocks, overrides
+    ``embed_tokens`` or ``logits``; ``lmforge.model.families.build`` makes the right one."""
+
+    config_class: type[ModelConfig] = ModelConfig
+    block_class: type[nn.Module] = Block
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if type(cfg) is not self.config_class:
+            raise TypeError(f"{type(self).__name__} is built from a {self.config_class.__name__}, got a "
+                            f"{type(cfg).__name__} (family {cfg.family!r}): use lmforge.model.families.build(cfg)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.layers = nn.ModuleList(self.block_class(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -382,7 +430,7 @@ class Transformer(nn.Module):
         else:
             check_length(self.cfg, offset, T)
         full, sliding = self.layer_masks(attn_mask, offset, T, kv_cache, tokens.device)
-        x = self.embed(tokens) if self.embed is not None else tokens
+        x = self.embed_tokens(tokens, offset, positions) if self.embed is not None else tokens
         if sliding is full:  # one mask for every layer (no window, or none this step can reach past)
             for block in self.layers.children():
                 x = block(x, rope, full, kv_cache)
@@ -392,6 +440,19 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
+
+    def embed_tokens(self, tokens: torch.Tensor, offset: int, positions: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream's start (B, T, d_model): the tokens' embeddings, plus learned position
+        embeddings (``positions``, or ``offset`` .. ``offset + T``) where the model has them; dropped out in training."""
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            at = positions if positions is not None else torch.arange(offset, offset + tokens.shape[1], device=tokens.device)
+            x = x + self.pos_embed(at)
+        return dropout(x, self.cfg.embed_dropout, self.training)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of final hidden states (a family may transform them, e.g. soft-capping)."""
+        return self.lm_head(hidden)
 
     def layer_masks(self, attn_mask: torch.Tensor | None, offset: int, T: int, kv_cache: KVCache | None,
                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -461,7 +522,20 @@ class Transformer(nn.Module):
         hidden = self.hidden_states(tokens, **kwargs)
         if self.lm_head is None:
             return hidden
-        return self.lm_head(hidden if head_at is None else hidden[head_at])
+        return self.logits(hidden if head_at is None else hidden[head_at])
+
+    def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        """How tensor parallelism splits one of this model's blocks (``distributed.parallelize.apply_tp``):
+        module name -> ``colwise`` (split by output features: heads, MLP width), ``rowwise`` (split by
+        input features, the output reduced back to the residual stream), and, under sequence
+        parallelism only, ``norm`` (runs on its sequence shard), ``attention`` / ``mlp`` (a branch whose
+        residual-stream input is gathered first)."""
+        plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+                "mlp.w1": "colwise", "mlp.w2": "rowwise", "attn_norm": "norm", "mlp_norm": "norm",
+                "attn": "attention", "mlp": "mlp"}
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = "colwise"
+        return plan
 
     def keep_layers(self, layers: range, embed: bool, head: bool) -> Transformer:
         """Make this model a pipeline stage, in place: keep blocks ``layers`` (under their indices,
@@ -469,7 +543,7 @@ class Transformer(nn.Module):
         ``embed``, the final norm and LM head only with ``head``; drop the rest. Returns ``self``."""
         self.layers = nn.ModuleDict({str(i): self.layers[i] for i in layers})
         if not embed:
-            self.embed = None
+            self.embed = self.pos_embed = None
         if not head:
             self.norm = self.lm_head = None
         return self

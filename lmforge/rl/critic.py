@@ -24,6 +24,7 @@ from lmforge.checkpoints.files import load_model_config
 from lmforge.checkpoints.load import load_model, load_reward_model, resolve_checkpoint
 from lmforge.core.config import ConfigError, at_least, option
 from lmforge.core.io import InputError
+from lmforge.model.families import build as build_model
 from lmforge.model.reward import HEAD_FILE, model_inputs
 from lmforge.model.transformer import Transformer
 from lmforge.model.value import ValueModel, value_head
@@ -106,7 +107,7 @@ class ActorCritic(nn.Module):
         values = self.value(hidden).squeeze(-1).float()
         if output == "values":
             return values
-        return self.backbone.lm_head(hidden if head_at is None else hidden[head_at]), values
+        return self.backbone.logits(hidden if head_at is None else hidden[head_at]), values
 
     def logits_and_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                           head_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +133,7 @@ def actor_critic(init: Path | None):
         if init is None:
             return ActorCritic(policy)
         if policy.embed.weight.is_meta:  # the architecture alone, for gathered weights (``gathered_for_saving``)
-            return ActorCritic(policy, ValueModel(Transformer(load_model_config(init))))
+            return ActorCritic(policy, ValueModel(build_model(load_model_config(init))))
         model = load_critic(init, policy.embed.weight.device)
         if model.backbone.cfg.vocab_size != policy.cfg.vocab_size:
             raise InputError(f"ppo.critic.init {init}: vocabulary of {model.backbone.cfg.vocab_size} tokens, the "

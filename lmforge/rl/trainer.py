@@ -54,6 +54,7 @@ from lmforge.core.io import InputError, atomic_write_text
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.mesh import ParallelContext, data_parallel_rank
 from lmforge.inference.engine import release_decoding_view
+from lmforge.model.families import build as build_model
 from lmforge.model.transformer import Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora, disable_adapters, lora_modules
 from lmforge.rl.advantages import (
@@ -165,7 +166,7 @@ class SamplingCopy:
             state = {k[len(self.prefix):]: v for k, v in state.items() if k.startswith(self.prefix)}
         if self.copy is None:
             with torch.device("meta"):
-                plain = Transformer(self.model.cfg)
+                plain = build_model(self.model.cfg)
                 if self.lora is not None:
                     apply_lora(plain, self.lora)
             self.copy = plain.to_empty(device=self.device).requires_grad_(False)

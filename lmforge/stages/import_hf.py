@@ -1,14 +1,14 @@
-"""Import a local Hugging Face model folder (Llama, Mistral, Qwen2 or Qwen3 architecture:
-config.json plus model.safetensors, or shards listed in model.safetensors.index.json) as
-an lmforge checkpoint directory: model.safetensors (our parameter names, the stored
-dtype kept), model.json, the folder's tokenizer.json + tokenizer_config.json, and
-checksums.json. load_model(out_dir) then computes the same logits as the HF model.
-Nothing is downloaded. RoPE scaling of type linear, dynamic, yarn, longrope and llama3 is
-kept, and so is a sliding window (Mistral's on every layer, Qwen2/Qwen3's with use_sliding_window
-on the layers layer_types or max_window_layers name). A config.json key that lmforge would
-compute differently (other RoPE types, partial rotary, attention dropout, quantized weights,
-custom modelling code; lmforge.model.hf.HF_CONFIG_KEYS lists them), or a key it does not know,
-is refused with one line naming the file and the key, and nothing is written.
+"""Import a local Hugging Face model folder (config.json plus model.safetensors, or shards listed
+in model.safetensors.index.json) as an lmforge checkpoint directory: model.safetensors (our
+parameter names, the stored dtype kept), model.json, the folder's tokenizer.json +
+tokenizer_config.json, and checksums.json. load_model(out_dir) then computes the same logits as
+the HF model. Nothing is downloaded. The config.json's model_type picks the model family (the
+table below). RoPE scaling of type linear, dynamic, yarn, longrope and llama3 is kept, and so is
+a sliding window (Mistral's on every layer, Qwen2/Qwen3's with use_sliding_window on the layers
+layer_types or max_window_layers name). A config.json key that lmforge would compute differently
+(other RoPE types, partial rotary, quantized weights, custom modelling code;
+lmforge.model.hf.HF_CONFIG_KEYS lists them), or a key it does not know, is refused with one line
+naming the file and the key, and nothing is written.
 
   lmforge import ~/models/SmolLM2-135M runs/smollm2-135m
 """
@@ -29,6 +29,7 @@ from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, read_json
 from lmforge.core.run import log
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.model.families import families_table
 from lmforge.model.hf import (
     SUPPORTED_ARCHITECTURES,
     cast_weights,
@@ -37,6 +38,8 @@ from lmforge.model.hf import (
     read_hf_weights,
     state_dict_from_hf,
 )
+
+__doc__ += f"\nmodel families (lmforge.model.families; the registry writes this table):\n\n{families_table()}\n"
 
 
 @dataclass

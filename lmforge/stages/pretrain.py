@@ -2,9 +2,11 @@
 AdamW, warm-up + cosine (or WSD) schedule, gradient accumulation to batch_tokens,
 clipping, bf16/fp16/fp32, activation checkpointing, torch.compile, periodic validation
 (loss and bits per byte, per dataset of a mixture), metrics.jsonl + TensorBoard with MFU, and atomic checkpoints
-that resume exactly (train.resume=auto).
+that resume exactly (train.resume=auto). With ``init`` a run starts from another run's weights
+(continued pre-training, such as a context extension) with its own optimizer, schedule and data.
 
   lmforge pretrain recipes/demo/pretrain.yaml model.n_layers=4 train.max_steps=200
+  lmforge pretrain recipes/long_context/extend_yarn.yaml     # init: the 256-token model, at 1024
 
 The same recipe runs distributed under torchrun (gloo on CPUs, NCCL on GPUs), with the
 layout set in its `parallel:` section (FSDP2/HSDP, tensor and pipeline parallel; see
@@ -26,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lmforge.checkpoints.device import resolve_device
-from lmforge.checkpoints.load import checkpoint_dirs
+from lmforge.checkpoints.files import load_model_config, load_weights
+from lmforge.checkpoints.load import checkpoint_dirs, read_checkpoint_weights, resolve_checkpoint
 from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
@@ -44,6 +47,7 @@ from lmforge.distributed.mesh import (
     resolve_layout,
 )
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
+from lmforge.model import families
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
@@ -59,6 +63,12 @@ class PretrainRecipe:
         "runs/pretrain", help="the run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/"
     )
     tokenizer: str = option("runs/tokenizer", help="copied into every checkpoint; gives bytes per token for bpb")
+    init: str | None = option(
+        None,
+        help="start from this checkpoint's weights (a checkpoint or run directory) with a fresh optimizer, schedule "
+        "and data order: continued pre-training. model: must be the checkpoint's but for its context keys "
+        "(max_seq_len, rope_*), which a context extension changes. Unused when the run resumes its own checkpoints",
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: LoaderConfig = field(default_factory=LoaderConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -122,9 +132,45 @@ def check_dataset_names(datasets: list[DatasetSource]) -> None:
         seen[d.label] = d.path
 
 
+def is_context_key(name: str) -> bool:
+    """A model key that changes how far positions reach, not the weights: what ``init`` lets a run change."""
+    return name == "max_seq_len" or name.startswith("rope_")
+
+
+def init_checkpoint(recipe: PretrainRecipe) -> Path | None:
+    """The checkpoint ``recipe.init`` names, verified, after checking that ``recipe.model`` is its
+    model apart from the context keys (a norm, width or vocabulary that differs would load or
+    fail to load silently wrong); None without ``init``."""
+    if recipe.init is None:
+        return None
+    directory = resolve_checkpoint(recipe.init)
+    saved = dataclasses.asdict(load_model_config(directory))
+    wanted = dataclasses.asdict(recipe.model)
+    differ = [k for k in sorted(saved.keys() | wanted.keys())
+              if k != "preset" and not is_context_key(k) and saved.get(k) != wanted.get(k)]
+    if differ:
+        shown = ", ".join(f"model.{k}={saved.get(k)!r} (this recipe: {wanted.get(k)!r})" for k in differ[:4])
+        raise InputError(f"init: {directory} was trained with {shown}{' and more' if len(differ) > 4 else ''}; a run "
+                         "from its weights may change only max_seq_len and the rope_* keys: set the others as it had them")
+    return directory
+
+
+def load_init(model: torch.nn.Module, directory: Path | None, run_dir: Path, cfg: TrainConfig,
+              device: torch.device) -> None:
+    """``init``'s weights into the freshly built ``model``, unless the run resumes its own checkpoint
+    (whose weights are newer). RoPE's tables are not weights: the model keeps its own config's."""
+    if directory is None:
+        return
+    if will_resume(cfg, run_dir):
+        log.info("init: %s not loaded: the run resumes from its own checkpoints (train.resume=%s)", directory, cfg.resume)
+        return
+    load_weights(model, read_checkpoint_weights(directory, device), where=str(directory))
+    log.info("init: weights of %s (optimizer, schedule and data start fresh)", directory)
+
+
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
     with torch.device(device):
-        return Transformer(cfg)
+        return families.build(cfg)
 
 
 def run_pretrain(recipe: PretrainRecipe) -> dict:
@@ -146,22 +192,25 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     if recipe.data.seq_len > recipe.model.max_seq_len:
         raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds model.max_seq_len {recipe.model.max_seq_len}")
 
+    init = init_checkpoint(recipe)
+
     if layout.world_size > 1:
         if recipe.train.eval_tasks:
             raise ConfigError("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
                               "train.eval_tasks=[]")
-        return run_pretrain_distributed(recipe, tok, manifests)
+        return run_pretrain_distributed(recipe, tok, manifests, init)
     with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
-        return run_pretrain_local(recipe, tok, manifests)
+        return run_pretrain_local(recipe, tok, manifests, init)
 
 
-def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict]) -> dict:
-    """``run_pretrain`` in one process."""
+def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict], init: Path | None = None) -> dict:
+    """``run_pretrain`` in one process; ``init``: the checkpoint whose weights it starts from."""
     run_dir = start_run(recipe, recipe.run_dir)
     cfg = recipe.train
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(recipe.model, device)
+    load_init(model, init, run_dir, cfg, device)
     n_params = recipe.model.num_params()
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     log.info("model: %.2fM parameters (%.2fM in matmuls), %.1f MFLOP per token at seq_len %d, on %s",
@@ -227,9 +276,10 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     return summary
 
 
-def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict]) -> dict:
+def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict],
+                             init: Path | None = None) -> dict:
     """``run_pretrain`` on one rank of a ``torchrun`` job: the model is built whole on every
-    rank from the same seed, split into this rank's pipeline stage, then parallelized."""
+    rank from the same seed (or ``init``'s weights), split into this rank's pipeline stage, then parallelized."""
     with (parallel_session(recipe.parallel, recipe.train.device) as ctx,
           run_dir_lock(recipe.run_dir, enabled=ctx.is_logging_rank)):  # rank 0 holds it for the job
         layout = ctx.layout
@@ -241,6 +291,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
         cfg = dataclasses.replace(recipe.train, precision=precision)
         torch.manual_seed(cfg.seed)
         model = build_model(recipe.model, ctx.device)
+        load_init(model, init, run_dir, cfg, ctx.device)
         flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
         log.info("model: %.2fM parameters, %.1f MFLOP per token; layout %s over %d processes (%s)",
                  recipe.model.num_params() / 1e6, flops_per_token / 1e6, layout, layout.world_size, ctx.device.type)

@@ -54,7 +54,8 @@ from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, ch
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
 from lmforge.core.untrusted import path_name, read_yaml
 from lmforge.data.shards import read_manifest
-from lmforge.model.config import PRESETS, ModelConfig
+from lmforge.model.config import ModelConfig
+from lmforge.model.families import PRESETS
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.train.loop import accumulation_steps
 from lmforge.train.metrics import read_metrics

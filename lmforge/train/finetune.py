@@ -18,6 +18,7 @@ from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import remove_activation_checkpointing
+from lmforge.model.families import build as build_model
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
@@ -94,7 +95,7 @@ def gathered_for_saving(model: nn.Module, summary: dict, lora: LoraConfig | None
     if not parallel.is_logging_rank:
         return None
     with torch.device("meta"):  # the architecture alone; the gathered weights fill it
-        plain = Transformer(model.cfg)
+        plain = build_model(model.cfg)
         if lora is not None:
             apply_lora(plain, lora)
         if wrap is not None:

@@ -11,6 +11,7 @@ import torch
 
 from lmforge.core.io import InputError
 from lmforge.model.config import ModelConfig
+from lmforge.model.families import build
 from lmforge.model.hf import (
     from_hf_name,
     hf_config_dict,
@@ -31,7 +32,7 @@ def randomized(cfg: ModelConfig, seed: int = 0, matrix_std: float | None = None)
     """A model whose norm gains and biases are random too, so a mis-mapped one changes the logits;
     with ``matrix_std``, the matrices are drawn from N(0, matrix_std²) instead of the model's init."""
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = build(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:

@@ -18,15 +18,8 @@ from safetensors.torch import load_file
 
 from lmforge.checkpoints.load import load_model
 from lmforge.core.io import InputError
-from lmforge.model.hf import (
-    HF_CONFIG_KEYS,
-    HONOURED,
-    INERT,
-    REFUSED,
-    SUPPORTED_ARCHITECTURES,
-    model_config_from_hf,
-    supports,
-)
+from lmforge.model.hf import HF_CONFIG_KEYS, SUPPORTED_ARCHITECTURES, model_config_from_hf
+from lmforge.model.hf_parts import HONOURED, INERT, REFUSED, supports
 from lmforge.stages.import_hf import ImportRecipe, run_import
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -3,9 +3,10 @@ decoding (the inference engine's prefill and decode steps, on its decoding layou
 split (the stage modules run one after another) and its Hugging Face export; and each module
 the decoding layout puts in a plain module's place computes what the plain module computes.
 
-Every ``ModelConfig`` field is either changed by a variant here or listed in
-``NOT_ARITHMETIC`` with the reason; a new field fails ``test_every_config_field_is_covered``
-until a variant covers it.
+Every field of every family's config (``lmforge.model.families``) is either changed by a
+variant of that family here or listed in ``NOT_ARITHMETIC`` with the reason; a new field, or
+a new family, fails ``test_every_config_field_of_every_family_is_covered`` until a variant covers it.
+A variant names its family with ``family`` (the Llama family otherwise).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from lmforge.distributed.mesh import stage_layer_ranges
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.config import ModelConfig
+from lmforge.model.families import FAMILIES, model_config
 from lmforge.model.fused import PackedLinear, fused_copy, joined_linear, onednn_packs, structural_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer, apply_rope, pair_rotations, rotation_pair_order, rotation_tables
@@ -55,11 +57,14 @@ VARIANTS = {
     "sliding-layers": dict(sliding_window=5, layer_types=["full_attention", "sliding_attention", "sliding_attention",
                                                           "full_attention"], qkv_bias=True, n_kv_heads=2),
     "alibi": dict(positions="alibi", n_heads=8, n_kv_heads=4, head_dim=8),  # 8 slopes, 2^-1 .. 2^-8
+    "learned-positions": dict(positions="learned", n_kv_heads=2),  # GPT-2's absolute positions
     "alibi-sliding-window": dict(positions="alibi", n_heads=6, head_dim=16, sliding_window=4),  # 6 heads: 4 + 2 slopes
 }
 NOT_ARITHMETIC = {
     "preset": "names a set of the other fields' values, which the variants set directly",
     "init_std": "the initial weights only; the test draws its own random weights",
+    **dict.fromkeys(("embed_dropout", "attn_dropout", "resid_dropout"),
+                    "training only (evaluation, decoding and export compute without it): test_transformer.py's dropout tests"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPTS = [[1, 17, 45, 200, 8, 91, 2, 77, 5, 12, 250, 33], [1, 250, 3], [1, 9, 9, 130, 41, 66, 200]]
@@ -89,19 +94,27 @@ def full_logits(model: Transformer, rows: list[list[int]]) -> list[torch.Tensor]
         return [model(torch.tensor([row]))[0].float() for row in rows]
 
 
-def test_every_config_field_is_covered():
-    covered = set(BASE) | {k for v in VARIANTS.values() for k in v}
-    missing = [f.name for f in fields(ModelConfig) if f.name not in covered and f.name not in NOT_ARITHMETIC]
-    assert not missing, f"ModelConfig fields {missing} are in no parity variant: add a variant (or a reason to NOT_ARITHMETIC)"
+def variant_config(variant: str):
+    return model_config({**BASE, **VARIANTS[variant]})
+
+
+def test_every_config_field_of_every_family_is_covered():
+    for family in FAMILIES.values():
+        variants = {n: v for n, v in VARIANTS.items() if v.get("family", "llama") == family.name}
+        assert variants, f"family {family.name!r} has no parity variant: add one (with family={family.name!r})"
+        covered = {"family"} | set(BASE) | {k for v in variants.values() for k in v}
+        missing = [f.name for f in fields(family.config) if f.name not in covered and f.name not in NOT_ARITHMETIC]
+        assert not missing, (f"family {family.name!r}: config fields {missing} are in no parity variant: add a variant "
+                             "(or a reason to NOT_ARITHMETIC)")
     for name, changes in VARIANTS.items():  # each variant changes what it names
-        default = ModelConfig(**BASE)
-        assert any(getattr(ModelConfig(**{**BASE, **changes}), k) != getattr(default, k) for k in changes) or name == "mha"
+        default = model_config({**BASE, "family": changes.get("family", "llama")})
+        assert any(getattr(variant_config(name), k) != getattr(default, k) for k in changes) or name == "mha"
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_training_forward_cached_decoding_pipeline_and_hf_give_the_same_logits(variant, dtype):
-    cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
+    cfg = variant_config(variant)
     # weights of a scale that gives logits of order 1: a misplaced gain, bias or column shows
     model = randomized(cfg, matrix_std=0.1).to(DTYPES[dtype])
     rows = [p + f for p, f in zip(PROMPTS, FEED)]
@@ -135,7 +148,7 @@ def test_training_forward_cached_decoding_pipeline_and_hf_give_the_same_logits(v
         config = hf_config_dict(cfg)
     except ValueError as exc:
         assert (variant == "gpt2-like" and "RMSNorm + SwiGLU" in str(exc)) or (
-            variant.startswith("alibi") and "positions 'alibi'" in str(exc))
+            variant.startswith(("alibi", "learned")) and "positions '" in str(exc))
         return
     hf_cfg = transformers.AutoConfig.for_model(**config)
     hf_cfg._attn_implementation = "eager"
@@ -239,7 +252,7 @@ def test_rope_in_pair_order_rotates_as_the_halves_layout(dtype):
 def test_the_decoding_layouts_attention_computes_the_plain_attention(variant):
     """q/k rows in pair order, joined and packed as ``fused_copy`` lays them out: the same dot
     products q·k (their terms permuted alike), so the output matches to float32 summation order."""
-    cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
+    cfg = variant_config(variant)
     model = randomized(cfg, matrix_std=0.1)
     fused = fused_copy(model, pack=onednn_packs(torch.float32, torch.device("cpu")))
     x = torch.randn(2, 11, cfg.d_model)

@@ -349,7 +349,7 @@ def test_a_config_json_the_scaling_cannot_honour_is_an_input_error_naming_the_fi
 
 
 def test_config_json_keys_the_type_does_not_read_are_named_in_a_warning(monkeypatch):
-    import lmforge.model.hf as hf
+    import lmforge.model.hf_parts as hf
 
     warnings = []
     monkeypatch.setattr(hf.log, "warning", lambda message, *args: warnings.append(message % args))

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.model.config import PRESETS, ModelConfig
+from lmforge.model.config import ModelConfig
+from lmforge.model.families import PRESETS
 from lmforge.model.transformer import Transformer, attend
 
 VARIANTS = [
@@ -196,3 +197,28 @@ def test_attend_under_autocast_with_and_without_gradients_and_when_decoding():
     q, k, v = attention_case(torch.bfloat16, requires_grad=False)
     decoded = attend(q, k, v, None, True, decoding=True)
     assert torch.equal(decoded, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+@pytest.mark.parametrize("key", ["embed_dropout", "attn_dropout", "resid_dropout"])
+def test_dropout_acts_in_training_only(key):
+    """Each dropout is wired (training logits move), seeded (the same seed, the same drops) and
+    off in evaluation, where the model computes exactly what the same weights without dropout do."""
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=16)
+    plain = ModelConfig(**base)
+    dropped = ModelConfig(**base, **{key: 0.5})
+    torch.manual_seed(0)
+    model = Transformer(dropped)
+    reference = Transformer(plain)
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(tokens), reference.eval()(tokens))
+        model.train()
+        torch.manual_seed(1)
+        first = model(tokens)
+        torch.manual_seed(1)
+        again = model(tokens)
+        torch.manual_seed(2)
+        other = model(tokens)
+    assert torch.equal(first, again)
+    assert not torch.allclose(first, reference(tokens)) and not torch.allclose(first, other)

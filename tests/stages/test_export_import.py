@@ -406,7 +406,7 @@ def test_cli_import_of_an_unsupported_model_type_is_one_line_exit_2_nothing_writ
 
 @pytest.mark.parametrize("patch, named", [
     ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "RoPE scaling 'proportional' is not supported"),
-    ({"attention_dropout": 0.1}, "attention_dropout = 0.1 is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5 is not supported"),
     ({"attn_logit_softcapping": 50.0}, "key 'attn_logit_softcapping' = 50.0 is not one lmforge knows"),
 ], ids=["rope-type", "refused-key", "unknown-key"])
 def test_cli_import_of_a_key_lmforge_cannot_honour_is_one_line_exit_2_nothing_written(tmp_path, capsys, vocab_size, patch, named):

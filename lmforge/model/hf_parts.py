@@ -1,0 +1,196 @@
+"""The parts every family's Hugging Face mapping is built from (``model/families/*/hf.py``).
+
+How import classifies a ``config.json`` key (``HFKey``: honoured, refused unless at a value
+lmforge computes, or inert) and refuses the keys it does not know; ``PretrainedConfig``'s own
+keys, inert for every family; and RoPE and its scaling between ``ModelConfig``'s ``rope_*``
+fields and ``rope_scaling`` / ``rope_parameters``, as transformers' ``ROPE_INIT_FUNCTIONS`` read them.
+It never imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from lmforge.core.io import InputError
+from lmforge.core.run import log
+from lmforge.model.config import ROPE_SCALING_FIELDS, ModelConfig
+
+# --------------------------------------------------------------------------- config.json keys
+
+HONOURED, REFUSED, INERT = "honoured", "refused", "inert"
+
+
+class HFKey(NamedTuple):
+    """How import treats one ``config.json`` key: ``honoured`` (read into ModelConfig), ``refused``
+    unless it is one of ``supported`` (lmforge computes only those; any other value is an InputError),
+    or ``inert`` (no effect on the logits of the class transformers builds for this model_type)."""
+
+    kind: str
+    why: str
+    # the values lmforge computes, or a test of (value, config.json); () = any value (honoured keys: any their reader takes)
+    supported: tuple | Callable[[Any, dict], bool] = ()
+
+
+def refused(why: str, *supported: Any) -> HFKey:
+    """A key lmforge computes only at ``supported``: the values, or one test of (value, config.json)."""
+    return HFKey(REFUSED, why, supported[0] if len(supported) == 1 and callable(supported[0]) else supported)
+
+
+INERT_BASE = dict.fromkeys(  # PretrainedConfig's own keys (transformers 4 and 5): metadata, outputs, generation, heads
+    """_name_or_path transformers_version dtype torch_dtype use_bfloat16 _attn_implementation_autoset attn_implementation
+    output_attentions output_hidden_states return_dict torchscript tf_legacy_loss chunk_size_feed_forward
+    is_encoder_decoder is_decoder add_cross_attention cross_attention_hidden_size tie_encoder_decoder
+    id2label label2id num_labels problem_type finetuning_task task_specific_params tokenizer_class prefix
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id use_cache
+    max_length min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty temperature top_k
+    top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
+    remove_invalid_values exponential_decay_length_penalty suppress_tokens begin_suppress_tokens""".split(),
+    HFKey(INERT, "metadata, outputs, generation defaults or token ids (a pad id only zeroes its embedding row at init)"),
+)
+NOT_READ = HFKey(INERT, "this model_type's transformers class does not read it")
+# keys of every family: the base class's, the class selection, and what no family computes
+COMMON_KEYS = {
+    **INERT_BASE,
+    "model_type": HFKey(HONOURED, "selects the family and class (lmforge.model.hf.SUPPORTED_ARCHITECTURES)"),
+    "architectures": HFKey(HONOURED, "must name the class of model_type"),
+    "initializer_range": HFKey(INERT, "the init std of training from scratch (kept as init_std)"),
+    "quantization_config": refused("quantized weights; use the unquantized (bf16/fp16/fp32) ones", None, {}),
+    "pruned_heads": refused("pruned attention heads change the projections' shapes", None, {}),
+    "auto_map": refused("custom modelling code computes this model, not the transformers class (tokenizer entries are fine)",
+                        lambda v, _: isinstance(v, dict) and not any(k.startswith(("AutoConfig", "AutoModel")) for k in v)),
+}
+
+
+def supports(spec: HFKey, value: Any, config: dict) -> bool:
+    """Whether lmforge computes ``value`` of a key classified ``spec`` in ``config``."""
+    if callable(spec.supported):
+        return spec.supported(value, config)
+    return not spec.supported or value in spec.supported
+
+
+def check_hf_config_keys(config: dict, known: dict[str, HFKey], model_type: str, where: str) -> None:
+    """Refuse a key set to a value lmforge does not compute, and a key lmforge does not know, rather than drop it."""
+    for key, value in config.items():
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        spec = known.get(key)
+        if spec is None:
+            raise InputError(
+                f"{where}: key {key!r} = {shown} is not one lmforge knows for model_type {model_type!r}: lmforge does not "
+                "know what it does to the arithmetic (a newer transformers may read it), so it refuses rather than drop it"
+            )
+        if not supports(spec, value, config):
+            listed = not callable(spec.supported)
+            supported = f"; lmforge supports {' or '.join(json.dumps(s) for s in spec.supported)}" if listed else ""
+            raise InputError(f"{where}: {key} = {shown} is not supported ({spec.why}){supported}")
+
+
+
+
+# ModelConfig's rope_* field -> its key in rope_scaling / rope_parameters
+HF_ROPE_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_seq_len": "original_max_position_embeddings",
+    "rope_beta_fast": "beta_fast",
+    "rope_beta_slow": "beta_slow",
+    "rope_mscale": "mscale",
+    "rope_mscale_all_dim": "mscale_all_dim",
+    "rope_attention_factor": "attention_factor",
+    "rope_truncate": "truncate",
+    "rope_short_factor": "short_factor",
+    "rope_long_factor": "long_factor",
+}
+HF_ROPE_TYPES = {"default": "none", **{t: t for t in ROPE_SCALING_FIELDS if t != "none"}}  # rope_type -> rope_scaling
+
+
+def hf_max_position_embeddings(cfg: ModelConfig) -> int:
+    """``max_position_embeddings``: the context, except for dynamic NTK, whose transformers
+    implementation grows the base past ``max_position_embeddings``: there it is the original context."""
+    return cfg.rope_original_max_seq_len if cfg.rope_scaling == "dynamic" else cfg.max_seq_len
+
+
+def rope_scaling_keys(cfg: ModelConfig) -> dict:
+    """``rope_scaling`` (transformers < 5, and Meta's own configs) and ``rope_parameters``
+    (transformers >= 5) for a model with RoPE scaling: the keys its type reads; nothing for plain RoPE."""
+    if cfg.rope_scaling == "none":
+        return {}
+    scaling = {"rope_type": cfg.rope_scaling}
+    for name in sorted(ROPE_SCALING_FIELDS[cfg.rope_scaling]):
+        if getattr(cfg, name) is not None and not (cfg.rope_scaling == "dynamic" and name == "rope_original_max_seq_len"):
+            scaling[HF_ROPE_KEYS[name]] = getattr(cfg, name)
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
+
+
+def rope_fields(config: dict, max_position_embeddings: int, where: str) -> dict:
+    """The ModelConfig rope_* fields of a config.json, resolved as transformers' ``ROPE_INIT_FUNCTIONS``
+    read them; unknown RoPE types and partial rotary are an ``InputError``.
+
+    transformers >= 5 writes ``rope_parameters``; older versions and Meta's configs write
+    ``rope_scaling`` beside a top-level ``rope_theta``. Where both are present
+    ``rope_scaling`` wins, as in transformers 5's ``convert_rope_params_to_dict``. The original
+    context of llama3, yarn and longrope is a top-level ``original_max_position_embeddings`` (Phi-3
+    writes it there), else the one in ``rope_scaling``, else ``max_position_embeddings``; dynamic
+    NTK's is ``max_position_embeddings``. yarn's and longrope's missing ``factor`` is the ratio of
+    ``max_position_embeddings`` to the original context; yarn's ``beta_fast``/``beta_slow`` default
+    to 32 and 1, and its ``mscale`` pair counts only when both are set, as in transformers.
+    """
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise InputError(f"{where}: rope_scaling/rope_parameters must be a mapping, got {rope!r}")
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    theta = rope.get("rope_theta") or config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    if rope.get("partial_rotary_factor") not in (None, 1.0):
+        raise InputError(f"{where}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported; RoPE must cover the whole head")
+    if rope_type not in HF_ROPE_TYPES:
+        raise InputError(
+            f"{where}: RoPE scaling {rope_type!r} is not supported; lmforge implements rope_type "
+            f"{', '.join(map(repr, HF_ROPE_TYPES))} (plain RoPE, position interpolation, dynamic NTK, YaRN, LongRoPE, Llama 3.1)"
+        )
+    if rope_type == "default":
+        return {"rope_theta": float(theta)}
+    reads = ROPE_SCALING_FIELDS[rope_type]
+    ignored = sorted(set(rope) - {HF_ROPE_KEYS[k] for k in reads} - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if ignored:
+        log.warning("%s: RoPE scaling %r does not read %s (transformers ignores them too)", where, rope_type, ", ".join(ignored))
+    required = {"linear": ["factor"], "dynamic": ["factor"], "yarn": [], "longrope": ["short_factor", "long_factor"],
+                "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}[rope_type]
+    missing = [k for k in required if rope.get(k) is None]
+    if missing:
+        raise InputError(f"{where}: RoPE scaling {rope_type!r} needs {', '.join(missing)}")
+    if rope_type == "dynamic":
+        original = max_position_embeddings
+    else:
+        original = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_position_embeddings
+    try:
+        fields = {
+            "rope_theta": float(theta),
+            "rope_scaling": rope_type,
+            "rope_factor": float(rope["factor"] if rope.get("factor") is not None else max_position_embeddings / original),
+            "rope_original_max_seq_len": int(original),
+        }
+        if rope_type == "llama3":
+            fields |= {"rope_low_freq_factor": float(rope["low_freq_factor"]), "rope_high_freq_factor": float(rope["high_freq_factor"])}
+        if rope_type == "yarn":
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            fields |= {
+                "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+                "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+                "rope_truncate": bool(rope.get("truncate", True)),
+                "rope_mscale": float(mscale) if mscale and mscale_all_dim else None,
+                "rope_mscale_all_dim": float(mscale_all_dim) if mscale and mscale_all_dim else None,
+            }
+        if rope_type == "longrope":
+            fields |= {"rope_short_factor": [float(x) for x in rope["short_factor"]],
+                       "rope_long_factor": [float(x) for x in rope["long_factor"]]}
+        if rope_type in ("yarn", "longrope") and rope.get("attention_factor") is not None:
+            fields["rope_attention_factor"] = float(rope["attention_factor"])
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{where}: RoPE scaling {rope_type!r} has a non-numeric parameter in {rope}: {exc}") from exc
+    if "rope_original_max_seq_len" not in reads:
+        del fields["rope_original_max_seq_len"]
+    return fields
+
