@@ -11,6 +11,8 @@ A variant names its family with ``family`` (the Llama family otherwise).
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import fields
 
 import pytest
@@ -23,6 +25,7 @@ from lmforge.model.families import FAMILIES, model_config
 from lmforge.model.fused import PackedLinear, fused_copy, joined_linear, onednn_packs, structural_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer, apply_rope, pair_rotations, rotation_pair_order, rotation_tables
+import tests.model.families
 from tests.model.test_hf import randomized
 
 transformers = pytest.importorskip("transformers")
@@ -60,6 +63,9 @@ VARIANTS = {
     "learned-positions": dict(positions="learned", n_kv_heads=2),  # GPT-2's absolute positions
     "alibi-sliding-window": dict(positions="alibi", n_heads=6, head_dim=16, sliding_window=4),  # 6 heads: 4 + 2 slopes
 }
+# each family's own variants: ``PARITY_VARIANTS`` of its tests/model/families/test_<family>.py (named "<family>:...")
+for _module in pkgutil.iter_modules(tests.model.families.__path__):
+    VARIANTS |= getattr(importlib.import_module(f"tests.model.families.{_module.name}"), "PARITY_VARIANTS", {})
 NOT_ARITHMETIC = {
     "preset": "names a set of the other fields' values, which the variants set directly",
     "init_std": "the initial weights only; the test draws its own random weights",
