@@ -60,13 +60,19 @@ def budget_flops(peak_flops: float, devices: int, hours: float, mfu: float) -> f
     return peak_flops * devices * hours * 3600.0 * mfu
 
 
+def _repeated(pattern: list | None, n_layers: int) -> list | None:
+    """A per-layer pattern (sliding and full layers) stretched or cut to ``n_layers`` by repeating it."""
+    return None if pattern is None else [pattern[i % len(pattern)] for i in range(n_layers)]
+
+
 def shape_for_params(target: float, template: ModelConfig, *, aspect_ratio: float = 64.0, head_dim: int = 64,
                      which: str = "non_embedding", tolerance: float = 0.1) -> ModelConfig:
     """A model like ``template`` (vocabulary, MLP kind, norms ...) resized to about ``target``
     parameters (``which``: non_embedding or total): for each depth, the width (a multiple of
     ``head_dim``) nearest the target; among shapes within ``tolerance``, the one whose
     d_model / n_layers is nearest ``aspect_ratio`` (Kaplan et al. 2020, Fig. 5: loss depends
-    little on shape over a wide range of it), else the nearest in count."""
+    little on shape over a wide range of it), else the nearest in count. The template's family
+    and its per-layer pattern (``layer_types``, repeated to each depth) are kept."""
     base = {f.name: getattr(template, f.name) for f in dataclasses.fields(template)}
     base.update(preset=None, n_kv_heads=None, head_dim=None, ffn_hidden=None)
     best, best_key = None, None
@@ -74,7 +80,8 @@ def shape_for_params(target: float, template: ModelConfig, *, aspect_ratio: floa
         guess = math.sqrt(max(target, 1.0) / (12 * n_layers))
         for mult in {max(1, math.floor(guess / head_dim)), max(1, math.ceil(guess / head_dim))}:
             d = mult * head_dim
-            cfg = ModelConfig(**{**base, "d_model": d, "n_layers": n_layers, "n_heads": mult})
+            cfg = type(template)(**{**base, "d_model": d, "n_layers": n_layers, "n_heads": mult,
+                                    "layer_types": _repeated(template.layer_types, n_layers)})
             count = getattr(count_parameters(cfg), which)
             error = abs(math.log(count / target))
             key = (error > math.log1p(tolerance), abs(math.log(d / n_layers / aspect_ratio)) if

@@ -38,3 +38,11 @@ def test_the_shape_for_a_count_has_about_that_many_parameters(target):
     cfg = shape_for_params(target, ModelConfig.from_preset("tiny"))
     assert count_parameters(cfg).non_embedding == pytest.approx(target, rel=0.1)
     assert cfg.d_model % 64 == 0 and cfg.head_dim == 64
+
+
+def test_shape_for_params_keeps_the_family_and_repeats_the_layer_pattern():
+    template = ModelConfig.from_preset("tiny", sliding_window=64, n_layers=2,
+                                       layer_types=["sliding_attention", "full_attention"])
+    cfg = shape_for_params(5e7, template)
+    assert type(cfg) is type(template) and cfg.family == template.family
+    assert cfg.n_layers > 2 and cfg.layer_types == [("sliding_attention", "full_attention")[i % 2] for i in range(cfg.n_layers)]
