@@ -70,6 +70,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequ
         parallelize_module(block, tp_mesh, plan)
         block.attn.n_heads //= tp  # the local projections hold this device's heads
         block.attn.n_kv_heads //= tp
+    if sequence_parallel and getattr(model, "pos_embed", None) is not None:
+        # learned positions (B or 1, T, d) are added to the embedding's sequence shard: each rank keeps its
+        # positions' rows (the split's backward gathers the gradient, so the replicated table's is whole)
+        distribute_module(model.pos_embed, tp_mesh, input_fn=_inputs_as_dtensors(Replicate()),
+                          output_fn=lambda module, out, mesh: out.redistribute(mesh, [Shard(1)]).to_local())
     _distribute_remaining(model, tp_mesh)
 
 

@@ -257,7 +257,7 @@ class ModelConfig:
         from lmforge.model.families import FAMILIES
 
         name = data.get("family", "llama")
-        if name not in FAMILIES:
+        if not isinstance(name, str) or name not in FAMILIES:
             raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
         return FAMILIES[name].config
 

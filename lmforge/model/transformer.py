@@ -279,6 +279,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.attn_dropout  # on the attention probabilities, in training
+        # a family's attention may set these (Gemma: query_pre_attn_scalar^-1/2, attention soft-capping); see ``attend``
+        self.scale: float | None = None  # the scores' scale; None = 1/sqrt(head_dim)
+        self.softcap: float | None = None  # c of c·tanh(score / c); None = no cap
         self.wqkv: nn.Module | None = None  # wq, wk, wv joined into one projection (``model.fused``), else None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,8 +312,8 @@ class Attention(nn.Module):
         # Without a mask, causal when queries and keys are the same positions; a single new
         # token may see the whole cache (``hidden_states`` masks a multi-token step after a prefix).
         is_causal = attn_mask is None and T > 1
-        y = attend(q, k, v, attn_mask, is_causal, decoding=kv_cache is not None,
-                   dropout=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, attn_mask, is_causal, decoding=kv_cache is not None, scale=self.scale,
+                   softcap=self.softcap, dropout=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -363,7 +366,8 @@ class Transformer(nn.Module):
 
     A family's model (``model.family``) is this class or a subclass that names its config
     class and block class and, where its arithmetic differs around the blocks, overrides
-    ``embed_tokens`` or ``logits``; ``lmforge.model.families.build`` makes the right one."""
+    ``embed_tokens`` or ``logits``, or ``sliding_rope_at`` where its sliding layers rotate by RoPE
+    of their own; ``lmforge.model.families.build`` makes the right one."""
 
     config_class: type[ModelConfig] = ModelConfig
     block_class: type[nn.Module] = Block
@@ -423,20 +427,23 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape[:2]
         offset = kv_cache.length if kv_cache is not None else 0
-        rope = None
+        rope = sliding_rope = None
         if self.cfg.positions == "rope":
-            cos, sin = self.rope_at(offset, T, positions)
-            rope = pair_rotations(cos, sin) if self.rope_pairs else rotation_tables(cos, sin)
+            rotations = pair_rotations if self.rope_pairs else rotation_tables
+            rope = rotations(*self.rope_at(offset, T, positions))
+            local = self.sliding_rope_at(offset, T, positions)
+            sliding_rope = rope if local is None else rotations(*local)
         else:
             check_length(self.cfg, offset, T)
         full, sliding = self.layer_masks(attn_mask, offset, T, kv_cache, tokens.device)
         x = self.embed_tokens(tokens, offset, positions) if self.embed is not None else tokens
-        if sliding is full:  # one mask for every layer (no window, or none this step can reach past)
+        if sliding is full and sliding_rope is rope:  # every layer alike (no window this step reaches past, one RoPE)
             for block in self.layers.children():
                 x = block(x, rope, full, kv_cache)
         else:
             for name, block in self.layers.named_children():
-                x = block(x, rope, sliding if self.sliding[int(name)] else full, kv_cache)
+                slides = self.sliding[int(name)]
+                x = block(x, sliding_rope if slides else rope, sliding if slides else full, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
@@ -446,8 +453,8 @@ class Transformer(nn.Module):
         embeddings (``positions``, or ``offset`` .. ``offset + T``) where the model has them; dropped out in training."""
         x = self.embed(tokens)
         if self.pos_embed is not None:
-            at = positions if positions is not None else torch.arange(offset, offset + tokens.shape[1], device=tokens.device)
-            x = x + self.pos_embed(at)
+            at = positions if positions is not None else torch.arange(offset, offset + tokens.shape[1], device=tokens.device)[None]
+            x = x + self.pos_embed(at)  # (B or 1, T, d): the sequence on dim 1, as tensor parallelism splits it
         return dropout(x, self.cfg.embed_dropout, self.training)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -509,6 +516,12 @@ class Transformer(nn.Module):
         if length_dependent:
             return self.as_table_dtype(tables_at(self.cfg, positions, seq_len=positions.amax(dim=-1) + 1))
         return self.rope_cos[positions], self.rope_sin[positions]
+
+    def sliding_rope_at(self, offset: int, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin (B or 1, T, head_dim / 2) that the sliding layers rotate by where a family gives them
+        RoPE of their own (Gemma 3's local base), for the positions of ``rope_at``; None (here): every
+        layer rotates by ``rope_at``'s tables."""
+        return None
 
     def as_table_dtype(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed tables in the dtype of the model's own (float32, or the model's when it was cast)."""

@@ -151,7 +151,7 @@ def test_config_from_transformers_defaults_matches_their_model():
 
 def test_export_of_layernorm_gelu_model_is_refused():
     with pytest.raises(ValueError, match="layernorm"):
-        hf_config_dict(ModelConfig.from_preset("gpt2-124m"))
+        hf_config_dict(ModelConfig(**TINY, norm="layernorm", ffn="gelu"))
 
 
 def test_export_of_bias_mix_without_hf_class_is_refused():
@@ -167,7 +167,7 @@ def _llama_json(**extra) -> dict:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'.*LlamaForCausalLM"),
+        (dict(model_type="bloom", architectures=["BloomForCausalLM"]), "model_type 'bloom'.*LlamaForCausalLM"),
         (dict(architectures=["LlamaForSequenceClassification"]), "architectures"),
         (dict(hidden_act="gelu"), "hidden_act = .gelu. is not supported.*\"silu\" or \"swish\""),
         (dict(rope_parameters={"rope_type": "proportional", "rope_theta": 5e5}),

@@ -244,4 +244,8 @@ def test_auto_map_of_a_tokenizer_only_is_accepted():
 
 
 def test_supported_architectures_are_the_keys_of_the_table():
-    assert HF_CONFIG_KEYS.keys() == SUPPORTED_ARCHITECTURES.keys() == CLASSES.keys()
+    from lmforge.model.families import FAMILIES
+
+    assert HF_CONFIG_KEYS.keys() == SUPPORTED_ARCHITECTURES.keys()
+    assert SUPPORTED_ARCHITECTURES == {t: c for f in FAMILIES.values() for t, c in f.hf.classes.items()}
+    assert CLASSES.keys() == FAMILIES["llama"].hf.classes.keys()  # this file's classes are the llama family's

@@ -18,6 +18,7 @@ from dataclasses import fields
 import pytest
 import torch
 
+import tests.model.families
 from lmforge.distributed.mesh import stage_layer_ranges
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.config import ModelConfig
@@ -25,7 +26,6 @@ from lmforge.model.families import FAMILIES, model_config
 from lmforge.model.fused import PackedLinear, fused_copy, joined_linear, onednn_packs, structural_copy
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
 from lmforge.model.transformer import Transformer, apply_rope, pair_rotations, rotation_pair_order, rotation_tables
-import tests.model.families
 from tests.model.test_hf import randomized
 
 transformers = pytest.importorskip("transformers")
@@ -63,9 +63,21 @@ VARIANTS = {
     "learned-positions": dict(positions="learned", n_kv_heads=2),  # GPT-2's absolute positions
     "alibi-sliding-window": dict(positions="alibi", n_heads=6, head_dim=16, sliding_window=4),  # 6 heads: 4 + 2 slopes
 }
-# each family's own variants: ``PARITY_VARIANTS`` of its tests/model/families/test_<family>.py (named "<family>:...")
+# variant -> what the one-line ValueError of its Hugging Face export names, where no HF class computes it
+HF_REFUSED = {
+    "gpt2-like": "RMSNorm + SwiGLU",
+    **dict.fromkeys(("alibi", "alibi-sliding-window"), "positions 'alibi'"),
+    "learned-positions": "positions 'learned'",
+}
+# family -> its config's fields that no variant changes, and why (beyond NOT_ARITHMETIC and a config's FIXED_FIELDS)
+FAMILY_NOT_ARITHMETIC: dict[str, dict[str, str]] = {}
+# each family's own: ``PARITY_VARIANTS`` (named "<family>:..."), ``PARITY_HF_REFUSED`` and
+# ``PARITY_NOT_ARITHMETIC`` of its tests/model/families/test_<family>.py
 for _module in pkgutil.iter_modules(tests.model.families.__path__):
-    VARIANTS |= getattr(importlib.import_module(f"tests.model.families.{_module.name}"), "PARITY_VARIANTS", {})
+    _family_tests = importlib.import_module(f"tests.model.families.{_module.name}")
+    VARIANTS |= getattr(_family_tests, "PARITY_VARIANTS", {})
+    HF_REFUSED |= getattr(_family_tests, "PARITY_HF_REFUSED", {})
+    FAMILY_NOT_ARITHMETIC |= getattr(_family_tests, "PARITY_NOT_ARITHMETIC", {})
 NOT_ARITHMETIC = {
     "preset": "names a set of the other fields' values, which the variants set directly",
     "init_std": "the initial weights only; the test draws its own random weights",
@@ -109,7 +121,10 @@ def test_every_config_field_of_every_family_is_covered():
         variants = {n: v for n, v in VARIANTS.items() if v.get("family", "llama") == family.name}
         assert variants, f"family {family.name!r} has no parity variant: add one (with family={family.name!r})"
         covered = {"family"} | set(BASE) | {k for v in variants.values() for k in v}
-        missing = [f.name for f in fields(family.config) if f.name not in covered and f.name not in NOT_ARITHMETIC]
+        # a field the family holds at one value (refused at any other, in its own tests) has nothing to vary
+        exempt = NOT_ARITHMETIC.keys() | FAMILY_NOT_ARITHMETIC.get(family.name, {}).keys()
+        exempt |= getattr(family.config, "FIXED_FIELDS", {}).keys()
+        missing = [f.name for f in fields(family.config) if f.name not in covered and f.name not in exempt]
         assert not missing, (f"family {family.name!r}: config fields {missing} are in no parity variant: add a variant "
                              "(or a reason to NOT_ARITHMETIC)")
     for name, changes in VARIANTS.items():  # each variant changes what it names
@@ -153,9 +168,9 @@ def test_training_forward_cached_decoding_pipeline_and_hf_give_the_same_logits(v
     try:
         config = hf_config_dict(cfg)
     except ValueError as exc:
-        assert (variant == "gpt2-like" and "RMSNorm + SwiGLU" in str(exc)) or (
-            variant.startswith(("alibi", "learned")) and "positions '" in str(exc))
+        assert variant in HF_REFUSED and HF_REFUSED[variant] in str(exc), (variant, str(exc))
         return
+    assert variant not in HF_REFUSED, f"{variant}: its export was expected to be refused"
     hf_cfg = transformers.AutoConfig.for_model(**config)
     hf_cfg._attn_implementation = "eager"
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()

@@ -223,10 +223,10 @@ def test_import_of_missing_folder_names_it(tmp_path):
 
 
 def test_import_of_unsupported_architecture_names_what_is_supported(tmp_path):
-    config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(InputError, match=r"gpt2/config.json: model_type 'gpt2'.*not supported.*LlamaForCausalLM"):
-        run_import(ImportRecipe(hf_dir=str(tmp_path / "gpt2"), run_dir=str(tmp_path / "ckpt")))
+    config = transformers.BloomConfig(vocab_size=300, hidden_size=64, n_layer=1, n_head=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bloom")
+    with pytest.raises(InputError, match=r"bloom/config.json: model_type 'bloom'.*not supported.*LlamaForCausalLM.*GPT2LMHeadModel"):
+        run_import(ImportRecipe(hf_dir=str(tmp_path / "bloom"), run_dir=str(tmp_path / "ckpt")))
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -389,7 +389,7 @@ def test_export_merge_lora_keeps_the_chat_template(tmp_path, tokenizer_dir, voca
 
 
 @pytest.mark.parametrize("model_type, config_class", [
-    ("gpt2", "GPT2Config"), ("gemma2", "Gemma2Config"), ("phi3", "Phi3Config"), ("olmo2", "Olmo2Config"),
+    ("bloom", "BloomConfig"), ("gpt_neox", "GPTNeoXConfig"), ("falcon", "FalconConfig"), ("mixtral", "MixtralConfig"),
 ])
 def test_cli_import_of_an_unsupported_model_type_is_one_line_exit_2_nothing_written(tmp_path, capsys, model_type, config_class):
     from lmforge.model.hf import SUPPORTED_ARCHITECTURES

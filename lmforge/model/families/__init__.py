@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.model.families import llama
+from lmforge.model.families import gemma, gpt2, llama, olmo2, phi3
 from lmforge.model.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY,
+    gemma.FAMILY,
+    olmo2.FAMILY,
+    phi3.FAMILY,
+    gpt2.FAMILY,
 )}
 
 # every family's presets by name, each with its family named

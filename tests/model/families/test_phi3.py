@@ -538,26 +538,37 @@ def test_lora_applies_to_every_projection_and_merges_into_the_same_logits():
     torch.testing.assert_close(logits(theirs), adapted, atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="lmforge/peft/adapters.py's hf_module_name calls to_hf_name without the model's "
-                   "family, so a phi3 adapter is saved under Llama's q_proj/gate_proj names, which Phi3ForCausalLM lacks")
 def test_a_peft_adapter_of_a_phi3_names_phi3s_modules_or_is_refused(tmp_path):
-    """PEFT applies an adapter by module name to the exported Phi3ForCausalLM: its targets must be modules it has
-    (q/k/v and gate/up are joined there, so an adapter on them has no module of its own: refused, naming it)."""
-    from lmforge.peft.adapters import save_adapter
+    """PEFT applies an adapter by module name to the exported Phi3ForCausalLM: on q/k/v or gate/up, which are
+    joined there and have no module of their own, saving is refused in one line naming the joined projection;
+    on the output projections it names Phi3ForCausalLM's own modules, and loads back into the same adapter."""
+    from lmforge.peft.adapters import load_adapter, peft_unsupported, save_adapter
 
     model = random_model(small())
     lora = LoraConfig(r=4, alpha=8)
     apply_lora(model, lora)
-    try:
-        save_adapter(model, lora, tmp_path / "adapter")
-    except (ValueError, KeyError, InputError) as exc:
-        assert "joined" in str(exc) and "\n" not in str(exc)
-        return
+    with pytest.raises(ValueError, match=r"joined self_attn.qkv_proj|joined mlp.gate_up_proj") as refused:
+        save_adapter(model, lora, tmp_path / "all")
+    assert "\n" not in str(refused.value) and peft_unsupported(model) in str(refused.value)
+    assert not (tmp_path / "all").exists()
+
+    model = random_model(small())
+    lora = LoraConfig(r=4, alpha=8, target_modules=["wo", "w2"])
+    apply_lora(model, lora)
+    with torch.no_grad():
+        for module in lora_modules(model).values():
+            module.lora_B.weight.normal_(0.0, 0.05)
+    assert peft_unsupported(model) is None
+    save_adapter(model, lora, tmp_path / "out")
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config_dict(model.cfg)))
-    names = {n for n, _ in theirs.named_modules()} | {n.rsplit(".", 1)[-1] for n, _ in theirs.named_modules()}
-    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert [t for t in targets if t not in names] == []
+    names = {n.rsplit(".", 1)[-1] for n, _ in theirs.named_modules()}
+    targets = json.loads((tmp_path / "out" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(targets) == ["down_proj", "o_proj"] and set(targets) <= names
+    again = random_model(small())
+    again.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" not in k}, strict=False)
+    assert sorted(load_adapter(again, tmp_path / "out")) == sorted(lora_modules(model))
+    torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
 
 
 def test_a_checkpoint_round_trips_the_family_config_and_weights(tmp_path):

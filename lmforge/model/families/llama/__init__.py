@@ -10,11 +10,6 @@ from lmforge.model.transformer import Transformer
 PRESETS: dict[str, dict] = {
     # Fits the 2-core CPU: ~17M parameters, the shape of the CPU benchmarks.
     "tiny": dict(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, ffn_hidden=1024, max_seq_len=1024),
-    # GPT-2 small's shape (LayerNorm, GELU MLP, biases, tied), with RoPE in place of learned positions.
-    "gpt2-124m": dict(
-        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, ffn="gelu", ffn_hidden=3072, norm="layernorm",
-        tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True, max_seq_len=1024,
-    ),
     # HuggingFaceTB/SmolLM2-135M's shape: GQA 9/3, SwiGLU 1536, tied, theta 1e5.
     "smollm2-135m": dict(
         vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden=1536,

@@ -63,8 +63,8 @@ def to_hf_name(name: str) -> str:
     joined = next((theirs for theirs, ours in _JOINED.items() if len(parts) == 3 and parts[2] in ours), None)
     if joined is not None:
         raise KeyError(f"lmforge parameter {name!r} is part of Phi3ForCausalLM's joined {joined.removesuffix('.weight')}, "
-                       "which has no parameter of its own: merge a LoRA adapter on it into the weights "
-                       "(lmforge export --merge-lora) instead of saving it in PEFT's format")
+                       "which has no parameter of its own, so a PEFT adapter cannot name it (a LoRA run's final/ holds "
+                       "the merged weights; adapt only wo and w2 for a PEFT adapter)")
     raise KeyError(f"no Hugging Face Phi3ForCausalLM parameter for lmforge parameter {name!r}")
 
 
