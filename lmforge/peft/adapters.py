@@ -31,16 +31,42 @@ PEFT_PREFIX = "base_model.model."
 _SUFFIXES = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
 
 
-def hf_module_name(name: str) -> str:
-    """``layers.0.attn.wq`` -> ``model.layers.0.self_attn.q_proj`` (a module, so no ``.weight``)."""
-    return to_hf_name(f"{name}.weight").removesuffix(".weight")
+def hf_module_name(name: str, family: str = "llama") -> str:
+    """``layers.0.attn.wq`` -> ``model.layers.0.self_attn.q_proj`` (a module, so no ``.weight``), in the
+    Hugging Face class of model family ``family``; ``KeyError`` where that class has no such module."""
+    return to_hf_name(f"{name}.weight", family).removesuffix(".weight")
 
 
-def peft_target_modules(wrapped: list[str], all_linears: list[str]) -> list[str]:
-    """Short HF names (``q_proj``) when PEFT's suffix matching selects exactly ``wrapped``; else full names."""
-    wrapped_hf = {hf_module_name(n) for n in wrapped}
+def model_family(model: torch.nn.Module) -> str:
+    return getattr(getattr(model, "cfg", None), "family", "llama")
+
+
+def peft_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s adapters cannot be saved in PEFT's format (a wrapped module the family's Hugging
+    Face class lacks, e.g. Phi-3's joined q/k/v), or None when ``save_adapter`` can write them."""
+    for name in lora_modules(model):
+        try:
+            hf_module_name(name, model_family(model))
+        except KeyError as exc:
+            return str(exc.args[0])
+    return None
+
+
+def peft_target_modules(wrapped: list[str], all_linears: list[str], family: str = "llama") -> list[str]:
+    """Short HF names (``q_proj``) when PEFT's suffix matching selects exactly ``wrapped``; else full names.
+    A module of ``all_linears`` without a Hugging Face name (a head of our own) selects nothing."""
+    def hf_names(names: list[str]) -> dict[str, str]:
+        named = {}
+        for n in names:
+            try:
+                named[n] = hf_module_name(n, family)
+            except KeyError:
+                pass
+        return named
+
+    wrapped_hf = set(hf_names(wrapped).values())
     short = sorted({n.rsplit(".", 1)[-1] for n in wrapped_hf})
-    selected = {hf_module_name(n) for n in all_linears if hf_module_name(n).rsplit(".", 1)[-1] in short}
+    selected = {h for h in hf_names(all_linears).values() if h.rsplit(".", 1)[-1] in short}
     return short if selected == wrapped_hf else sorted(wrapped_hf)
 
 
@@ -79,9 +105,13 @@ def save_adapter(model: torch.nn.Module, cfg: LoraConfig, directory: str | Path,
     merged = [n for n, m in modules.items() if m.merged]
     if merged:
         raise ValueError(f"save_adapter: adapters {merged[:3]} are merged into the base weights; unmerge() them first")
+    reason = peft_unsupported(model)
+    if reason is not None:
+        raise ValueError(f"save_adapter: {reason}")
+    family = model_family(model)
     tensors = {}
     for name, module in modules.items():
-        prefix = PEFT_PREFIX + hf_module_name(name)
+        prefix = PEFT_PREFIX + hf_module_name(name, family)
         tensors[f"{prefix}.lora_A.weight"] = module.lora_A.weight
         tensors[f"{prefix}.lora_B.weight"] = module.lora_B.weight
         if module.lora_magnitude_vector is not None:
@@ -90,7 +120,7 @@ def save_adapter(model: torch.nn.Module, cfg: LoraConfig, directory: str | Path,
         n for n, m in model.named_modules()
         if isinstance(m, (torch.nn.Linear, NF4Linear)) and ".lora_" not in n and not n.endswith(".base")
     ]
-    targets = peft_target_modules(list(modules), linears + list(modules))
+    targets = peft_target_modules(list(modules), linears + list(modules), family)
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -138,7 +168,7 @@ def load_adapter(model: torch.nn.Module, directory: str | Path) -> list[str]:
         if module is None or not module.startswith(PEFT_PREFIX):
             raise InputError(f"{weights_path}: unexpected tensor {key!r}; expected {PEFT_PREFIX}<module>.{{{', '.join(_SUFFIXES)}}}")
         try:
-            ours = from_hf_name(module.removeprefix(PEFT_PREFIX) + ".weight").removesuffix(".weight")
+            ours = from_hf_name(module.removeprefix(PEFT_PREFIX) + ".weight", model_family(model)).removesuffix(".weight")
         except KeyError as exc:
             raise InputError(f"{weights_path}: {exc.args[0]}") from exc
         state[f"{ours}.{suffix}"] = value

@@ -14,13 +14,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lmforge.checkpoints.files import load_weights, write_checksums, write_model_files
 from lmforge.core.io import atomic_directory
+from lmforge.core.run import log
 from lmforge.data.packing import IGNORE_INDEX
 from lmforge.data.rows import RowLoader
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import remove_activation_checkpointing
 from lmforge.model.families import build as build_model
 from lmforge.model.transformer import Transformer
-from lmforge.peft.adapters import save_adapter
+from lmforge.peft.adapters import peft_unsupported, save_adapter
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
 from lmforge.train.loop import TrainConfig, accumulation_steps
 
@@ -63,11 +64,17 @@ def save_finetuned(model: Transformer, run_dir: Path, tok_dir: Path, adapter_bas
     generate/export read, plus, for LoRA, the adapter in PEFT's format in ``run_dir/adapter``
     whose ``base_model_name_or_path`` is ``adapter_base`` (absolute): a Hugging Face folder of the
     base, so ``AutoPeftModelForCausalLM.from_pretrained(adapter)`` loads it.
-    ``write_extra(directory)`` adds files (a reward head) before the checksums are written."""
+    ``write_extra(directory)`` adds files (a reward head) before the checksums are written. Where the
+    family's Hugging Face class has no module for a wrapped one (Phi-3's joined q/k/v), no PEFT
+    adapter can name it: a note says so and ``final`` (merged) is the result."""
     if lora is not None:
         if adapter_base is None:
             raise ValueError("save_finetuned: a LoRA run needs adapter_base, the Hugging Face export of its base")
-        save_adapter(model, lora, run_dir / "adapter", base_model_name_or_path=str(Path(adapter_base).resolve()))
+        reason = peft_unsupported(model)
+        if reason is None:
+            save_adapter(model, lora, run_dir / "adapter", base_model_name_or_path=str(Path(adapter_base).resolve()))
+        else:
+            log.warning("no PEFT adapter written (%s); %s holds the merged model", reason, run_dir / "final")
         merge_lora(model)
     final = run_dir / "final"
     with atomic_directory(final) as tmp:  # a rerun's final/ is replaced whole, never left half new
