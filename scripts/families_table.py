@@ -1,5 +1,6 @@
-"""Write the model families table (``lmforge.model.families.families_table``) into README.md
-between its markers; ``--check`` exits 1 when the README's table is not the registry's.
+"""Write the model families table (``lmforge.model.families.families_table``) between its markers
+in README.md (the support matrix) and docs/architectures.md; ``--check`` exits 1 when a file's
+table is not the registry's.
 
     python scripts/families_table.py [--check]
 """
@@ -13,30 +14,36 @@ from pathlib import Path
 from lmforge.model.families import families_table
 
 START, END = "<!-- families: written by scripts/families_table.py -->", "<!-- /families -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+FILES = [REPO / "README.md", REPO / "docs" / "architectures.md"]
 
 
-def with_table(text: str) -> str:
-    """``text`` with the block between the markers replaced by the registry's table."""
+def with_table(text: str, path: Path) -> str:
+    """``text`` (of ``path``) with the block between the markers replaced by the registry's table."""
     head, found, rest = text.partition(START)
     if not found or END not in rest:
-        raise SystemExit(f"{README}: no {START} ... {END} block")
+        raise SystemExit(f"{path}: no {START} ... {END} block")
     return f"{head}{START}\n{families_table()}\n{END}{rest.partition(END)[2]}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if the README's table differs")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a file's table differs")
     args = parser.parse_args()
-    text = README.read_text(encoding="utf-8")
-    new = with_table(text)
-    if args.check:
-        if new != text:
-            print(f"{README}: the families table is stale; run python scripts/families_table.py", file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(new, encoding="utf-8")
-    return 0
+    stale = []
+    for path in FILES:
+        text = path.read_text(encoding="utf-8")
+        new = with_table(text, path)
+        if new == text:
+            continue
+        if args.check:
+            stale.append(path)
+        else:
+            path.write_text(new, encoding="utf-8")
+            print(f"wrote the families table into {path}")
+    for path in stale:
+        print(f"{path}: the families table is stale; run python scripts/families_table.py", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":
