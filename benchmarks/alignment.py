@@ -20,7 +20,7 @@ model's mean score of those answers, and the KL to the SFT model along them (exa
 vocabulary at each answer token, `rl.kl.exact_kl`; the mean over answers of the per-token
 mean). Also reported: each method's optimizer steps, its wall time (the subprocesses, the
 scoring not included) and the load average around it. Writes benchmarks/results/alignment.json
-and prints a markdown table (the README's).
+and prints a markdown table (the one in docs/rl.md).
 
   PYTHONPATH=. .venv/bin/python benchmarks/alignment.py                  # dpo kto ppo grpo rs
   PYTHONPATH=. .venv/bin/python benchmarks/alignment.py --methods dpo ppo --steps 20

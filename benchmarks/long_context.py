@@ -5,7 +5,7 @@ continued pre-training at 1024 (recipes/long_context/).
     .venv/bin/python benchmarks/long_context.py               # the recipes, then the evaluation (~15 min, 2 CPU cores)
     .venv/bin/python benchmarks/long_context.py --eval-only   # the evaluation of runs/long_context as it is
     .venv/bin/python benchmarks/long_context.py --quick       # a smoke run: a tiny model, a few steps (~30 s)
-    .venv/bin/python benchmarks/long_context.py --write-docs  # the results table of the JSON into README.md and docs/
+    .venv/bin/python benchmarks/long_context.py --write-docs  # the results table of the JSON into docs/long-context.md
 
 The recipes run as the lifecycle recipes/long_context/lifecycle.yaml runs them (a stage already
 complete with the same config is skipped). Each model is then scored on:
@@ -62,7 +62,7 @@ LIFECYCLE = "recipes/long_context/lifecycle.yaml"
 RECIPE_ROOT = "runs/long_context"  # where the recipes write; --runs moves every path under it
 RESULTS = "benchmarks/results/long_context.json"
 PLOT = "docs/img/long_context.png"
-DOCS = ("README.md", "docs/long-context.md")
+DOCS = ("docs/long-context.md",)
 BEGIN, END = "<!-- long-context: written by benchmarks/long_context.py --write-docs -->", "<!-- /long-context -->"
 
 BUCKETS = ((0, 256), (256, 512), (512, 1024))

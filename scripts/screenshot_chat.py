@@ -1,4 +1,4 @@
-"""The README's picture of the chat page: `lmforge serve`'s page in headless Chromium, a
+"""The picture of the chat page in docs/serving.md: `lmforge serve`'s page in headless Chromium, a
 short conversation with a checkpoint (the demo's SFT model by default), saved as a PNG.
 
     python scripts/screenshot_chat.py [--checkpoint runs/demo/sft] [--out docs/img/chat.png]

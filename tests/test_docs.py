@@ -4,6 +4,8 @@ names exists in the repository."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,14 +90,85 @@ def test_docstrings_and_recipe_comments_carry_no_dates_or_commit_hashes(root):
 
 
 def test_the_readme_families_table_is_the_registrys():
-    """The README's model families are written from ``lmforge.model.families``, never by hand."""
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "families_table.py"
-    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    """The model families of the README and of docs/architectures.md are written from
+    ``lmforge.model.families`` by scripts/families_table.py, never by hand."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "families_table.py"), "--check"],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     from lmforge.model.families import FAMILIES
 
-    readme = (script.parents[1] / "README.md").read_text(encoding="utf-8")
-    assert all(f"| `{name}` |" in readme for name in FAMILIES)
+    for page in ("README.md", "docs/architectures.md"):
+        text = (REPO / page).read_text(encoding="utf-8")
+        assert all(f"| `{name}` |" in text for name in FAMILIES), page
+
+
+# ---- the README's demo results: written by scripts/write_docs.py from a complete run's report.md
+
+
+def write_docs(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "write_docs.py"), *args], capture_output=True,
+                          text=True)
+
+
+DEMO_REPORT = """# lmforge run report
+
+| stage | verb | status | seconds | outputs |
+|---|---|---|---|---|
+| pretrain | pretrain | ran | 200.4 | `runs/demo/pretrain` |
+| sft | sft | skipped | 90.0 | `runs/demo/sft` |
+
+## report card
+
+The same tasks on each stage's final model (9 s to score; `core`: accuracies centred on chance, averaged).
+
+| task | metric | pretrain | sft |
+|---|---|---:|---:|
+| demo_choices | acc ↑ | 0.2533 | 0.6933 |
+| **demo_suite** | **core** ↑ | **0.0022** | **0.3489** |
+
+## pretrain (pretrain)
+
+- 300 steps
+"""
+
+
+@pytest.fixture
+def readme(tmp_path) -> Path:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("write_docs", REPO / "scripts" / "write_docs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    START, END = script.START, script.END
+    path = tmp_path / "README.md"
+    path.write_text(f"# r\n\n{START}\nnot yet\n{END}\n\nafter\n", encoding="utf-8")
+    return path
+
+
+def test_the_readme_has_the_demo_results_block_and_check_passes_without_a_report(tmp_path):
+    done = write_docs("--check", "--report", str(tmp_path / "absent" / "report.md"))
+    assert done.returncode == 0, done.stderr
+    assert "no report" in done.stderr
+
+
+def test_the_demo_results_are_the_report_card_and_stage_times_of_the_report(readme, tmp_path):
+    report = tmp_path / "report.md"
+    report.write_text(DEMO_REPORT, encoding="utf-8")
+    assert write_docs("--check", "--report", str(report), "--readme", str(readme)).returncode == 1  # not written yet
+    done = write_docs("--report", str(report), "--readme", str(readme), "--machine", "a test machine")
+    assert done.returncode == 0, done.stderr
+    text = readme.read_text(encoding="utf-8")
+    assert "`make demo` on a test machine, " in text and text.endswith("\n\nafter\n")
+    assert "| **demo_suite** | **core** ↑ | **0.0022** | **0.3489** |" in text
+    assert "pretrain 200 s, sft 90 s; 4 min 50 s in all" in text
+    assert write_docs("--check", "--report", str(report), "--readme", str(readme)).returncode == 0
+    report.write_text(DEMO_REPORT.replace("0.3489", "0.3500"), encoding="utf-8")
+    assert write_docs("--check", "--report", str(report), "--readme", str(readme)).returncode == 1
+
+
+def test_a_report_with_a_stage_stopped_early_is_refused(readme, tmp_path):
+    report = tmp_path / "report.md"
+    report.write_text(DEMO_REPORT.replace("| ran |", "| stopped early at step 216 of 300 |"), encoding="utf-8")
+    done = write_docs("--report", str(report), "--readme", str(readme), "--machine", "m")
+    assert done.returncode == 1 and "stopped early" in done.stderr
+    assert "not yet" in readme.read_text(encoding="utf-8")
