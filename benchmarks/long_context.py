@@ -62,7 +62,7 @@ LIFECYCLE = "recipes/long_context/lifecycle.yaml"
 RECIPE_ROOT = "runs/long_context"  # where the recipes write; --runs moves every path under it
 RESULTS = "benchmarks/results/long_context.json"
 PLOT = "docs/img/long_context.png"
-DOCS = ("docs/long-context.md",)
+DOCS = ("README.md", "docs/long-context.md")
 BEGIN, END = "<!-- long-context: written by benchmarks/long_context.py --write-docs -->", "<!-- /long-context -->"
 
 BUCKETS = ((0, 256), (256, 512), (512, 1024))
