@@ -63,6 +63,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequ
                                                 desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
         "mlp": lambda: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True),
         "norm": lambda: SequenceParallel(),
+        "output_norm": lambda: SequenceParallel(use_local_output=True),  # added to the local residual shard
     }
     for block in model.layers.children():
         plan = {name: styles[role]() for name, role in model.tp_plan(block).items()

@@ -541,8 +541,10 @@ class Transformer(nn.Module):
         """How tensor parallelism splits one of this model's blocks (``distributed.parallelize.apply_tp``):
         module name -> ``colwise`` (split by output features: heads, MLP width), ``rowwise`` (split by
         input features, the output reduced back to the residual stream), and, under sequence
-        parallelism only, ``norm`` (runs on its sequence shard), ``attention`` / ``mlp`` (a branch whose
-        residual-stream input is gathered first)."""
+        parallelism only, ``norm`` (runs on its sequence shard), ``output_norm`` (a norm of a branch's
+        output before the residual add, as Gemma's: on its sequence shard too, its output the local
+        shard the residual stream holds), ``attention`` / ``mlp`` (a branch whose residual-stream input
+        is gathered first)."""
         plan = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
                 "mlp.w1": "colwise", "mlp.w2": "rowwise", "attn_norm": "norm", "mlp_norm": "norm",
                 "attn": "attention", "mlp": "mlp"}

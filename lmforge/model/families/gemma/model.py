@@ -122,4 +122,4 @@ class Gemma(Transformer):
 
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
         """The shared plan, with the norms after each branch on their sequence shard too."""
-        return {**super().tp_plan(block), "post_attn_norm": "norm", "post_mlp_norm": "norm"}
+        return {**super().tp_plan(block), "post_attn_norm": "output_norm", "post_mlp_norm": "output_norm"}
