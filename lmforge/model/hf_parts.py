@@ -2,8 +2,9 @@
 
 How import classifies a ``config.json`` key (``HFKey``: honoured, refused unless at a value
 lmforge computes, or inert) and refuses the keys it does not know; ``PretrainedConfig``'s own
-keys, inert for every family; and RoPE and its scaling between ``ModelConfig``'s ``rope_*``
-fields and ``rope_scaling`` / ``rope_parameters``, as transformers' ``ROPE_INIT_FUNCTIONS`` read them.
+keys, inert for every family; RoPE and its scaling between ``ModelConfig``'s ``rope_*``
+fields and ``rope_scaling`` / ``rope_parameters``, as transformers' ``ROPE_INIT_FUNCTIONS`` read them;
+and ``WeightNames``, the weights' names where ours and the class's map one to one.
 It never imports ``transformers``.
 """
 
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.model.config import ROPE_SCALING_FIELDS, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------- config.json keys
 
@@ -194,3 +199,57 @@ def rope_fields(config: dict, max_position_embeddings: int, where: str) -> dict:
         del fields["rope_original_max_seq_len"]
     return fields
 
+
+
+# --------------------------------------------------------------------------- weight names
+
+# the embedding, final norm and head: the same names in every decoder class of transformers here
+HF_TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "lm_head.weight": "lm_head.weight"}
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """A family's parameter names in its Hugging Face class where the two map one to one:
+    ``layer`` maps a block's (``attn.wq.weight``) to the class's (``self_attn.q_proj.weight``)
+    under ``layers.<i>.`` and ``model.layers.<i>.``; ``top`` the rest. ``hf_class`` names the
+    class in the errors."""
+
+    hf_class: str
+    layer: dict[str, str]
+    top: dict[str, str] = field(default_factory=lambda: dict(HF_TOP_KEYS))
+
+    def to_hf(self, name: str) -> str:
+        """``layers.3.attn.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``KeyError`` for no such name."""
+        if name in self.top:
+            return self.top[name]
+        parts = name.split(".", 2)  # layers.<i>.<rest>
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in self.layer:
+            raise KeyError(f"no Hugging Face {self.hf_class} parameter for lmforge parameter {name!r}")
+        return f"model.layers.{parts[1]}.{self.layer[parts[2]]}"
+
+    def from_hf(self, name: str) -> str:
+        """The inverse of ``to_hf``."""
+        top = {theirs: ours for ours, theirs in self.top.items()}
+        if name in top:
+            return top[name]
+        layer = {theirs: ours for ours, theirs in self.layer.items()}
+        parts = name.split(".", 3)  # model.layers.<i>.<rest>
+        if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in layer:
+            raise KeyError(f"no lmforge parameter for Hugging Face {self.hf_class} parameter {name!r}")
+        return f"layers.{parts[2]}.{layer[parts[3]]}"
+
+    def state_to_hf(self, state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+        """Weights under the class's names; a tied output matrix is left out, as ``save_pretrained`` does."""
+        out = {self.to_hf(k): v for k, v in state.items()}
+        if tied:
+            out.pop("lm_head.weight", None)
+        return out
+
+    def state_from_hf(self, state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+        """The class's weights under our names (less the RoPE buffer some older checkpoints saved);
+        a tied output matrix becomes the embedding matrix."""
+        out = {self.from_hf(k): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if tied:
+            out["lm_head.weight"] = out["embed.weight"]
+        return out

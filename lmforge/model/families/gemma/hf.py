@@ -25,6 +25,7 @@ from lmforge.model.hf_parts import (
     INERT,
     NOT_READ,
     HFKey,
+    WeightNames,
     check_hf_config_keys,
     hf_max_position_embeddings,
     refused,
@@ -48,48 +49,18 @@ _LAYER_KEYS = {  # ours -> HF, per layer
     "mlp.w3.weight": "mlp.up_proj.weight",
     "mlp.w2.weight": "mlp.down_proj.weight",
 }
-_LAYER_KEYS_FROM_HF = {theirs: ours for ours, theirs in _LAYER_KEYS.items()}
-_TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
-_TOP_KEYS_FROM_HF = {theirs: ours for ours, theirs in _TOP_KEYS.items()}
-
-
-# --------------------------------------------------------------------------- names and weights
-
-
-def to_hf_name(name: str) -> str:
-    """``layers.3.post_attn_norm.weight`` -> ``model.layers.3.post_attention_layernorm.weight``."""
-    if name in _TOP_KEYS:
-        return _TOP_KEYS[name]
-    parts = name.split(".", 2)  # layers.<i>.<rest>
-    if len(parts) != 3 or parts[0] != "layers" or parts[2] not in _LAYER_KEYS:
-        raise KeyError(f"no Hugging Face Gemma parameter for lmforge parameter {name!r}")
-    return f"model.layers.{parts[1]}.{_LAYER_KEYS[parts[2]]}"
-
-
-def from_hf_name(name: str) -> str:
-    """The inverse of ``to_hf_name``."""
-    if name in _TOP_KEYS_FROM_HF:
-        return _TOP_KEYS_FROM_HF[name]
-    parts = name.split(".", 3)  # model.layers.<i>.<rest>
-    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_KEYS_FROM_HF:
-        raise KeyError(f"no lmforge Gemma parameter for Hugging Face parameter {name!r}")
-    return f"layers.{parts[2]}.{_LAYER_KEYS_FROM_HF[parts[3]]}"
+NAMES = WeightNames("Gemma", _LAYER_KEYS)
+to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: GemmaConfig) -> dict[str, torch.Tensor]:
     """Our weights under HF names; a tied output matrix is left out, as ``save_pretrained`` does."""
-    out = {to_hf_name(k): v for k, v in state.items()}
-    if cfg.tie_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+    return NAMES.state_to_hf(state, cfg.tie_embeddings)
 
 
 def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: GemmaConfig) -> dict[str, torch.Tensor]:
     """HF weights under our names; a tied output matrix becomes the embedding matrix."""
-    out = {from_hf_name(k): v for k, v in state.items()}
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    return out
+    return NAMES.state_from_hf(state, cfg.tie_embeddings)
 
 
 # --------------------------------------------------------------------------- config.json, export

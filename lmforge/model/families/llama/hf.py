@@ -23,6 +23,7 @@ from lmforge.model.hf_parts import (
     INERT,
     NOT_READ,
     HFKey,
+    WeightNames,
     check_hf_config_keys,
     hf_max_position_embeddings,
     refused,
@@ -59,52 +60,18 @@ _LAYER_KEYS = {
     "mlp.w3.bias": "mlp.up_proj.bias",
     "mlp.w2.bias": "mlp.down_proj.bias",
 }
-_LAYER_KEYS_FROM_HF = {theirs: ours for ours, theirs in _LAYER_KEYS.items()}
-_TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
-_TOP_KEYS_FROM_HF = {theirs: ours for ours, theirs in _TOP_KEYS.items()}
-
-
-# --------------------------------------------------------------------------- names
-
-
-def to_hf_name(name: str) -> str:
-    """``layers.3.attn.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    if name in _TOP_KEYS:
-        return _TOP_KEYS[name]
-    parts = name.split(".", 2)  # layers.<i>.<rest>
-    if len(parts) != 3 or parts[0] != "layers" or parts[2] not in _LAYER_KEYS:
-        raise KeyError(f"no Hugging Face parameter for lmforge parameter {name!r}")
-    return f"model.layers.{parts[1]}.{_LAYER_KEYS[parts[2]]}"
-
-
-def from_hf_name(name: str) -> str:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``layers.3.attn.wq.weight``."""
-    if name in _TOP_KEYS_FROM_HF:
-        return _TOP_KEYS_FROM_HF[name]
-    parts = name.split(".", 3)  # model.layers.<i>.<rest>
-    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_KEYS_FROM_HF:
-        raise KeyError(f"no lmforge parameter for Hugging Face parameter {name!r}")
-    return f"layers.{parts[2]}.{_LAYER_KEYS_FROM_HF[parts[3]]}"
+NAMES = WeightNames("Llama", _LAYER_KEYS)
+to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights under HF names; a tied output matrix is left out, as ``save_pretrained`` does."""
-    out = {to_hf_name(k): v for k, v in state.items()}
-    if cfg.tie_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+    return NAMES.state_to_hf(state, cfg.tie_embeddings)
 
 
 def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF weights under our names; a tied output matrix becomes the embedding matrix."""
-    out = {}
-    for k, v in state.items():
-        if k.endswith("rotary_emb.inv_freq"):  # a buffer some older checkpoints saved
-            continue
-        out[from_hf_name(k)] = v
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    return out
+    return NAMES.state_from_hf(state, cfg.tie_embeddings)
 
 
 

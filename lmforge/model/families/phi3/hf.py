@@ -27,6 +27,7 @@ from lmforge.model.hf_parts import (
     HONOURED,
     NOT_READ,
     HFKey,
+    WeightNames,
     check_hf_config_keys,
     hf_max_position_embeddings,
     refused,
@@ -45,37 +46,22 @@ _LAYER_KEYS = {
     "attn.wo.weight": "self_attn.o_proj.weight",
     "mlp.w2.weight": "mlp.down_proj.weight",
 }
-_LAYER_KEYS_FROM_HF = {theirs: ours for ours, theirs in _LAYER_KEYS.items()}
 _JOINED = {"self_attn.qkv_proj.weight": ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight"),
            "mlp.gate_up_proj.weight": ("mlp.w1.weight", "mlp.w3.weight")}
-_TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
-_TOP_KEYS_FROM_HF = {theirs: ours for ours, theirs in _TOP_KEYS.items()}
+NAMES = WeightNames("Phi3ForCausalLM", _LAYER_KEYS)
+from_hf_name = NAMES.from_hf  # ``KeyError`` for ``qkv_proj`` and ``gate_up_proj``, which are no one parameter of ours
 
 
 def to_hf_name(name: str) -> str:
     """``layers.3.attn.wo.weight`` -> ``model.layers.3.self_attn.o_proj.weight``; a ``KeyError`` for the
     projections Hugging Face joins (q/k/v, gate/up), which have no parameter of their own there."""
-    if name in _TOP_KEYS:
-        return _TOP_KEYS[name]
     parts = name.split(".", 2)  # layers.<i>.<rest>
-    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER_KEYS:
-        return f"model.layers.{parts[1]}.{_LAYER_KEYS[parts[2]]}"
     joined = next((theirs for theirs, ours in _JOINED.items() if len(parts) == 3 and parts[2] in ours), None)
     if joined is not None:
         raise KeyError(f"lmforge parameter {name!r} is part of Phi3ForCausalLM's joined {joined.removesuffix('.weight')}, "
                        "which has no parameter of its own, so a PEFT adapter cannot name it (a LoRA run's final/ holds "
                        "the merged weights; adapt only wo and w2 for a PEFT adapter)")
-    raise KeyError(f"no Hugging Face Phi3ForCausalLM parameter for lmforge parameter {name!r}")
-
-
-def from_hf_name(name: str) -> str:
-    """The inverse of ``to_hf_name`` (``KeyError`` for ``qkv_proj`` and ``gate_up_proj``)."""
-    if name in _TOP_KEYS_FROM_HF:
-        return _TOP_KEYS_FROM_HF[name]
-    parts = name.split(".", 3)  # model.layers.<i>.<rest>
-    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_KEYS_FROM_HF:
-        raise KeyError(f"no lmforge parameter for Hugging Face Phi3ForCausalLM parameter {name!r}")
-    return f"layers.{parts[2]}.{_LAYER_KEYS_FROM_HF[parts[3]]}"
+    return NAMES.to_hf(name)
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: Phi3Config) -> dict[str, torch.Tensor]:
