@@ -35,6 +35,11 @@ class LossOutput:
 class Objective(ABC):
     """A loss over micro-batches of one format (token windows, SFT rows, preference pairs...)."""
 
+    # Set by ``train.step.compile_objective``: a compiled objective keeps each batch at its padded
+    # length rather than trimming the padding (``reference.trim_padding``), since every new length
+    # would compile the graph again; the padding is masked, so the loss is the same.
+    static_shapes: bool = False
+
     @abstractmethod
     def num_targets(self, batch: Any) -> int:
         """Targets ``__call__``'s loss sums over; the loop divides by their total over the step."""

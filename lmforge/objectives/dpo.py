@@ -123,7 +123,7 @@ class PreferenceObjective(Objective):
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         cfg = self.cfg
         input_ids, labels, attention_mask = trim_padding(_cat(batch, "input_ids"), _cat(batch, "labels"),
-                                                         _cat(batch, "attention_mask"))
+                                                         _cat(batch, "attention_mask"), static=self.static_shapes)
         logps, n_tokens, logits = completion_logprobs(model, input_ids, labels, attention_mask)
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = n_tokens.chunk(2)

@@ -85,8 +85,10 @@ class KTOObjective(Objective):
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         cfg = self.cfg
-        ids, labels, mask = trim_padding(batch["input_ids"], batch["labels"], batch["attention_mask"])
-        kl_ids, kl_labels, kl_mask = trim_padding(batch["kl_input_ids"], batch["kl_labels"], batch["kl_attention_mask"])
+        ids, labels, mask = trim_padding(batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                         static=self.static_shapes)
+        kl_ids, kl_labels, kl_mask = trim_padding(batch["kl_input_ids"], batch["kl_labels"], batch["kl_attention_mask"],
+                                                  static=self.static_shapes)
         logps, n_tokens, _ = completion_logprobs(model, ids, labels, mask)
         with torch.no_grad():
             kl_logps, n_kl_tokens, _ = completion_logprobs(model, kl_ids, kl_labels, kl_mask)

@@ -109,10 +109,11 @@ def precompute_logprobs(reference: Reference, rows: dict[str, torch.Tensor], pre
 
 
 def trim_padding(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                 multiple_of: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 multiple_of: int = 8, static: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Drop columns that are padding in every row (trailing for right padding, leading for left),
-    keeping the length a multiple of ``multiple_of`` so few distinct shapes occur."""
-    if attention_mask is None:
+    keeping the length a multiple of ``multiple_of`` so few distinct shapes occur; with ``static``
+    (a compiled objective, ``Objective.static_shapes``) keep every column, one shape for every batch."""
+    if attention_mask is None or static:
         return input_ids, labels, attention_mask
     T = input_ids.shape[1]
     n = int(attention_mask.sum(-1).max())

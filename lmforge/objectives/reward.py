@@ -40,7 +40,7 @@ class RewardObjective(Objective):
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
         mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
-        ids, _, mask = trim_padding(ids, ids, mask)
+        ids, _, mask = trim_padding(ids, ids, mask, static=self.static_shapes)
         rewards = model(ids, mask)
         chosen, rejected = rewards.chunk(2)
         margin = batch.get("margin") if self.cfg.use_margin else None

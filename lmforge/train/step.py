@@ -50,8 +50,11 @@ class StepResult(NamedTuple):
 
 def compile_objective(objective: Objective) -> Callable:
     """Forward and loss compiled as one graph: on CPU this fuses the norms, RoPE, SwiGLU and
-    the fp32 cross-entropy around the matmuls. Evaluation keeps the eager objective, so a
-    short last validation batch costs no recompilation."""
+    the fp32 cross-entropy around the matmuls. Batches keep their padded length
+    (``Objective.static_shapes``), so the graph compiles once rather than once per trimmed
+    length. Evaluation keeps the eager objective, so a short last validation batch costs no
+    recompilation."""
+    objective.static_shapes = True
     return torch.compile(objective.__call__, dynamic=False)
 
 
