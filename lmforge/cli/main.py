@@ -147,6 +147,47 @@ def key_table(rows: list[RecipeKey]) -> str:
     return "\n".join(lines)
 
 
+def family_keys(cls: type) -> str:
+    """For the model section of recipe ``cls`` (a ``ModelConfig`` field), what each model family
+    changes of the keys the table lists (``ModelConfig``'s, the llama family's): the values it holds
+    keys at, the keys it fixes (not keys of its recipe), the defaults it sets and the keys it adds.
+    Empty for a recipe without one."""
+    from lmforge.model.config import ModelConfig
+    from lmforge.model.families import FAMILIES
+
+    hints = get_type_hints(cls)
+    sections = [f.name for f in dataclasses.fields(cls) if hints[f.name] is ModelConfig]
+    if not sections:
+        return ""
+    base = {f.name: declared_default(f) for f in dataclasses.fields(ModelConfig) if f.init}
+    parts = []
+    for family in FAMILIES.values():
+        if family.config is ModelConfig:
+            continue
+        own = {f.name: f for f in dataclasses.fields(family.config) if f.init}
+        changed = [f"{n}={short_repr(declared_default(f), 40)}" for n, f in own.items()
+                   if n in base and n != "family" and declared_default(f) != base[n]]
+        fixed = [n for n in base if n not in own]
+        lines = textwrap.wrap(f"{sections[0]}.family={family.name}: {family.summary}", HELP_WIDTH,
+                              initial_indent="  ", subsequent_indent=" " * 6)
+        held = getattr(family.config, "FIXED_FIELDS", {})
+        if held:
+            lines += textwrap.wrap("held at one value (another is refused): " + ", ".join(
+                f"{n}={short_repr(v, 40)}" for n, (v, _) in held.items()), HELP_WIDTH, initial_indent=" " * 6,
+                subsequent_indent=" " * 8)
+        if changed:
+            lines += textwrap.wrap("defaults: " + ", ".join(changed), HELP_WIDTH, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 8)
+        if fixed:
+            lines += textwrap.wrap("fixed by the family, not keys: " + ", ".join(fixed), HELP_WIDTH,
+                                   initial_indent=" " * 6, subsequent_indent=" " * 8)
+        added = [r for r in recipe_keys(family.config, prefix=f"{sections[0]}.", depth=2)
+                 if r.key.removeprefix(f"{sections[0]}.") not in base]
+        parts.append("\n".join(lines) + ("\n" + key_table(added) if added else ""))
+    return (f"model families ({', '.join(sections)}.family, or a preset, picks one; the table above is the llama "
+            "family's keys):\n" + "\n".join(parts))
+
+
 def override_text(value: Any) -> str:
     """``value`` as it would be written after ``key=`` on the command line."""
     if isinstance(value, bool) or value is None:
@@ -205,6 +246,8 @@ class VerbParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         rows = recipe_keys(self.recipe)
         self.epilog = f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}"
+        if families := family_keys(self.recipe):
+            self.epilog += f"\n\n{families}"
         example = example_override(rows).replace("%", "%%")  # argparse formats help with %
         for action in self._actions:
             if action.dest == "overrides":

@@ -348,3 +348,26 @@ def test_print_config_lists_every_plugin_without_importing_it(tmp_path, capsys):
         sys.path.remove(str(tmp_path))
     assert main(["tokenizer", "--print-config"]) == 0
     assert capsys.readouterr().out.endswith("# plugins: none (this recipe imports and runs no code of yours)\n")
+
+
+def test_a_verb_with_a_model_section_lists_what_each_family_changes_of_its_keys(capsys):
+    from lmforge.model.families import FAMILIES
+
+    out = verb_help("pretrain", capsys)
+    families = out[out.index("model families (model.family"):]
+    for name in FAMILIES.keys() - {"llama"}:
+        assert f"model.family={name}: " in families
+    flat = " ".join(families.split())
+    assert "model.attn_softcap float or null default None Gemma 2: each attention score" in flat  # a key Gemma adds
+    assert "fixed by the family, not keys: ffn, norm, positions, mlp_bias" in flat  # keys Gemma's recipe lacks
+    assert "positions='learned'" in flat and "norm='layernorm'" in flat  # GPT-2's defaults
+    assert "held at one value (another is refused): norm='rmsnorm'" in flat  # OLMo 2's and Phi-3's FIXED_FIELDS
+    assert all(len(line) <= 100 for line in families.splitlines())
+    assert "model families" not in verb_help("curate", capsys)  # no model section, no families
+
+
+def test_every_key_a_family_adds_has_help_text():
+    from lmforge.model.families import FAMILIES
+
+    for family in FAMILIES.values():
+        assert keys_without_help(family.config) == [], family.name
