@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,6 +48,15 @@ class HFMapping:
     state_from_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     name_to_hf: Callable[[str], str] | None = None
     name_from_hf: Callable[[str], str] | None = None
+
+    @classmethod
+    def from_module(cls, hf: ModuleType) -> HFMapping:
+        """A family's ``hf.py`` read by its names: ``CLASSES``, ``CONFIG_KEYS``, ``model_config_from_hf``,
+        ``hf_config_dict``, ``state_dict_to_hf``, ``state_dict_from_hf`` and, where the weights' names
+        map one to one, ``to_hf_name`` / ``from_hf_name``."""
+        return cls(classes=hf.CLASSES, config_keys=hf.CONFIG_KEYS, config_from_hf=hf.model_config_from_hf,
+                   config_to_hf=hf.hf_config_dict, state_to_hf=hf.state_dict_to_hf, state_from_hf=hf.state_dict_from_hf,
+                   name_to_hf=getattr(hf, "to_hf_name", None), name_from_hf=getattr(hf, "from_hf_name", None))
 
 
 @dataclass(frozen=True)

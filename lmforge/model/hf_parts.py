@@ -206,6 +206,14 @@ def rope_fields(config: dict, max_position_embeddings: int, where: str) -> dict:
 # the embedding, final norm and head: the same names in every decoder class of transformers here
 HF_TOP_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                "lm_head.weight": "lm_head.weight"}
+# a block's projections (ours -> the Llama-style classes'): q/k/v/o and gate/up/down, weights and biases
+HF_PROJECTION_KEYS = {
+    **{f"attn.w{p}.{t}": f"self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias")},
+    **{f"mlp.{ours}.{t}": f"mlp.{theirs}_proj.{t}" for ours, theirs in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+       for t in ("weight", "bias")},
+}
+# per-head QK-norm gains (Qwen3's, Gemma 3's)
+HF_QK_NORM_KEYS = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
 
 
 @dataclass(frozen=True)
@@ -239,17 +247,17 @@ class WeightNames:
             raise KeyError(f"no lmforge parameter for Hugging Face {self.hf_class} parameter {name!r}")
         return f"layers.{parts[2]}.{layer[parts[3]]}"
 
-    def state_to_hf(self, state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    def state_to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Weights under the class's names; a tied output matrix is left out, as ``save_pretrained`` does."""
         out = {self.to_hf(k): v for k, v in state.items()}
-        if tied:
+        if cfg.tie_embeddings:
             out.pop("lm_head.weight", None)
         return out
 
-    def state_from_hf(self, state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    def state_from_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """The class's weights under our names (less the RoPE buffer some older checkpoints saved);
         a tied output matrix becomes the embedding matrix."""
         out = {self.from_hf(k): v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-        if tied:
+        if cfg.tie_embeddings:
             out["lm_head.weight"] = out["embed.weight"]
         return out

@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from lmforge.core.io import InputError
 from lmforge.model.families.gemma.config import GemmaConfig
 from lmforge.model.hf_parts import (
     COMMON_KEYS,
+    HF_PROJECTION_KEYS,
+    HF_QK_NORM_KEYS,
     HONOURED,
     INERT,
     NOT_READ,
@@ -42,25 +42,13 @@ _LAYER_KEYS = {  # ours -> HF, per layer
     "post_attn_norm.weight": "post_attention_layernorm.weight",
     "mlp_norm.weight": "pre_feedforward_layernorm.weight",
     "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
-    **{f"attn.w{p}.{t}": f"self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias")},
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
+    **HF_PROJECTION_KEYS,
+    **HF_QK_NORM_KEYS,
 }
 NAMES = WeightNames("Gemma", _LAYER_KEYS)
 to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf
 
-
-def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: GemmaConfig) -> dict[str, torch.Tensor]:
-    """Our weights under HF names; a tied output matrix is left out, as ``save_pretrained`` does."""
-    return NAMES.state_to_hf(state, cfg.tie_embeddings)
-
-
-def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: GemmaConfig) -> dict[str, torch.Tensor]:
-    """HF weights under our names; a tied output matrix becomes the embedding matrix."""
-    return NAMES.state_from_hf(state, cfg.tie_embeddings)
+state_dict_to_hf, state_dict_from_hf = NAMES.state_to_hf, NAMES.state_from_hf
 
 
 # --------------------------------------------------------------------------- config.json, export

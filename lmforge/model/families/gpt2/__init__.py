@@ -35,12 +35,5 @@ FAMILY = Family(
     config=GPT2Config,
     model=GPT2,
     presets=PRESETS,
-    hf=HFMapping(
-        classes=hf.CLASSES,
-        config_keys=hf.CONFIG_KEYS,
-        config_from_hf=hf.model_config_from_hf,
-        config_to_hf=hf.hf_config_dict,
-        state_to_hf=hf.state_dict_to_hf,
-        state_from_hf=hf.state_dict_from_hf,
-    ),
+    hf=HFMapping.from_module(hf),
 )

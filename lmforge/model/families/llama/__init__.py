@@ -28,14 +28,5 @@ FAMILY = Family(
     config=ModelConfig,
     model=Transformer,
     presets=PRESETS,
-    hf=HFMapping(
-        classes=hf.CLASSES,
-        config_keys=hf.CONFIG_KEYS,
-        config_from_hf=hf.model_config_from_hf,
-        config_to_hf=hf.hf_config_dict,
-        state_to_hf=hf.state_dict_to_hf,
-        state_from_hf=hf.state_dict_from_hf,
-        name_to_hf=hf.to_hf_name,
-        name_from_hf=hf.from_hf_name,
-    ),
+    hf=HFMapping.from_module(hf),
 )

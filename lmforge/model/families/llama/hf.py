@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from lmforge.core.io import InputError
 from lmforge.model.config import ModelConfig
 from lmforge.model.hf_parts import (
     COMMON_KEYS,
+    HF_PROJECTION_KEYS,
+    HF_QK_NORM_KEYS,
     HONOURED,
     INERT,
     NOT_READ,
@@ -43,35 +43,13 @@ CLASSES = {
 _LAYER_KEYS = {
     "attn_norm.weight": "input_layernorm.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "attn.wq.bias": "self_attn.q_proj.bias",
-    "attn.wk.bias": "self_attn.k_proj.bias",
-    "attn.wv.bias": "self_attn.v_proj.bias",
-    "attn.wo.bias": "self_attn.o_proj.bias",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-    "mlp.w1.bias": "mlp.gate_proj.bias",
-    "mlp.w3.bias": "mlp.up_proj.bias",
-    "mlp.w2.bias": "mlp.down_proj.bias",
+    **HF_PROJECTION_KEYS,
+    **HF_QK_NORM_KEYS,
 }
 NAMES = WeightNames("Llama", _LAYER_KEYS)
 to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf
 
-
-def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our weights under HF names; a tied output matrix is left out, as ``save_pretrained`` does."""
-    return NAMES.state_to_hf(state, cfg.tie_embeddings)
-
-
-def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF weights under our names; a tied output matrix becomes the embedding matrix."""
-    return NAMES.state_from_hf(state, cfg.tie_embeddings)
+state_dict_to_hf, state_dict_from_hf = NAMES.state_to_hf, NAMES.state_from_hf
 
 
 

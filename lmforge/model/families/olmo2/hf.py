@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from lmforge.core.io import InputError
 from lmforge.model.families.olmo2.config import Olmo2Config
 from lmforge.model.hf_parts import (
     COMMON_KEYS,
+    HF_PROJECTION_KEYS,
     HONOURED,
     HFKey,
     WeightNames,
@@ -32,34 +31,17 @@ CLASSES = {"olmo2": "Olmo2ForCausalLM"}  # model_type -> the one class whose wei
 
 # ours -> HF, per layer
 _LAYER_KEYS = {
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "attn.wq.bias": "self_attn.q_proj.bias",
-    "attn.wk.bias": "self_attn.k_proj.bias",
-    "attn.wv.bias": "self_attn.v_proj.bias",
-    "attn.wo.bias": "self_attn.o_proj.bias",
+    **HF_PROJECTION_KEYS,
+    # its QK-norm gains over the whole projections, under the names of Qwen3's per-head ones
     "attn.q_proj_norm.weight": "self_attn.q_norm.weight",
     "attn.k_proj_norm.weight": "self_attn.k_norm.weight",
     "post_attn_norm.weight": "post_attention_layernorm.weight",
     "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
 }
 NAMES = WeightNames("Olmo2ForCausalLM", _LAYER_KEYS)
 to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf
 
-
-def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: Olmo2Config) -> dict[str, torch.Tensor]:
-    """Our weights under HF names; a tied output matrix is left out, as ``save_pretrained`` does."""
-    return NAMES.state_to_hf(state, cfg.tie_embeddings)
-
-
-def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: Olmo2Config) -> dict[str, torch.Tensor]:
-    """HF weights under our names; a tied output matrix becomes the embedding matrix."""
-    return NAMES.state_from_hf(state, cfg.tie_embeddings)
+state_dict_to_hf, state_dict_from_hf = NAMES.state_to_hf, NAMES.state_from_hf
 
 
 def hf_config_dict(cfg: Olmo2Config, dtype: str = "float32", **extra: Any) -> dict:
