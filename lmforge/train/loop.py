@@ -46,10 +46,12 @@ from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the
 )
 from lmforge.train.forward import DTYPES, autocast_context  # noqa: F401 (autocast_context: the stages' import)
 from lmforge.train.guards import NonFiniteGuard, TimeLimit
+from lmforge.train.lamb import LambConfig
 from lmforge.train.loggers import check_installed
 from lmforge.train.metrics import peak_source
+from lmforge.train.muon import MuonConfig
 from lmforge.train.noise_scale import NoiseScale
-from lmforge.train.optim import build_adamw, lr_at
+from lmforge.train.optim import build_optimizer, lr_at
 from lmforge.train.spikes import SpikeConfig, SpikeGuard, StepRange
 from lmforge.train.step import build_step_runner
 from lmforge.train.step_log import StepLog
@@ -60,7 +62,14 @@ class TrainConfig:
     """Optimizer, schedule, batch, precision, evaluation and checkpointing of a training run."""
 
     max_steps: int = positive(1000, help="optimizer steps; the schedule spans them")
-    lr: float = positive(3e-4, help="peak learning rate")
+    optimizer: Literal["adamw", "muon", "lamb"] = option(
+        "adamw",
+        help="adamw; muon (Muon on the blocks' matrices, train.muon, and AdamW on the rest); "
+        "lamb (Adam with a per-tensor trust ratio, train.lamb)",
+    )
+    muon: MuonConfig = option(default_factory=MuonConfig, help="Muon's keys (train.optimizer: muon)")
+    lamb: LambConfig = option(default_factory=LambConfig, help="LAMB's keys (train.optimizer: lamb)")
+    lr: float = positive(3e-4, help="peak learning rate (of AdamW; of LAMB; of the parameters Muon leaves to AdamW)")
     min_lr_ratio: float = unit_interval(0.1, help="the schedule ends at lr * min_lr_ratio")
     warmup_steps: int = at_least(0, 100, help="steps of linear warm-up to lr")
     schedule: Literal["cosine", "wsd", "constant"] = option(
@@ -69,10 +78,10 @@ class TrainConfig:
         "wsd (warmup-stable-decay: flat, then a linear decay), or constant",
     )
     decay_fraction: float = unit_interval(0.2, low_open=True, help="wsd: share of steps spent decaying")
-    weight_decay: float = at_least(0, 0.1, help="on weight matrices only")
-    beta1: float = unit_interval(0.9, high_open=True, help="AdamW's β1")
-    beta2: float = unit_interval(0.95, high_open=True, help="AdamW's β2")
-    eps: float = positive(1e-8, help="AdamW's ε")
+    weight_decay: float = at_least(0, 0.1, help="on weight matrices only (AdamW's and LAMB's)")
+    beta1: float = unit_interval(0.9, high_open=True, help="AdamW's (and LAMB's) β1")
+    beta2: float = unit_interval(0.95, high_open=True, help="AdamW's (and LAMB's) β2")
+    eps: float = positive(1e-8, help="AdamW's (and LAMB's) ε")
     grad_clip: float = at_least(0, 1.0, help="max global gradient norm; 0 disables clipping")
     micro_batch_size: int = positive(8, help="sequences per forward/backward on each rank")
     batch_tokens: int | None = positive(None, help="target tokens per optimizer step; None = one micro-batch")
@@ -153,12 +162,15 @@ def accumulation_steps(cfg: TrainConfig, tokens_per_micro_batch: int, world_size
 
 
 def scheduled_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
-    """Set and return the learning rate of step ``step`` (0-based) on the schedule of ``cfg``."""
-    lr = lr_at(step, peak=cfg.lr, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
-               min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
+    """Set each parameter group's learning rate for step ``step`` (0-based) on the schedule of
+    ``cfg``, from the group's ``peak_lr`` (Muon's matrices have their own) or ``train.lr``; return
+    the rate of ``train.lr``, the one logged."""
+    def at(peak: float) -> float:
+        return lr_at(step, peak=peak, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
+                     min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
     for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
+        group["lr"] = at(group.get("peak_lr", cfg.lr))
+    return at(cfg.lr)
 
 
 def train(
@@ -193,7 +205,7 @@ def train(
     if not isinstance(objective, Objective):
         raise TypeError(f"{type(objective).__name__} is not an Objective: subclass lmforge.objectives.base.Objective")
     run_dir = Path(run_dir)
-    optimizer = build_adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.weight_decay)
+    optimizer = build_optimizer(model, cfg)
     checkpointer = build_checkpointer(run_dir, cfg, recipe, tokenizer_dir, model, optimizer, parallel)
     found = checkpointer.find()
     precision, reason = choose_precision(cfg, found[1].trainer_state.get("precision") if found else None,

@@ -1,11 +1,19 @@
-"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules."""
+"""The optimizer a run names (``train.optimizer``: AdamW, Muon with AdamW, LAMB), with weight
+decay on matrices only, and the learning-rate schedules."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from lmforge.train.lamb import Lamb
+from lmforge.train.muon import Muon, muon_groups
+
+if TYPE_CHECKING:
+    from lmforge.train.loop import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -27,6 +35,31 @@ def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: fl
     device = next(model.parameters()).device
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.optimizer`` over ``model``'s trainable parameters.
+
+    - ``adamw``: ``build_adamw`` with ``train.lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``.
+    - ``muon``: ``Muon`` with ``train.muon``'s keys on the blocks' 2-D matrices, and AdamW with
+      the keys above on the rest (embeddings, the head, norms, biases).
+    - ``lamb``: ``Lamb`` with the keys above and ``train.lamb``'s on every parameter.
+
+    Every group holds ``peak_lr``, the rate the schedule scales (``loop.scheduled_lr``).
+    """
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "adamw":
+        return build_adamw(model, cfg.lr, betas, cfg.eps, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "muon":
+        fused = next(model.parameters()).device.type in ("cuda", "cpu")
+        return Muon(muon_groups(model, cfg.muon, groups, betas, cfg.eps, cfg.lr), fused=fused)
+    if cfg.optimizer == "lamb":
+        lamb = cfg.lamb
+        return Lamb([{**g, "peak_lr": cfg.lr} for g in groups], lr=cfg.lr, betas=betas, eps=cfg.eps,
+                    bias_correction=lamb.bias_correction, max_weight_norm=lamb.max_weight_norm,
+                    max_trust_ratio=lamb.max_trust_ratio)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; use adamw, muon or lamb")
 
 
 def lr_at(

@@ -18,6 +18,7 @@ from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.peft.lora import LoraConfig, apply_lora
 from lmforge.train.loop import TrainConfig
+from lmforge.train.muon import hidden_matrices
 
 
 def prepare_model(model: nn.Module, cfg: TrainConfig, parallel: ParallelContext | None = None, *,
@@ -32,12 +33,15 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, parallel: ParallelContext 
     as is; under ``parallel`` (a torchrun job) each block is compiled, then the model is laid out
     (TP, FSDP2/HSDP) by ``parallelize_model``. ``frozen`` prepares a copy that never runs backward (a
     live DPO/KTO reference): no checkpointing or compile, and FSDP frees every gathered weight after
-    each forward.
+    each forward. A model Muon cannot train (``train.optimizer: muon``, no trainable matrix in its
+    blocks) is refused here, before the stage's work.
     """
     if lora is not None:
         wrap_lora(model, lora, stage)
     if head is not None:
         model = head(model)
+    if cfg.optimizer == "muon" and not frozen:
+        hidden_matrices(model)  # refuse now, before the stage scores or lays out the model
     checkpointing = cfg.activation_checkpointing and not frozen
     if parallel is None:
         if checkpointing:

@@ -33,6 +33,18 @@ FP16_RUNS = {  # dynamic loss scaling: one overflow verdict and one scale for al
     "fsdp_fp16": {"parallel.dp_shard": 2, "train.precision": "fp16"},
     "pp_fp16": {"parallel.pp": 2, "parallel.pp_microbatches": 2, "train.precision": "fp16"},
 }
+# Muon orthogonalises each sharded matrix whole (gathered), LAMB takes each tensor's norm over its
+# shards: both against their own single-process runs (Muon's iteration in fp32, so that 1e-5 is
+# many of its roundings wide)
+OPTIMIZER_RUNS = {
+    "muon": {"train.optimizer": "muon", "train.muon.ns_dtype": "fp32"},
+    "lamb": {"train.optimizer": "lamb", "train.lr": 0.3},
+}
+OPTIMIZER_PARALLEL_RUNS = {
+    "fsdp_muon": ("muon", {"parallel.dp_shard": 2}),
+    "tp_muon": ("muon", {"parallel.tp": 2}),
+    "fsdp_lamb": ("lamb", {"parallel.dp_shard": 2}),
+}
 FOUR_RANK_RUNS = {
     "fsdp_x_tp": {"parallel.dp_shard": 2, "parallel.tp": 2},
     "hsdp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 2},
@@ -54,6 +66,9 @@ def runs(tmp_path_factory, recipe_for):
     dirs = {"reference": root / "reference", "reference_fp16": root / "reference_fp16"}
     run_pretrain(recipe_for(dirs["reference"]))
     run_pretrain(recipe_for(dirs["reference_fp16"], **{"train.precision": "fp16"}))
+    for name, overrides in OPTIMIZER_RUNS.items():
+        dirs[f"reference_{name}"] = root / f"reference_{name}"
+        run_pretrain(recipe_for(dirs[f"reference_{name}"], **overrides))
 
     def pretrain_jobs(specs: dict) -> list[dict]:
         jobs = []
@@ -77,7 +92,8 @@ def runs(tmp_path_factory, recipe_for):
         "resume_as_tp": {"parallel.tp": 2, "train.resume": str(fsdp_ckpts / "step_00000001")},
         "resume_as_pp": {"parallel.pp": 2, "train.resume": str(fsdp_ckpts / "step_00000002")},
     })
-    others = pretrain_jobs({**{k: v for k, v in TWO_RANK_RUNS.items() if k != "fsdp"}, **FP16_RUNS})
+    others = pretrain_jobs({**{k: v for k, v in TWO_RANK_RUNS.items() if k != "fsdp"}, **FP16_RUNS,
+                            **{k: {**OPTIMIZER_RUNS[opt], **v} for k, (opt, v) in OPTIMIZER_PARALLEL_RUNS.items()}})
     dirs["scaler"] = root / "scaler.json"
     scaler_job = {"kind": "scaler", "out": str(dirs["scaler"])}
     torchrun(2, first + resumes + others + gradient_jobs(GRADIENT_CHECKS[2]) + [scaler_job], root)
@@ -109,6 +125,20 @@ def test_fp16_loss_scaling_matches_a_single_process_run(runs, name):
     assert len(reference) == STEPS and reference[-1] < reference[0]
     assert losses(runs[name]) == pytest.approx(reference, rel=2e-3)
     assert losses(runs[name], "grad_norm") == pytest.approx(losses(runs["reference_fp16"], "grad_norm"), rel=2e-2)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZER_PARALLEL_RUNS))
+def test_muon_and_lamb_under_fsdp_and_tp_match_a_single_process_run(runs, name):
+    reference = runs[f"reference_{OPTIMIZER_PARALLEL_RUNS[name][0]}"]
+    assert len(losses(reference)) == STEPS and losses(reference)[-1] < losses(reference)[0]
+    assert losses(runs[name]) == pytest.approx(losses(reference), rel=1e-5, abs=1e-6)
+    assert losses(runs[name], "grad_norm") == pytest.approx(losses(reference, "grad_norm"), rel=1e-4)
+    final = f"checkpoints/step_{STEPS:08d}"
+    weights = load_file(str(runs[name] / final / "model.safetensors"))
+    expected = load_file(str(reference / final / "model.safetensors"))
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-5, msg=key)
 
 
 def test_an_overflow_on_one_rank_skips_the_step_and_halves_the_scale_on_every_rank(runs):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmforge.checkpoints.load import load_model
-from lmforge.core.config import load_config
+from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError
 from lmforge.data.rows import RowLoader
 from lmforge.data.sft_demo import write_demo
@@ -55,6 +55,24 @@ def test_lora_fine_tuning_saves_a_peft_adapter_and_a_merged_model(tmp_path, base
     tuned, _ = load_model(tmp_path / "run")
     changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert changed and all(".attn." in n or ".mlp." in n for n in changed)  # only adapted linears moved
+
+
+def test_lora_with_muon_orthogonalises_the_adapters_and_trains(tmp_path, base_checkpoint, sft_data):
+    run_sft(recipe(tmp_path, base_checkpoint, sft_data, "lora={r: 4, alpha: 8}", "train.optimizer=muon",
+                   "train.muon.lr=0.02"))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert losses[-1] < losses[0]
+    state = torch.load(next((tmp_path / "run" / "checkpoints").glob("step_*")) / "optimizer.pt", weights_only=True)
+    kinds = [g["kind"] for g in state["param_groups"]]
+    assert kinds == ["muon"]  # LoRA trains only the adapters' A and B, all of them matrices in the blocks
+    assert all("momentum_buffer" in s for s in state["state"].values())
+
+
+def test_muon_with_adapters_on_no_block_matrix_is_refused_before_any_work(tmp_path, base_checkpoint, sft_data):
+    with pytest.raises(ConfigError, match=r"train.optimizer = muon: the model has no trainable 2-D matrix"):
+        run_sft(recipe(tmp_path, base_checkpoint, sft_data, "lora={r: 4, alpha: 8, target_modules: [lm_head]}",
+                       "train.optimizer=muon"))
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_bad_examples_name_file_and_line_or_are_counted(tmp_path, base_checkpoint, sft_data):
