@@ -260,3 +260,28 @@ def test_copying_gain_is_none_at_init_and_large_once_a_model_learns_to_copy(tmp_
     write_checksums(ckpt)
     row = json.loads(run("copying.py", ckpt, "--length", 12, "--rows", 16, "--seed", 1, "--low", 32).splitlines()[-1])
     assert row["copying_gain"] == pytest.approx(first - second, abs=1e-3) and positive(row["first_copy_nll"], row["second_copy_nll"])
+
+
+def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(tmp_path, corpus_jsonl,
+                                                                              small_tokenizer_dir):
+    from lmforge.data.documents import DocumentsConfig
+    from lmforge.stages.prepare import PrepareRecipe, run_prepare
+
+    shards = tmp_path / "shards"
+    run_prepare(PrepareRecipe(run_dir=str(shards), tokenizer=str(small_tokenizer_dir),
+                              data=DocumentsConfig(paths=[str(corpus_jsonl)]), val_fraction=0.1))
+    out = tmp_path / "optimizers.json"
+    stdout = run("optimizers.py", "--quick", "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "o.png",
+                 "--set", f"tokenizer={small_tokenizer_dir}", f"data.datasets=[{{path: {shards}}}]",
+                 "model.vocab_size=512", "model.max_seq_len=64", "data.seq_len=32", "train.micro_batch_size=2",
+                 "train.batch_tokens=64", "train.max_steps=4", "train.eval_every=2")
+    result = read_json(out)
+    assert [r["optimizer"] for r in result["runs"]] == ["adamw", "muon", "lamb"]
+    for r in result["runs"]:
+        assert r["steps"] == 4 and [p["step"] for p in r["curve"]] == [2, 4], r
+        assert positive(r["final_val_loss"], r["tokens_per_s"], r["curve"][-1]["train_s"])
+    best = result["summary"]["best"]
+    assert set(best) == {"adamw", "muon", "lamb"} and positive(result["summary"]["equal_time_s"])
+    assert all(b["val_loss_at_equal_time"] >= b["final_val_loss"] - 1e-9 or b["train_s"] <= result["summary"]["equal_time_s"]
+               for b in best.values())
+    assert (tmp_path / "o.png").is_file() and "| muon |" in stdout
