@@ -134,6 +134,9 @@ def replace_directory(tmp: str | Path, path: str | Path) -> None:
     one is removed after; elsewhere it is moved aside to ``.<name>.old`` first, which leaves a
     moment without ``path``."""
     tmp, path = Path(tmp), Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):  # never swap a user's file or link aside
+        raise InputError(f"{path}: exists and is not a folder (a file or a link); it is left as it is: "
+                         "move it, or write to another folder")
     if not path.exists():
         tmp.rename(path)
     elif _exchange(tmp, path):

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from lmforge.core.config import dump_config, save_config
-from lmforge.core.io import InputError, atomic_write_json, check_output_dir, read_json
+from lmforge.core.io import InputError, atomic_directory, atomic_write_json, check_output_dir, read_json
 
 log = logging.getLogger("lmforge")
 
@@ -125,6 +125,23 @@ def run_dir_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path]:
     finally:
         if took:
             release_run_dir(run_dir)
+
+
+@contextmanager
+def atomic_run_dir(run_dir: str | Path) -> Iterator[Path]:
+    """``atomic_directory`` for a run directory this process holds locked: a temporary sibling to
+    fill, which replaces ``run_dir`` only if the block succeeds. The lock file and holder
+    information go into the new folder as hard links of the same files before the swap, so the
+    directory is locked throughout (a new lock file would be a second, free lock)."""
+    run_dir = Path(run_dir)
+    with atomic_directory(run_dir) as tmp:
+        yield tmp
+        for name in (LOCK_FILE, HOLDER_FILE):
+            if (run_dir / name).is_file():
+                try:
+                    os.link(run_dir / name, tmp / name)
+                except OSError:  # a filesystem without hard links: the same file, moved
+                    os.replace(run_dir / name, tmp / name)
 
 
 def clear_run_dir(run_dir: str | Path) -> None:

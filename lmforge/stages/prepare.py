@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.core.config import option, positive, save_config, unit_interval
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json, expand_paths, remove_temporaries
-from lmforge.core.run import log, progress_bar
+from lmforge.core.io import InputError, atomic_write_json, expand_paths, remove_temporaries
+from lmforge.core.run import atomic_run_dir, log, progress_bar, run_dir_lock
 from lmforge.data.documents import DocumentsConfig, SkipLog
 from lmforge.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, open_shards, token_dtype, tokenize_to_shards
 from lmforge.data.split import SPLIT_RULES, SplitRule, files_split, source_split, validation_files
@@ -69,6 +69,17 @@ def split_record(recipe: PrepareRecipe) -> dict:
 
 
 def run_prepare(recipe: PrepareRecipe) -> dict:
+    """Before any work, ``run_dir`` is checked (a file or a link there is the user's: refused, never
+    swapped aside, since prepare replaces its run_dir whole) and locked."""
+    if Path(recipe.run_dir).is_symlink():
+        raise InputError(f"run_dir = {recipe.run_dir}: is a link; prepare replaces its run_dir whole, so give the "
+                         f"folder it points to ({Path(recipe.run_dir).resolve()}) or a new one")
+    with run_dir_lock(recipe.run_dir):  # refuses an existing file; a second prepare into it fails at once
+        return write_prepared(recipe)
+
+
+def write_prepared(recipe: PrepareRecipe) -> dict:
+    """``run_prepare`` in its locked run directory."""
     tok = Tokenizer.load(recipe.tokenizer)
     val_files = validation_files(recipe.val_paths, recipe.data.paths) if recipe.val_paths else []
     if val_files:
@@ -82,7 +93,7 @@ def run_prepare(recipe: PrepareRecipe) -> dict:
     out_dir = Path(recipe.run_dir)
     if removed := remove_temporaries(out_dir.parent, of=out_dir.name):  # a killed prepare's unfinished output
         log.info("removed %d temporary folders a killed prepare left: %s", len(removed), ", ".join(map(str, removed)))
-    with atomic_directory(recipe.run_dir) as out:
+    with atomic_run_dir(recipe.run_dir) as out:
         bar = progress_bar(total_bytes, "tokenizing", unit="B", unit_scale=True)
         result = tokenize_to_shards(
             labelled,

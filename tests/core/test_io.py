@@ -38,3 +38,20 @@ def test_an_existing_directory_is_swapped_in_one_step_on_linux(tmp_path, monkeyp
     with atomic_directory(target) as tmp:
         fill(tmp, "new.txt", "new")
     assert calls == [True] and [p.name for p in target.iterdir()] == ["new.txt"]
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_link_at_the_target_is_refused_and_left_as_it_is(tmp_path, kind):
+    target = tmp_path / "out"
+    if kind == "file":
+        target.write_text("the user's own file")
+    else:
+        target.symlink_to(fill(tmp_path / "elsewhere", "keep.txt", "keep"))
+    with pytest.raises(io.InputError, match=r"out: exists and is not a folder"):
+        with atomic_directory(target) as tmp:
+            fill(tmp, "new.txt", "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(["elsewhere"] if kind == "link" else [])])
+    if kind == "file":
+        assert target.read_text() == "the user's own file"
+    else:
+        assert target.is_symlink() and [p.name for p in target.iterdir()] == ["keep.txt"]

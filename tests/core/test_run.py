@@ -114,3 +114,22 @@ def test_completed_summary_is_the_stored_one_only_for_a_run_found_complete(tmp_p
     assert completed_summary(tmp_path, {"step": 8, "final_loss": 2.4}) is None  # it trained: write anew
     assert completed_summary(tmp_path, {"step": 8, "already_complete": True}) == {"step": 8, "val_loss": 2.5}
     assert completed_summary(tmp_path / "none", {"step": 8, "already_complete": True}) is None
+
+
+def test_a_run_dir_replaced_whole_stays_locked_through_the_swap(tmp_path):
+    from lmforge.core.run import atomic_run_dir
+
+    run_dir = tmp_path / "run"
+    with run_dir_lock(run_dir):
+        (run_dir / "old.txt").write_text("old")
+        with atomic_run_dir(run_dir) as tmp:
+            (tmp / "new.txt").write_text("new")
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE, HOLDER_FILE, "new.txt"]
+        assert json.loads((run_dir / HOLDER_FILE).read_text())["pid"] == os.getpid()
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):  # the same locked file, not a new free one
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE, "new.txt"]

@@ -261,3 +261,48 @@ def test_conversations_are_tokenized_as_sft_tokenizes_them_with_their_special_to
     im_start, im_end = small_tokenizer.token_to_id(IM_START), small_tokenizer.token_to_id(IM_END)
     assert all(d.count(im_start) == 2 and d.count(im_end) == 2 for d in stored)  # one special token each, not split
     assert manifest["splits"]["train"]["n_docs"] == 40
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_any_work_and_the_file_is_kept(tmp_path, small_tokenizer_dir,
+                                                                                  corpus_jsonl, capsys, monkeypatch):
+    from lmforge.cli.main import main
+    from lmforge.core.io import is_temporary
+    from lmforge.stages import prepare as stage
+
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    argv = ["prepare", f"data.paths=[{corpus_jsonl}]", f"tokenizer={small_tokenizer_dir}", f"run_dir={tmp_path}/notes.txt"]
+    monkeypatch.setattr(stage.Tokenizer, "load", lambda *a: pytest.fail("the run_dir is checked before any work"))
+    for _ in range(2):  # a second prepare finds the file as it was, not a "temporary" to remove
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("lmforge prepare: error: run_dir = ")
+        assert "notes.txt: exists and is not a folder" in err[0]
+        assert (tmp_path / "notes.txt").read_text() == "the user's own file"
+        assert not [p for p in tmp_path.iterdir() if is_temporary(p)]
+
+
+def test_a_run_dir_that_is_a_link_is_refused_and_the_link_kept(tmp_path, small_tokenizer_dir, corpus_jsonl):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "real")
+    with pytest.raises(InputError, match=r"run_dir = .*out: is a link"):
+        prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl])
+    assert (tmp_path / "out").is_symlink() and list((tmp_path / "real").iterdir()) == []
+
+
+def test_prepare_holds_the_run_dir_lock_and_a_second_prepare_into_it_is_refused(tmp_path, small_tokenizer_dir,
+                                                                                corpus_jsonl, monkeypatch):
+    from lmforge.core.run import LOCK_FILE, RunDirBusy
+    from lmforge.stages import prepare as stage
+    from tests.core.test_run import hold_in_subprocess
+
+    prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    holder = hold_in_subprocess(tmp_path / "out")
+    try:
+        monkeypatch.setattr(stage.Tokenizer, "load", lambda *a: pytest.fail("a busy run_dir is refused before any work"))
+        with pytest.raises(RunDirBusy, match=rf"pid {holder.pid} on "):
+            prepare(tmp_path, small_tokenizer_dir, [corpus_jsonl])
+    finally:
+        holder.communicate("")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert LOCK_FILE in before  # the lock went with the new contents when prepare replaced its folder
