@@ -1,0 +1,509 @@
+"""Write the measured figures of ``benchmarks/results/*.json`` into the Markdown pages that show
+them, between markers, so that no figure is copied into prose by hand. Each result becomes a table
+and a line naming the machine, the date, the commit and the command its JSON records; what a JSON
+does not record is written "not recorded", never guessed.
+
+    python scripts/write_benchmark_docs.py           # rewrite every block from the JSON
+    python scripts/write_benchmark_docs.py --check   # exit 1 if a block is not its JSON's (tests/test_benchmark_docs.py)
+
+A block shows one result, ``benchmarks/results/<name>.json``; put it in any page under ``docs/``
+(or in ``benchmarks/README.md``) and the script fills it:
+
+    <!-- bench:alignment: written by scripts/write_benchmark_docs.py from benchmarks/results/alignment.json -->
+    <!-- /bench:alignment -->
+
+``benchmarks/README.md`` also holds ``bench:summary``, a row per result, and a block of every
+result: a JSON with none there gets one, under its own heading at the end of that file. The script
+reads JSON and Markdown only (no torch), so its check is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+INDEX = REPO / "benchmarks" / "README.md"  # every result has a block here
+WRITER = "scripts/write_benchmark_docs.py"
+NOT_RECORDED = "not recorded"
+SUMMARY = "summary"
+BLOCK = re.compile(r"<!-- bench:(?P<name>[\w.-]+): written by scripts/write_benchmark_docs\.py[^\n]*?-->\n"
+                   r"(?P<body>.*?)<!-- /bench:(?P=name) -->", re.S)
+
+
+# --------------------------------------------------------------------------- blocks in a page
+
+
+def begin_marker(name: str) -> str:
+    source = "benchmarks/results/*.json" if name == SUMMARY else f"benchmarks/results/{name}.json"
+    return f"<!-- bench:{name}: written by {WRITER} from {source} -->"
+
+
+def end_marker(name: str) -> str:
+    return f"<!-- /bench:{name} -->"
+
+
+def block(name: str, body: str) -> str:
+    """The whole block, markers included, holding ``body``."""
+    return f"{begin_marker(name)}\n{body.rstrip()}\n{end_marker(name)}"
+
+
+def block_names(text: str) -> list[str]:
+    """The names of the blocks in ``text``, in order."""
+    return [m.group("name") for m in BLOCK.finditer(text)]
+
+
+def with_blocks(text: str, bodies: dict[str, str]) -> str:
+    """``text`` with each block rewritten from ``bodies`` (a block whose name is missing is refused)."""
+    def rewrite(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in bodies:
+            raise KeyError(name)
+        return block(name, bodies[name])
+
+    return BLOCK.sub(rewrite, text)
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def machine_of(result: dict) -> str:
+    """The machine as the JSON records it: CPU model, cores, threads, torch; the platform string
+    where the CPU model is missing."""
+    machine = result.get("machine")
+    if isinstance(machine, str):
+        machine = {"cpu": machine, "cpus": result.get("cpus"), "torch_threads": result.get("torch_threads")}
+    if not isinstance(machine, dict) or not machine:
+        return NOT_RECORDED
+    if machine.get("summary"):
+        return machine["summary"]
+    cpu = machine.get("cpu") or machine.get("processor")
+    parts = [cpu or f"{machine.get('platform', 'platform not recorded')} (CPU model {NOT_RECORDED})"]
+    if machine.get("cpus"):
+        parts.append(f"{machine['cpus']} cores")
+    threads = machine.get("torch_threads", machine.get("threads"))
+    if threads:
+        parts.append(f"{threads} torch threads")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    if machine.get("device") and machine["device"] != "cpu":
+        parts.append(machine["device"])
+    return ", ".join(parts)
+
+
+def provenance(name: str, result: dict) -> str:
+    date = result.get("date")
+    commit = result.get("commit")
+    command = result.get("command")
+    return (f"Machine: {machine_of(result)}; date: {date[:10] if date else NOT_RECORDED}; "
+            f"commit: {f'`{commit[:12]}`' if commit else NOT_RECORDED}; "
+            f"command: {f'`{command}`' if command else NOT_RECORDED}. "
+            f"From `benchmarks/results/{name}.json`.")
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def num(x, digits: int = 3) -> str:
+    """A figure as the JSON has it: ``digits`` significant digits below 1000, whole numbers with
+    thousands separators from 1000 up, integers whole."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int) or abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) < 1:
+        return f"{x:.{digits}g}"
+    return f"{x:.{max(digits - len(str(int(abs(x)))), 0)}f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}"
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+@dataclass
+class Rendered:
+    lines: list[str]
+    headline: str = "-"  # lmforge's figure, for the summary
+    peer: str = "-"
+    ratio: str = "-"
+    target: str = "(reported)"
+    met: str = ""
+
+
+def met(ok: list[bool]) -> str:
+    return "yes" if all(ok) else "no" if not any(ok) else f"{sum(ok)} of {len(ok)}"
+
+
+def span(values: list[float], digits: int = 3) -> str:
+    lo, hi = min(values), max(values)
+    return num(lo, digits) if lo == hi else f"{num(lo, digits)}-{num(hi, digits)}"
+
+
+def render_prepare(r: dict) -> Rendered:
+    best = {k: min(v) for k, v in r.get("times_s", {}).items()}
+    lines = table(["side", "MB/s", "best time (s)"], [
+        ["`lmforge prepare`, end to end", num(r["lmforge_prepare_mb_per_s"]), num(best.get("lmforge_prepare"))],
+        ["`tokenizers` `encode_batch`, in memory", num(r["tokenizers_encode_batch_mb_per_s"]), num(best.get("encode_batch"))],
+        ["`tokenizers` `encode_batch_fast`, in memory", num(r["tokenizers_encode_batch_fast_mb_per_s"]),
+         num(best.get("encode_batch_fast"))],
+    ])
+    lines += ["", f"{num(r['text_megabytes'])} MB of text, {r['documents']} documents, {num(r['tokens'])} tokens. "
+                  f"lmforge / `encode_batch` {num(r['ratio'])} (target >= {r['target_ratio']}); "
+                  f"/ `encode_batch_fast` {num(r['ratio_vs_encode_batch_fast'])}."]
+    return Rendered(lines, f"{num(r['lmforge_prepare_mb_per_s'])} MB/s",
+                    f"`encode_batch` {num(r['tokenizers_encode_batch_mb_per_s'])} MB/s", num(r["ratio"]),
+                    f">= {r['target_ratio']}", met([r["ratio"] >= r["target_ratio"]]))
+
+
+def render_train_step(r: dict) -> Rendered:
+    cfg = r["config"]
+    rows = r["rows"]
+    lines = [f"Preset `{cfg['preset']}` ({cfg['params'] / 1e6:.1f}M parameters), batch {cfg['batch']} x "
+             f"{cfg['seq']} tokens, `compile` {'on' if cfg['compile'] else 'off'}; forward, backward, clip and "
+             f"AdamW; best of {cfg['rounds']} rounds of {cfg['steps']} steps.", ""]
+    lines += table(["precision", "model", "step (s)", "tokens/s", "MFU"],
+                   [[x["precision"], x["model"], num(x["step_s"]), num(x["tokens_per_s"]), pct(x["mfu"])] for x in rows])
+    ratios = r["ratio_lmforge_over_transformers"]
+    peaks = r.get("peak_flops", {})
+    t = r.get("targets", {})
+    lines += ["", "lmforge / transformers: " + ", ".join(f"{p} {num(v)}" for p, v in ratios.items())
+              + (f" (target bf16 >= {t['bf16_ratio']}, MFU >= {t['bf16_mfu']:.0%})" if t else "")
+              + ". MFU against the measured matmul peak (`lmforge bench peak`): "
+              + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
+              + (f". Peak memory {r['peak_memory_bytes'] / 1e9:.2f} GB." if r.get("peak_memory_bytes") else ".")]
+    bf16 = {x["model"]: x for x in rows if x["precision"] == "bf16"}
+    if "lmforge" in bf16 and "transformers" in bf16 and "bf16" in ratios:
+        ours, peer = bf16["lmforge"], bf16["transformers"]
+        ok = [ratios["bf16"] >= t["bf16_ratio"], ours["mfu"] >= t["bf16_mfu"]] if t else []
+        return Rendered(lines, f"bf16 {num(ours['tokens_per_s'])} tok/s, MFU {pct(ours['mfu'])}",
+                        f"`LlamaForCausalLM` {num(peer['tokens_per_s'])} tok/s", f"bf16 {num(ratios['bf16'])}",
+                        f">= {t['bf16_ratio']}, MFU >= {t['bf16_mfu']:.0%}" if t else "(reported)",
+                        f"ratio {'yes' if ok[0] else 'no'}, MFU {'yes' if ok[1] else 'no'}" if ok else "")
+    return Rendered(lines)
+
+
+def render_attention(r: dict) -> Rendered:
+    rows = r["rows"]
+    lines = [f"{r.get('figure', '')}; shapes batch x heads x kv heads x length x head dim; "
+             f"AMX: {'yes' if r.get('cpu_has_amx') else 'no'}.", ""]
+    lines += table(["shape", "dtype", "`F.scaled_dot_product_attention` (ms)", "`attend` (ms)", "speedup"],
+                   [[x["shape"], x["dtype"], num(x["sdpa_ms"]), num(x["attend_ms"]), num(x["speedup"])] for x in rows])
+    by = {}
+    for x in rows:
+        by.setdefault(x["dtype"], []).append(x["speedup"])
+    return Rendered(lines, "`attend` (fp32 kernels on 16-bit values)", "16-bit `F.scaled_dot_product_attention`",
+                    ", ".join(f"{d} {span(v)}" for d, v in by.items()))
+
+
+def render_generate(r: dict) -> Rendered:
+    m = r["model"]
+    lines = [f"Preset `{m['preset']}` ({m['params'] / 1e6:.1f}M parameters, {m['init']}), {r['prompt_len']}-token "
+             f"prompt, {r['new_tokens']} new tokens; {r['figure']} of {r['repeats']}.", ""]
+    lines += table(["batch", "dtype", "lmforge tokens/s", "transformers tokens/s", "ratio", "greedy rows identical"],
+                   [[x["batch"], x["dtype"], num(x["lmforge_tokens_per_s"]), num(x["transformers_tokens_per_s"]),
+                     num(x["ratio"]), x.get("identical_greedy_rows", "-")] for x in r["results"]])
+    if r.get("sampled"):
+        s = r.get("sampling", {})
+        lines += ["", f"{r['sampled'][0]['samples']} samples of one prompt (temperature {s.get('temperature')}, "
+                      f"top-p {s.get('top_p')}, top-k {s.get('top_k')}) against `generate(num_return_sequences=...)`:", ""]
+        lines += table(["batch", "samples", "dtype", "lmforge tokens/s", "transformers tokens/s", "ratio"],
+                       [[x["batch"], x["samples"], x["dtype"], num(x["lmforge_tokens_per_s"]),
+                         num(x["transformers_tokens_per_s"]), num(x["ratio"])] for x in r["sampled"]])
+    target = r.get("target_ratio")
+    res = r["results"]
+    by = {}
+    for x in res:
+        by.setdefault(x["dtype"], []).append(x)
+    ok = {d: [x["ratio"] >= target for x in xs] for d, xs in by.items()} if target else {}
+    return Rendered(lines, "; ".join(f"{d} batch {' / '.join(str(x['batch']) for x in xs)}: "
+                                     f"{' / '.join(num(x['lmforge_tokens_per_s']) for x in xs)} tok/s" for d, xs in by.items()),
+                    "`generate`: " + "; ".join(" / ".join(num(x["transformers_tokens_per_s"]) for x in xs) for xs in by.values()),
+                    "; ".join(" / ".join(num(x["ratio"]) for x in xs) for xs in by.values()),
+                    f">= {target}" if target else "(reported)", ", ".join(f"{d} {met(v)}" for d, v in ok.items()))
+
+
+def side_name(key: str) -> str:
+    """``lmforge_max_batch_512`` as ``lmforge, rollout.max_batch 512``."""
+    if key.startswith("lmforge_max_batch_"):
+        return f"lmforge, `rollout.max_batch` {key.rsplit('_', 1)[1]}"
+    return key
+
+
+def render_rollout(r: dict) -> Rendered:
+    sh = r["shape"]
+    lines = [f"{sh['prompts']} prompts x {sh['samples']} samples x {sh['new_tokens']} new tokens "
+             f"({sh['prompt_len']}-token prompts), preset `{r['model']['preset']}`, {r['model'].get('dtype', '')}; "
+             f"{r['figure']}.", ""]
+    lines += table(["side", "tokens/s", "best time (s)"],
+                   [[side_name(k), num(v), num(min(r["times_s"][k])) if k in r.get("times_s", {}) else "-"]
+                    for k, v in r["tokens_per_s"].items()])
+    load = r.get("load_average_1m")
+    ratio = r["ratio"]
+    target = r.get("target_ratio")
+    lines += ["", "Ratio to transformers: " + ", ".join(f"{side_name(k)} {num(v)}" for k, v in ratio.items())
+              + (f" (target >= {target})" if target else "")
+              + (f"; load average {load['before']} before, {load['after']} after." if load else ".")]
+    first = next(iter(ratio))
+    return Rendered(lines, f"{num(r['tokens_per_s'][first])} tok/s ({side_name(first)})",
+                    f"`generate(num_return_sequences={sh['samples']})` {num(r['tokens_per_s'].get('transformers'))} tok/s",
+                    num(ratio[first]), f">= {target}" if target else "(reported)",
+                    met([ratio[first] >= target]) if target else "")
+
+
+def render_finetune(r: dict) -> Rendered:
+    c = r["config"]
+    lines = [f"Preset `{c['preset']}`, batch {c['batch']} x {c['seq']}, {c['precision']} on {c['device']}, "
+             f"{c['steps']} steps, best of {c['rounds']} rounds, each mode in its own process.", ""]
+    lines += table(["mode", "tokens/s", "peak memory (MB)", "weights + buffers (MB)", "trainable", "optimizer state (MB)",
+                    "speed vs full", "peak memory vs full"],
+                   [[x["mode"], num(x["tokens_per_s"]), mb(x["peak_memory_bytes"]), mb(x["weights_and_buffers_bytes"]),
+                     f"{x['trainable_params'] / 1e6:.2f} M", mb(x["optimizer_state_bytes"]), num(x["speed_vs_full"]),
+                     num(x["peak_memory_vs_full"])] for x in r["rows"]])
+    by = {x["mode"]: x for x in r["rows"]}
+    modes = [m for m in by if m != "full"]
+    return Rendered(lines, " / ".join(f"{m} {num(by[m]['tokens_per_s'])}" for m in modes) + " tok/s",
+                    f"full fine-tuning {num(by['full']['tokens_per_s'])} tok/s" if "full" in by else "-",
+                    " / ".join(num(by[m]["speed_vs_full"]) for m in modes))
+
+
+def render_curate(r: dict) -> Rendered:
+    mh = r["minhash"]
+    lines = [f"{r['documents']} documents ({num(r['text_megabytes'])} MB, {num(r['mean_words_per_document'])} words "
+             f"each), one process, {mh['num_perm']} permutations, {mh['n_grams']}-grams of words.", ""]
+    lines += table(["MinHash signatures", "documents/s"], [[k, num(v)] for k, v in mh["docs_per_s"].items()])
+    lines += ["", "lmforge / datasketch, from text: " + ", ".join(f"{k} {num(v)}" for k, v in mh["ratio_from_text"].items())
+              + "; signature only: " + ", ".join(f"{k} {num(v)}" for k, v in mh["ratio_signature_only"].items()) + "."]
+    p = r.get("pipeline")
+    if p:
+        d = p.get("dedup", {})
+        lines += ["", f"`lmforge curate recipes/demo/curate.yaml` end to end: {p['input_documents']} pages in "
+                      f"{num(p['seconds'])} s ({num(p['docs_per_s'])} documents/s, {p['workers']} workers), {p['kept']} kept"
+                  + (f"; near-duplicates against the {d['evaluable_pairs']} known pairs: precision {num(d['precision'])}, "
+                     f"recall {num(d['recall'])} (recall at Jaccard >= 0.8: {num(d['recall_jaccard_ge_0.8'])})" if d else "")
+                  + "."]
+    return Rendered(lines, f"{num(mh['docs_per_s']['lmforge'])} docs/s",
+                    f"datasketch (sha1) {num(mh['docs_per_s'].get('datasketch sha1 (default)'))} docs/s",
+                    num(r["ratio"]), f">= {r['target_ratio']}", met([r["ratio"] >= r["target_ratio"]]))
+
+
+def render_curate_read(r: dict) -> Rendered:
+    lines = [f"{r['figure']}.", ""]
+    lines += table(["input", "records", "shards", "all shards (s)", "one piece (s)", "ratio"],
+                   [[x["input"], num(x["records"]), x["shards"], num(x["sharded_s"]), num(x["one_piece_s"]),
+                     num(x["ratio"])] for x in r["results"]])
+    limits = r.get("target_ratio_at_most", {})
+    by = {}
+    for x in r["results"]:
+        by.setdefault(x["input"], []).append(x["ratio"])
+    ok = {k: [v <= limits[k] for v in vs] for k, vs in by.items() if k in limits}
+    lines += ["", "Target: at most " + ", ".join(f"{k} {v}" for k, v in limits.items()) + "."]
+    return Rendered(lines, "sharded read: " + ", ".join(f"{k} {span(v)}" for k, v in by.items()),
+                    "the same file read as one shard", "(the ratio)",
+                    f"<= {span(list(limits.values()))}" if limits else "(reported)",
+                    ", ".join(f"{k} {met(v)}" for k, v in ok.items()))
+
+
+SERVE_COLUMNS = ["wall (s)", "requests/s", "tokens/s", "first token, mean (ms)", "first token, p90 (ms)"]
+
+
+def serve_row(x: dict) -> list[str]:
+    return [num(x["wall_s"]), num(x["requests_per_s"]), num(x["tokens_per_s"]), num(x["ttft_mean_ms"]), num(x["ttft_p90_ms"])]
+
+
+def render_serve(r: dict) -> Rendered:
+    m = r["model"]
+    lines = [f"{r['requests']} chat requests x {r['max_tokens']} tokens, preset `{m['preset']}` ({m['dtype']}); "
+             f"{r['figure']} of {r['repeats']}.", ""]
+    sides = {"server": "through `lmforge serve` (openai client, streaming, its own process)",
+             "engine_in_process": "the same requests to the engine in process"}
+    lines += table(["side", *SERVE_COLUMNS], [[label, *serve_row(r[k])] for k, label in sides.items() if k in r])
+    runs = r.get("runs", {})
+    lines += ["", f"Throughput ratio, engine in process / server: {num(r['http_overhead_ratio'])}"
+              + ("; tokens/s over the repeats: " + ", ".join(f"{k.replace('_', ' ')} {span([x['tokens_per_s'] for x in v])}"
+                                                           for k, v in runs.items()) if runs else "") + "."]
+    return Rendered(lines, f"`lmforge serve` {num(r['server']['tokens_per_s'])} tok/s",
+                    f"engine in process {num(r['engine_in_process']['tokens_per_s'])} tok/s",
+                    num(r["http_overhead_ratio"]) + " (HTTP overhead)")
+
+
+def render_serve_abuse(r: dict) -> Rendered:
+    lines = [f"{r['figure']}.", ""]
+    mx = r["maximal"]
+    lines += table(["maximal legal request", "bytes", "status", "time (ms)", "`/health` worst (ms)"],
+                   [[k, num(x["bytes"]), x["status"], num(x["ms"]), num(x["health_max_ms"])] for k, x in mx["requests"].items()])
+    mixed = r["mixed"]
+    clients = [["valid chat", num(mixed["valid_chat"]["count"]), f"p50 {num(mixed['valid_chat']['p50_ms'])} ms, "
+                f"p99 {num(mixed['valid_chat']['p99_ms'])} ms"],
+               ["valid chat, streamed", num(mixed["valid_chat_streamed"]["count"]),
+                f"p50 {num(mixed['valid_chat_streamed']['p50_ms'])} ms, p99 {num(mixed['valid_chat_streamed']['p99_ms'])} ms"],
+               *[[f"streams disconnecting ({k})", num(v), ""] for k, v in mixed.get("disconnecting_streams", {}).items()],
+               *[["oversize body", num(v), f"answered {k}"] for k, v in mixed.get("oversize_statuses", {}).items()],
+               *[[k.replace("_", " "), num(mixed[k]["count"]), f"closed after {num(mixed[k]['closed_after_max_s'])} s at most"]
+                 for k in ("slow_head_clients", "slow_body_clients") if k in mixed],
+               ["`/health`", num(mixed["health"]["count"]), f"p50 {num(mixed['health']['p50_ms'])} ms, "
+                f"p99 {num(mixed['health']['p99_ms'])} ms, worst {num(mixed['health']['max_ms'])} ms"]]
+    lines += ["", f"{num(mixed['seconds'])} s of mixed clients (errors of valid requests: "
+                  f"{sum(mixed.get('valid_errors', {}).values())}):", ""]
+    lines += table(["client", "count", "figure"], clients)
+    lines += ["", f"RSS {num(mx['rss_before_mb'])} MB before the maximal requests, {num(mx['rss_after_mb'])} MB after; "
+                  f"{num(r['rss_end_mb'])} MB at the end ({num(r['rss_end_over_baseline'])} x the start)."]
+    goals = r.get("goals", {})
+    lines += ["", *table(["goal", "met"], [[k.replace("_", " "), num(v)] for k, v in goals.items()])]
+    return Rendered(lines, f"`/health` worst {num(max(x['health_max_ms'] for x in mx['requests'].values()))} ms "
+                           "during maximal requests", "-", "-", "the goals below",
+                    f"{sum(map(bool, goals.values()))} of {len(goals)}")
+
+
+def render_alignment(r: dict) -> Rendered:
+    start = r["start"]
+    lines = [f"Every method through its stage and demo recipe for {r['steps']} optimizer steps from "
+             f"`{r['checkpoint']}`, scored on the {start['examples']} tasks of `{r['tasks']}` (greedy answers); "
+             f"reward: `{r.get('reward_model')}`; KL: {r['kl']}.", ""]
+    rows = [["start (the SFT model)", pct(start["exact_match"]), num(start["reward_mean"], 2), num(start["kl_per_token"]),
+             num(start["kl_per_sequence"]), "-", "-"]]
+    rows += [[x["method"], pct(x["exact_match"]), num(x["reward_mean"], 2), num(x["kl_per_token"]),
+              num(x["kl_per_sequence"]), x["steps"], num(x["wall_s"])] for x in r["results"]]
+    lines += table(["method", "exact match", "reward model's mean score", "KL per answer token (nats)",
+                    "KL per answer (nats)", "steps", "wall (s)"], rows)
+    lines += ["", f"{num(r['wall_s'])} s in all."]
+    return Rendered(lines, "exact match " + ", ".join(f"{x['method']} {pct(x['exact_match'])}" for x in r["results"]),
+                    f"the SFT model {pct(start['exact_match'])}")
+
+
+def render_long_context(r: dict) -> Rendered:
+    cfg = r["config"]
+    lengths = [str(n) for n in cfg["passkey"]["lengths"]]
+    lines = [f"A {cfg['params'] / 1e6:.1f}M-parameter model pre-trained at {cfg['pretrain_seq_len']} tokens, "
+             f"scored at up to {cfg['max_len']}; the table by position is in `docs/long-context.md`.", ""]
+    lines += table(["model", "perplexity, all positions", *(f"passkey {n}" for n in lengths)],
+                   [[x["label"], num(x["perplexity_all"], 4), *(pct(x["passkey"][n]) for n in lengths)]
+                    for x in r["rows"]])
+    return Rendered(lines, "PI, NTK and YaRN, zero-shot and after continued training", "no scaling")
+
+
+def render_any(r: dict) -> Rendered:
+    """A result with no renderer of its own: its top-level figures."""
+    rows = [[f"`{k}`", num(v)] for k, v in r.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("cpus", "torch_threads")]
+    lines = [f"{r['figure']}.", ""] if r.get("figure") else []
+    lines += table(["figure", "value"], rows) if rows else ["(no top-level figures; see the JSON)"]
+    return Rendered(lines)
+
+
+RENDERERS: dict[str, Callable[[dict], Rendered]] = {
+    "prepare": render_prepare, "train_step": render_train_step, "attention": render_attention,
+    "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
+    "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
+    "alignment": render_alignment, "long_context": render_long_context,
+}
+
+
+def render(name: str, result: dict) -> Rendered:
+    renderer = RENDERERS.get(result.get("benchmark", name), render_any)
+    try:
+        out = renderer(result)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a JSON of another shape than its renderer's
+        out = render_any(result)
+    out.lines = [*out.lines, "", provenance(name, result)]
+    return out
+
+
+def summary_body(rendered: dict[str, Rendered], results: dict[str, dict]) -> str:
+    rows = [[f"`{name}.json`", x.headline, x.peer, x.ratio, x.target, x.met] for name, x in rendered.items()]
+    return "\n".join(table(["result", "lmforge", "peer", "ratio", "target", "met?"], rows)
+                     + ["", "Each result's table, with the machine, date and commit its JSON records, is below."])
+
+
+# --------------------------------------------------------------------------- the pages
+
+
+def read_results(results_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(results_dir.glob("*.json"))}
+
+
+def bodies_of(results: dict[str, dict]) -> dict[str, str]:
+    rendered = {name: render(name, r) for name, r in results.items()}
+    return {SUMMARY: summary_body(rendered, results), **{name: "\n".join(x.lines) for name, x in rendered.items()}}
+
+
+def default_pages() -> list[Path]:
+    return [INDEX, *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def with_missing_blocks(text: str, names: list[str]) -> str:
+    """``text`` (the index) with a section and block appended for each of ``names`` it lacks."""
+    for name in names:
+        text = text.rstrip("\n") + (f"\n\n## {name}\n"
+                                    f"Written from `benchmarks/results/{name}.json`; say here what it measures.\n\n"
+                                    f"{block(name, '')}\n")
+    return text
+
+
+def update(pages: list[Path], results_dir: Path, index: Path, check: bool) -> list[str]:
+    """Rewrite (or, with ``check``, compare) every block of ``pages``; the problems, one a line."""
+    results = read_results(results_dir)
+    bodies = bodies_of(results)
+    problems = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        names = block_names(text)
+        unknown = [n for n in names if n not in bodies]
+        problems += [f"{page}: block bench:{n} names no result ({results_dir}/{n}.json is missing)" for n in unknown]
+        if page == index:
+            missing = [n for n in results if n not in names]
+            if SUMMARY not in names:
+                problems.append(f"{page}: no bench:{SUMMARY} block")
+            if missing and check:
+                problems += [f"{page}: no block for {results_dir}/{n}.json" for n in missing]
+            elif missing:
+                text = with_missing_blocks(text, missing)
+        if unknown:
+            continue
+        new = with_blocks(text, bodies)
+        if new != text:
+            if check:
+                problems += [f"{page}: block bench:{n} is not its JSON's" for n in names
+                             if block(n, bodies[n]) not in text]
+            else:
+                page.write_text(new, encoding="utf-8")
+                print(f"wrote {', '.join(block_names(new))} into {page}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a block is not its JSON's")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of result JSON (default benchmarks/results)")
+    parser.add_argument("--index", type=Path, default=INDEX, help="the page that shows every result (default benchmarks/README.md)")
+    parser.add_argument("pages", nargs="*", type=Path, help="the pages to write (default: the index and docs/**/*.md)")
+    args = parser.parse_args(argv)
+    pages = args.pages or ([args.index, *default_pages()[1:]] if args.index != INDEX else default_pages())
+    if args.index not in pages:
+        pages = [args.index, *pages]
+    problems = update(pages, args.results, args.index, args.check)
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems and args.check:
+        print("run python scripts/write_benchmark_docs.py to write them", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
