@@ -70,6 +70,15 @@ class UrlFilterConfig:
         if self.missing_url not in ("keep", "reject"):
             raise ValueError(f"missing_url must be 'keep' or 'reject', got {self.missing_url!r}")
 
+    def check_inputs(self, where: str) -> None:
+        """Before any work (``run_curate``): the list files read; the error names the key (``where``:
+        the step, as ``steps[2]``) and the file, rather than a worker's traceback."""
+        for key in ("domains_file", "banned_words_file"):
+            try:
+                _read_list(getattr(self, key))
+            except InputError as exc:
+                raise InputError(f"{where}.{key}: {exc}") from exc
+
 
 _URL_SPLIT = re.compile(r"[^a-zA-Z0-9]+")
 

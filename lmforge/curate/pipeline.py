@@ -32,12 +32,12 @@ from typing import Any, Literal
 
 from lmforge.core.config import at_least, option, save_config
 from lmforge.core.io import InputError, atomic_write_bytes
-from lmforge.core.run import log, progress_bar
+from lmforge.core.run import log, progress_bar, run_dir_lock
 from lmforge.curate.executor import make_executor
 from lmforge.curate.ids import resolve_ids
 from lmforge.curate.plan import Job, clean_leftovers, digest, fresh, seg_dir, segment_fingerprints, split_segments
 from lmforge.curate.readers import InputsConfig, plan_shards
-from lmforge.curate.report import dedup_quality, write_report
+from lmforge.curate.report import dedup_quality, load_known_pairs, write_report
 from lmforge.curate.stats import merge_stats
 from lmforge.curate.steps import StepSpec, parse_steps
 from lmforge.curate.tasks import close_built_steps, finalize_shard, run_index_shard, run_segment_shard
@@ -98,10 +98,33 @@ def _star(fn: Any, args: tuple) -> Any:
     return fn(*args)
 
 
+def check_inputs(cfg: CurateConfig, specs: list[StepSpec]) -> None:
+    """Before any work: the files the recipe names besides the inputs (a step's model, checkpoint or
+    list, ``known_duplicates``) exist and read; the error names the key and the path."""
+    for i, spec in enumerate(specs):
+        if (check := getattr(spec.config, "check_inputs", None)) is not None:
+            check(f"steps[{i}]")
+    if cfg.known_duplicates:
+        if not Path(cfg.known_duplicates).exists():
+            raise InputError(f"known_duplicates: {cfg.known_duplicates}: no such file (a TSV with the header "
+                             f"url_a<TAB>url_b[<TAB>kind<TAB>jaccard])")
+        try:
+            load_known_pairs(cfg.known_duplicates)  # its header and numbers, named by line
+        except InputError as exc:
+            raise InputError(f"known_duplicates: {exc}") from exc
+
+
 def run_curate(cfg: CurateConfig) -> dict:
     """Run the pipeline described by ``cfg``; return the statistics also written to stats.json."""
-    t0 = time.perf_counter()
     specs = cfg.step_specs()
+    check_inputs(cfg, specs)
+    with run_dir_lock(cfg.run_dir):  # a second curate into it fails at once, naming this one
+        return curate(cfg, specs)
+
+
+def curate(cfg: CurateConfig, specs: list[StepSpec]) -> dict:
+    """``run_curate`` in its locked run directory."""
+    t0 = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     shards = plan_shards(cfg.inputs)
     segments = split_segments(specs)

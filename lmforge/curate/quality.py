@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
+from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, atomic_write_npy, expand_paths, read_json
 from lmforge.curate.base import PoolMap
 from lmforge.curate.minhash import combine_ngrams, document_words, word_hashes
@@ -320,6 +320,19 @@ class ClassifierConfig:
         if self.threshold is not None and not 0 <= self.threshold <= 1:
             raise ValueError(f"classifier.threshold is a probability, between 0 and 1; got {self.threshold}")
 
+    def check_inputs(self, where: str) -> None:
+        """Before any work (``run_curate``): ``model`` names a classifier that loads; the error names
+        the key (``where``: the step, as ``steps[2]``) and the path, rather than a worker's traceback."""
+        if not self.model:
+            raise ConfigError(f"{where}.model is required: the folder written by `lmforge curate train-classifier`")
+        if not Path(self.model).is_dir():
+            raise InputError(f"{where}.model: {self.model}: no such folder (the classifier step's model: the folder "
+                             f"written by `lmforge curate train-classifier`)")
+        try:
+            HashedNgramClassifier.load(self.model)
+        except InputError as exc:
+            raise InputError(f"{where}.model: {exc}") from exc
+
 
 class ClassifierScore(_ScoreCut):
     name = "classifier"
@@ -362,6 +375,23 @@ class PerplexityConfig:
             raise ValueError(f"perplexity.threshold must be positive, got {self.threshold}")
         if self.max_tokens < 1 or self.batch_tokens < 1:
             raise ValueError(f"perplexity.max_tokens and batch_tokens must be positive, got {self.max_tokens}, {self.batch_tokens}")
+
+    def check_inputs(self, where: str) -> None:
+        """Before any work (``run_curate``): ``checkpoint`` names an lmforge checkpoint, or a run
+        directory with checkpoints (which the step verifies when it loads the newest); the error names
+        the key (``where``: the step, as ``steps[2]``) and the path, rather than a worker's traceback."""
+        if not self.checkpoint:
+            raise ConfigError(f"{where}.checkpoint is required: an lmforge checkpoint or run directory")
+        if not Path(self.checkpoint).exists():
+            raise InputError(f"{where}.checkpoint: {self.checkpoint}: no such checkpoint or run directory")
+        from lmforge.checkpoints.load import checkpoint_dirs, resolve_checkpoint
+
+        if checkpoint_dirs(self.checkpoint):
+            return
+        try:
+            resolve_checkpoint(self.checkpoint, verify=False)
+        except InputError as exc:
+            raise InputError(f"{where}.checkpoint: {exc}") from exc
 
 
 class PerplexityScore(_ScoreCut):

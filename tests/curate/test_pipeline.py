@@ -365,3 +365,48 @@ def test_input_without_documents_is_an_error_as_for_prepare(tmp_path, name, cont
     with pytest.raises(InputError, match=rf"no documents in {path}"):
         run_curate(cfg)
     assert not (tmp_path / "run" / "stats.json").exists()
+
+
+def test_a_second_curate_into_a_busy_run_dir_is_refused_and_removes_nothing(tmp_path, crawl, monkeypatch):
+    from lmforge.core.run import RunDirBusy
+    from lmforge.curate import pipeline
+    from tests.core.test_run import hold_in_subprocess
+
+    run_curate(config(tmp_path, crawl))
+    before = outputs(tmp_path / "run")
+    holder = hold_in_subprocess(tmp_path / "run")  # e.g. a first curate still running
+    try:
+        monkeypatch.setattr(pipeline, "clean_leftovers", lambda *a: pytest.fail("a busy run_dir is left alone"))
+        with pytest.raises(RunDirBusy, match=rf"pid {holder.pid} on "):
+            run_curate(config(tmp_path, crawl, output_format="jsonl"))  # which would redo the output
+    finally:
+        holder.communicate("")
+    assert outputs(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("case", ["classifier", "classifier folder", "perplexity", "known_duplicates", "blocklist"])
+def test_a_missing_file_a_step_or_the_report_reads_is_refused_before_any_work(tmp_path, crawl, capsys, monkeypatch,
+                                                                               case):
+    from lmforge.cli.main import main
+    from lmforge.curate import pipeline
+
+    missing = tmp_path / "missing"
+    (tmp_path / "empty").mkdir()
+    steps, known, key = {
+        "classifier": ([{"type": "classifier", "model": str(missing), "threshold": 0.5}], None, "steps[1].model"),
+        "classifier folder": ([{"type": "classifier", "model": str(tmp_path / "empty"), "threshold": 0.5}], None,
+                              "steps[1].model"),
+        "perplexity": ([{"type": "perplexity", "checkpoint": str(missing), "threshold": 100}], None,
+                       "steps[1].checkpoint"),
+        "known_duplicates": ([], str(missing), "known_duplicates"),
+        "blocklist": ([{"type": "url_filter", "domains_file": str(missing)}], None, "steps[1].domains_file"),
+    }[case]
+    steps = json.dumps([{"type": "extract"}, *steps])
+    argv = ["curate", f"inputs.paths=[{crawl}]", f"run_dir={tmp_path / 'run'}", f"steps={steps}", "workers=2",
+            *([f"known_duplicates={known}"] if known else [])]
+    monkeypatch.setattr(pipeline, "plan_shards", lambda *a: pytest.fail("the files are checked before any work"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lmforge curate: error: {key}: ")
+    assert str(tmp_path / ("empty" if case == "classifier folder" else "missing")) in err[0]
+    assert not (tmp_path / "run").exists()
