@@ -8,7 +8,7 @@ is taken: with ``assistant_only`` a conversation trains the assistant's content,
 ``<|im_end|>`` and the ``\\n`` after it (as TRL's training templates do); a prompt-completion
 pair trains the completion only, plus EOS when the completion is a plain string.
 
-A turn without text, and a conversation whose first turn after the system prompt is the
+A turn or a completion without text, and a conversation whose first turn after the system prompt is the
 assistant's, are bad examples (``on_bad``): neither teaches the model to answer the user.
 
 Token ids are those of the whole rendered text (special tokens split it, so ids do not
@@ -103,6 +103,8 @@ def example_segments(record: dict, assistant_only: bool = True) -> tuple[list[Se
     if "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion.strip():  # as an empty assistant turn of a conversation is
+                raise ExampleError("empty_turn", "'completion' is empty: it trains the model to answer with nothing")
             return [(prompt, False), (completion, True)], True
         if isinstance(prompt, list) and isinstance(completion, list):
             validate_messages(prompt, "prompt", need_assistant=False)

@@ -113,6 +113,8 @@ BAD = [
      r"messages\[0\] \(user\) is empty", "empty_turn"),
     ({"prompt": [{"role": "user", "content": ""}], "completion": [{"role": "assistant", "content": "x"}]},
      r"prompt\[0\] \(user\) is empty", "empty_turn"),
+    ({"prompt": "Say something.", "completion": ""}, r"'completion' is empty", "empty_turn"),
+    ({"prompt": "Say something.", "completion": " \n"}, r"'completion' is empty", "empty_turn"),
     ({"messages": [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "hi"},
                    {"role": "assistant", "content": "x"}]}, "starts with an assistant turn", "assistant_first"),
     ({"messages": [SYSTEM, {"role": "assistant", "content": "Hello!"}]}, "starts with an assistant turn",
