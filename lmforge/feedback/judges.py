@@ -82,6 +82,9 @@ class JudgeRefused(JudgeError):
     """The judge declined to answer (an HTTP 4xx, a ``refusal``, a content filter)."""
 
 
+JUDGE_KEYS = {"checkpoint": "checkpoint", "endpoint": "base_url", "callable": "function"}  # kind -> its judge.* key
+
+
 @dataclass
 class JudgeConfig:
     """The critic or judge: exactly one of ``checkpoint``, ``base_url`` (with ``model``) or ``function``."""
@@ -117,7 +120,7 @@ class JudgeConfig:
         if len(chosen) != 1:
             raise ConfigError("the judge needs exactly one of judge.checkpoint (an lmforge checkpoint), judge.base_url "
                               "(an OpenAI-compatible API, with judge.model) or judge.function (module:function); got "
-                              + (", ".join(f"judge.{'base_url' if k == 'endpoint' else k}" for k in chosen) or "none")
+                              + (", ".join(f"judge.{JUDGE_KEYS[k]}" for k in chosen) or "none")
                               + " (to switch from a checkpoint, also set judge.checkpoint=null)")
         if chosen[0] == "endpoint" and not self.model:
             raise ConfigError("judge.base_url needs judge.model, the endpoint's model name (its /v1/models lists them)")

@@ -82,3 +82,16 @@ def test_a_plugin_that_fails_to_import_is_one_error_line_when_the_stage_starts(p
                          "PYTHONPATH?)")
     assert plugin.exists()  # imported: the stage started
 
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"checkpoint": "ckpt", "function": "m:f"}, "got judge.checkpoint, judge.function "),
+    ({"base_url": "http://127.0.0.1:9/v1", "model": "m", "function": "m:f"}, "got judge.base_url, judge.function "),
+    ({}, "got none "),
+])
+def test_a_judge_of_two_kinds_or_none_is_refused_naming_the_keys_as_the_recipe_spells_them(given, named):
+    from lmforge.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exactly one of judge.checkpoint") as err:
+        JudgeConfig(**given).kind()
+    assert named in str(err.value) and "judge.callable" not in str(err.value) and "judge.endpoint" not in str(err.value)
