@@ -88,6 +88,21 @@ def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
     return entropy_of_counts(counts)
 
 
+def unigram_baseline(datasets: list[DatasetSource], vocab_size: int, summary: dict) -> dict:
+    """The unigram entropy that ``val_loss`` is compared with, as ``unigram_entropy``: the one
+    dataset's; for a mixture, each dataset's own (``unigram_entropies``, by name) and their mean
+    weighted by the mixture weights over the datasets that ``val_loss`` averages (those with a
+    ``val/<name>/loss``; all of them when none has), as ``val_loss`` weights their losses. The
+    gap to it is then the weighted mean of each dataset's gap to its own entropy; the first
+    dataset's entropy alone would compare the mixture's loss with one domain's floor."""
+    if len(datasets) == 1:
+        return {"unigram_entropy": unigram_entropy(datasets[0].path, vocab_size)}
+    own = {d.label: unigram_entropy(d.path, vocab_size) for d in datasets}
+    averaged = [d for d in datasets if f"val/{d.label}/loss" in summary] or datasets
+    mean = sum(d.weight * own[d.label] for d in averaged) / sum(d.weight for d in averaged)
+    return {"unigram_entropy": mean, "unigram_entropies": own}
+
+
 def validation_loader(data: LoaderConfig, manifest: dict, batch_size: int, rank: int = 0,
                       world_size: int = 1, dataset: DatasetSource | None = None) -> TokenLoader | None:
     """The validation split of ``dataset`` (default: the first; ``manifest`` is its manifest) in
@@ -266,11 +281,12 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     if ctx is not None:
         summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
     if ctx is None or ctx.is_logging_rank:
-        summary["unigram_entropy"] = entropy = unigram_entropy(recipe.data.datasets[0].path, recipe.model.vocab_size)
+        summary.update(unigram_baseline(recipe.data.datasets, recipe.model.vocab_size, summary))
         atomic_write_json(run_dir / "summary.json", summary)
         if "val_loss" in summary:
-            log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f; perplexity %.1f",
-                     summary["val_loss"], summary.get("val_bpb", float("nan")), entropy, math.exp(summary["val_loss"]))
+            log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f%s; perplexity %.1f",
+                     summary["val_loss"], summary.get("val_bpb", float("nan")), summary["unigram_entropy"],
+                     MIXED_ENTROPY if "unigram_entropies" in summary else "", math.exp(summary["val_loss"]))
         for line in domain_lines(summary):
             log.info("pretrain: %s", line)
     return summary
@@ -308,11 +324,17 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
         return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline, reason)
 
 
+MIXED_ENTROPY = " (the datasets' own, weighted as val_loss weights their losses)"
+
+
 def domain_lines(summary: dict) -> list[str]:
-    """One line per dataset of a mixture with its validation loss (``val/<name>/loss``) and bits per byte."""
+    """One line per dataset of a mixture with its validation loss (``val/<name>/loss``), bits per
+    byte and its own unigram entropy."""
     names = [k.removeprefix("val/").removesuffix("/loss") for k in summary if is_domain_loss(k)]
+    own = summary.get("unigram_entropies", {})
     return [f"validation loss of {name}: {summary[f'val/{name}/loss']:.4f} nats/token"
             + (f" ({summary[f'val/{name}/bpb']:.3f} bits/byte)" if f"val/{name}/bpb" in summary else "")
+            + (f" vs its unigram entropy {own[name]:.4f}" if name in own else "")
             for name in names]
 
 
@@ -322,7 +344,8 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
            f"{res.get('tokens_per_step')} tokens in {res.get('wall_s', 0):.0f} s"]
     if res.get("val_loss") is not None:
         out.append(f"- validation loss **{res['val_loss']:.4f}** nats/token ({res.get('val_bpb', float('nan')):.3f} "
-                   f"bits/byte); unigram entropy of the data {res.get('unigram_entropy', float('nan')):.4f}")
+                   f"bits/byte); unigram entropy of the data {res.get('unigram_entropy', float('nan')):.4f}"
+                   + (MIXED_ENTROPY if "unigram_entropies" in res else ""))
     out += [f"- {line}" for line in domain_lines(res)]
     if res.get("tokens_per_s"):
         mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""

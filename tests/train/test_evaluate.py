@@ -10,10 +10,18 @@ import torch
 from lmforge.checkpoints.load import load_model
 from lmforge.core.io import InputError
 from lmforge.data.documents import DocumentsConfig
+from lmforge.data.loader import DatasetSource
 from lmforge.data.shards import read_manifest
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.stages.prepare import PrepareRecipe, run_prepare
-from lmforge.stages.pretrain import report, run_pretrain, validation_loader
+from lmforge.stages.pretrain import (
+    domain_lines,
+    report,
+    run_pretrain,
+    unigram_baseline,
+    unigram_entropy,
+    validation_loader,
+)
 from lmforge.train.evaluate import Evaluator, ValidationSet, combine_domains, evaluate
 from lmforge.train.metrics import read_metrics
 from lmforge.train.step_log import format_step
@@ -81,10 +89,32 @@ def test_a_mixture_logs_each_datasets_validation_loss_to_metrics_tensorboard_and
     stored = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert stored["val/caps/loss"] == summary["val/caps/loss"] == val[-1]["val/caps/loss"]
     assert any(line.startswith("- validation loss of caps:") for line in report(summary, tmp_path, tmp_path / "p.png"))
+    own = {name: unigram_entropy(shards_dir, 512), "caps": unigram_entropy(upper_dir, 512)}
+    assert summary["unigram_entropies"] == stored["unigram_entropies"] == own
+    assert summary["unigram_entropy"] == pytest.approx((3 * own[name] + own["caps"]) / 4, rel=1e-12)  # as val_loss
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     assert {f"val/{name}/loss", "val/caps/loss", "val_loss"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("val/caps/loss")] == [4, 8]
+
+
+def test_a_mixtures_val_loss_is_compared_with_its_datasets_unigram_entropies_weighted_as_val_loss_weights_them(
+        shards_dir, upper_dir, tmp_path):
+    web, caps = DatasetSource(str(shards_dir), weight=3.0, name="web"), DatasetSource(str(upper_dir), name="caps")
+    own = {"web": unigram_entropy(shards_dir, 512), "caps": unigram_entropy(upper_dir, 512)}
+    assert own["web"] != pytest.approx(own["caps"], rel=1e-3)  # the first dataset's alone would be another figure
+    summary = {"val_loss": 3.0, "val/web/loss": 2.5, "val/caps/loss": 4.5}
+    baseline = unigram_baseline([web, caps], 512, summary)
+    assert baseline == {"unigram_entropy": pytest.approx((3 * own["web"] + own["caps"]) / 4, rel=1e-12),
+                        "unigram_entropies": own}
+    # a dataset left out of val_loss (no validation split) is left out of its entropy too
+    assert unigram_baseline([web, caps], 512, {"val_loss": 2.5, "val/web/loss": 2.5})["unigram_entropy"] == own["web"]
+    assert unigram_baseline([caps], 512, {"val_loss": 4.5}) == {"unigram_entropy": own["caps"]}  # one dataset: as ever
+    lines = domain_lines({**summary, **baseline})
+    assert lines == [f"validation loss of web: 2.5000 nats/token vs its unigram entropy {own['web']:.4f}",
+                     f"validation loss of caps: 4.5000 nats/token vs its unigram entropy {own['caps']:.4f}"]
+    line = report({**summary, **baseline}, tmp_path, tmp_path / "p.png")[1]
+    assert f"unigram entropy of the data {baseline['unigram_entropy']:.4f} (the datasets' own, weighted as val_loss" in line
 
 
 def test_one_dataset_keeps_todays_metric_names(make_recipe, tmp_path):
