@@ -241,9 +241,29 @@ class Sources:
                 return f"{self.label} {item!r}"
         return self.recipe
 
+    def of_checks(self, section: str, message: str) -> str:
+        """The source of an error that ``section``'s own checks raised (its ``__post_init__``,
+        across keys: ``warmup_steps must be in [0, max_steps]``): the overrides of keys in it that
+        ``message`` names (``train.warmup_steps=500``, named as ``warmup_steps``), else as ``of``."""
+        prefix = f"{section}." if section else ""
+        named = [item for key, item in self.overrides.items()
+                 if key.startswith(prefix) and key != section and _names(message, key.removeprefix(prefix))]
+        if not named or self.of(section) != self.recipe:
+            return self.of(section)
+        return f"{self.label}{'s' if len(named) > 1 else ''} {', '.join(map(repr, named))}"
+
+
+def _names(message: str, key: str) -> bool:
+    """Whether ``message`` mentions ``key`` (dotted, relative to the section that raised it) as a whole word."""
+    return re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", message) is not None
+
 
 def _source(source: str | Sources, key: str, unknown: bool = False) -> str:
     return source.of(key, unknown) if isinstance(source, Sources) else source
+
+
+def _checks_source(source: str | Sources, section: str, message: str) -> str:
+    return source.of_checks(section, message) if isinstance(source, Sources) else source
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
@@ -426,7 +446,7 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"{_source(source, section)}: {where}: {exc}") from exc
+        raise ConfigError(f"{_checks_source(source, section, str(exc))}: {where}: {exc}") from exc
 
 
 def recipe_defaults(f: dataclasses.Field, tp: Any) -> dict[str, Any]:

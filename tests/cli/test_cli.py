@@ -263,6 +263,22 @@ def test_an_error_in_the_recipe_file_is_blamed_on_the_file_even_beside_overrides
         f"{recipe}: unknown key 'train.max_step'; did you mean 'train.max_steps' (optimizer steps; the schedule spans them)?")
 
 
+def test_a_sections_own_check_is_blamed_on_the_overrides_it_names_else_on_the_recipe(tmp_path, capsys):
+    recipe = tmp_path / "pretrain.yaml"
+    recipe.write_text("train:\n  max_steps: 300\n  warmup_steps: 20\n")
+    check = "'train': warmup_steps must be in [0, max_steps], got"
+    assert main(["pretrain", str(recipe), "train.warmup_steps=500"]) == 2
+    assert one_error_line(capsys, "pretrain") == f"command-line override 'train.warmup_steps=500': {check} 500"
+    assert main(["pretrain", str(recipe), "train.max_steps=10", "train.lr=0.01"]) == 2  # the other side of the check
+    assert one_error_line(capsys, "pretrain") == f"command-line override 'train.max_steps=10': {check} 20"
+    assert main(["pretrain", str(recipe), "train.max_steps=10", "train.warmup_steps=500"]) == 2
+    assert one_error_line(capsys, "pretrain") == (
+        f"command-line overrides 'train.max_steps=10', 'train.warmup_steps=500': {check} 500")
+    recipe.write_text("train:\n  max_steps: 300\n  warmup_steps: 500\n")
+    assert main(["pretrain", str(recipe), "train.lr=0.01"]) == 2  # an override the check does not name
+    assert one_error_line(capsys, "pretrain") == f"{recipe}: {check} 500"
+
+
 def test_a_bare_key_of_a_section_gets_the_dotted_key_suggested(capsys):
     assert main(["prepare", "recipes/demo/prepare.yaml", "skip_bad_records=true"]) == 2
     assert one_error_line(capsys, "prepare") == (
