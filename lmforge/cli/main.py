@@ -235,19 +235,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def entry_keys(title: str, entries: list[tuple[str, type]]) -> str:
+    """``title``, then each kind of entry of a list key (curate's step types) with the first line
+    of its config class's docstring and the table of its keys, from their help metadata."""
+    parts = [title]
+    for name, cls in entries:
+        doc = (cls.__doc__ or "").strip()
+        summary = "" if doc.startswith(f"{cls.__name__}(") else doc.split("\n\n")[0]  # a dataclass's own: no docstring
+        parts += textwrap.wrap(f"{name}: {' '.join(summary.split())}".rstrip(": "), HELP_WIDTH, initial_indent="  ",
+                               subsequent_indent=" " * 6)
+        if rows := recipe_keys(cls, depth=1):
+            parts.append(key_table(rows))
+    return "\n".join(parts)
+
+
 class VerbParser(argparse.ArgumentParser):
     """A verb's parser; its recipe-key table (the recipe dataclasses' fields with their help
-    metadata) is built only when help is printed, not on every run."""
+    metadata) is built only when help is printed, not on every run. ``entries``: the verb's
+    ``help_entries`` (what the entries of a list key may be, with their own keys), or None."""
 
-    def __init__(self, *args, recipe: type, **kwargs):
+    def __init__(self, *args, recipe: type, entries: Any = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.recipe = recipe
+        self.entries = entries
 
     def format_help(self) -> str:
         rows = recipe_keys(self.recipe)
         self.epilog = f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}"
         if families := family_keys(self.recipe):
             self.epilog += f"\n\n{families}"
+        if self.entries is not None:
+            self.epilog += f"\n\n{entry_keys(*self.entries())}"
         example = example_override(rows).replace("%", "%%")  # argparse formats help with %
         for action in self._actions:
             if action.dest == "overrides":
@@ -259,7 +277,7 @@ def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.Module
     module = verb.load()
     doc = (module.__doc__ or verb.summary).strip()
     p = VerbParser(prog=f"lmforge {verb.name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                   recipe=module.RECIPE)
+                   recipe=module.RECIPE, entries=getattr(module, "help_entries", None))
     if hasattr(module, "add_arguments"):
         module.add_arguments(p)
     else:

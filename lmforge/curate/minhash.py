@@ -62,7 +62,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from lmforge.core.config import positive, seed_field
+from lmforge.core.config import option, positive, seed_field
 from lmforge.core.io import atomic_write_npy, atomic_write_text
 from lmforge.curate.base import PoolMap
 from lmforge.data.documents import Document
@@ -76,15 +76,23 @@ _ROWS_PER_BLOCK = 512  # shingles permuted per numpy call: a, b and out (112 x 5
 class MinHashConfig:
     """MinHash-LSH near-dedup; the defaults are datatrove's (FineWeb) settings."""
 
-    n_grams: int = positive(5)  # words per shingle
-    num_buckets: int = positive(14)  # LSH bands b; more bands catch lower similarities
-    hashes_per_bucket: int = positive(8)  # hashes per band r; threshold about (1/b)^(1/r) = 0.72
-    seed: int = seed_field(1)  # seeds the permutations (datatrove's: np.random.RandomState(seed))
-    # 64-bit word hash: a polynomial over the code points computed for all words at once with numpy,
-    # or one call per word of xxh64 or SHA-1 (first 8 bytes), slower
-    hash: Literal["polynomial", "xxhash", "sha1"] = "polynomial"
-    normalize: bool = True  # datatrove's TextNormConfig: lowercase, numbers to 0, no punctuation/diacritics, one space
-    max_rows_in_memory: int = positive(4_000_000)  # signature rows one resolve task holds at once (about 80 bytes each)
+    n_grams: int = positive(5, help="words per shingle")
+    num_buckets: int = positive(14, help="LSH bands b; more bands catch lower similarities")
+    hashes_per_bucket: int = positive(
+        8, help="hashes per band r; pairs above a Jaccard similarity of about (1/b)^(1/r) (0.72 by default) are caught"
+    )
+    seed: int = seed_field(1, help="seeds the permutations (as datatrove's np.random.RandomState(seed))")
+    hash: Literal["polynomial", "xxhash", "sha1"] = option(
+        "polynomial",
+        help="the 64-bit word hash: polynomial: over the code points, for all words at once with numpy; xxhash, "
+        "sha1 (its first 8 bytes): one call per word, slower",
+    )
+    normalize: bool = option(
+        True, help="datatrove's TextNormConfig: lowercase, numbers to 0, no punctuation or diacritics, one space"
+    )
+    max_rows_in_memory: int = positive(
+        4_000_000, help="signature rows one resolve task holds at once (about 80 bytes each)"
+    )
 
     def __post_init__(self) -> None:
         for key in ("n_grams", "num_buckets", "hashes_per_bucket", "max_rows_in_memory"):

@@ -56,6 +56,11 @@ def _load(step_type: str) -> tuple[type, type]:
     return getattr(module, config_name), getattr(module, step_name)
 
 
+def config_class(step_type: str) -> type:
+    """The config dataclass of ``step_type`` (its module imported)."""
+    return _load(step_type)[0]
+
+
 def parse_step(index: int, raw: Any) -> StepSpec:
     where = f"steps[{index}]"
     if dataclasses.is_dataclass(raw):

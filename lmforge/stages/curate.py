@@ -31,6 +31,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", help="YAML recipe, or `train-classifier RECIPE.yaml`")
 
 
+def help_entries() -> tuple[str, list[tuple[str, type]]]:
+    """What ``lmforge curate --help`` shows below the recipe keys: each step type and its config
+    class, whose fields' help metadata explains the type's keys (a type whose module cannot be
+    imported here is left out)."""
+    from lmforge.curate.steps import STEP_TYPES, config_class
+
+    entries = []
+    for name in STEP_TYPES:
+        try:
+            entries.append((name, config_class(name)))
+        except ConfigError:
+            continue
+    return ("step types (each entry of steps: {type: <type>, name: <optional label>, <that type's keys below>}):",
+            entries)
+
+
 def recipe_from_args(args: argparse.Namespace) -> Any:
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe == "train-classifier":

@@ -104,6 +104,20 @@ def test_every_key_of_every_verbs_recipe_has_help_text(verb):
     assert keys_without_help(VERBS_BY_NAME[verb].load().RECIPE) == []
 
 
+def test_curate_help_shows_each_step_types_keys_and_minhash_explains_its_keys_in_field_metadata(capsys):
+    from lmforge.curate.minhash import MinHashConfig
+    from lmforge.curate.steps import STEP_TYPES
+
+    assert keys_without_help(MinHashConfig) == []  # its help is where --help reads it, not in comments
+    out = verb_help("curate", capsys)
+    steps = out.split("step types (each entry of steps:", 1)[1]
+    assert all(re.search(rf"^  {name}\b", steps, re.M) for name in STEP_TYPES)
+    minhash = steps.split("\n  minhash: MinHash-LSH near-dedup", 1)[1]
+    assert re.search(r"^    n_grams\s+int\s+default 5\n\s+words per shingle$", minhash, re.M)
+    assert "LSH bands b; more bands catch lower similarities" in minhash
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
 def test_a_recipe_field_without_help_text_is_found_and_a_comment_does_not_count():
     @dataclasses.dataclass
     class Section:
