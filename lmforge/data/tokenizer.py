@@ -4,8 +4,10 @@ The pre-tokenizer is the GPT-4 / Llama-3 split pattern (digits in groups of at m
 three, contractions, punctuation runs) followed by byte-level mapping, so every string
 round-trips exactly; ``digit_group: 1`` splits every digit apart instead (Llama 1/2, PaLM),
 which a small model needs to copy and do arithmetic on numbers. Special tokens take the first
-ids: beginning and end of text, padding (never the same id as end-of-turn), then the ChatML
-turn markers.
+ids: beginning and end of text, padding (never the same id as end-of-turn), the ChatML
+turn markers, the extra ones, then, when asked for, the masked-LM mask token (BERT's ``[MASK]``)
+and T5's sentinels ``<extra_id_0>``, ``<extra_id_1>``... that span corruption puts in place of
+each dropped span.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def split_pattern(digit_group: int = 3) -> str:
 
 
 TOKENIZER_FILE = "tokenizer.json"
+SENTINEL = "<extra_id_{}>"  # T5's name of the i-th span-corruption sentinel
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
@@ -52,6 +55,12 @@ class TokenizerConfig:
     extra_special_tokens: list[str] = option(
         default_factory=list, help="more special tokens to reserve: never split, never merged"
     )
+    mask_token: str | None = option(
+        None, help="a special token for masked-LM pre-training (pretrain objective=mlm), e.g. [MASK]; None: none"
+    )
+    sentinel_tokens: int = at_least(
+        0, 0, help="T5's span-corruption sentinels <extra_id_0> ... to add (pretrain objective=span; T5 has 100)"
+    )
     model_max_length: int = positive(2048, help="recorded in tokenizer_config.json for HF users")
     max_train_chars: int | None = positive(None, help="cap on training text, None = use all of it")
     digit_group: int = at_least(
@@ -71,7 +80,14 @@ class TokenizerConfig:
 
     @property
     def special_tokens(self) -> list[str]:
-        return [self.bos_token, self.eos_token, self.pad_token, *self.chat_tokens, *self.extra_special_tokens]
+        return [self.bos_token, self.eos_token, self.pad_token, *self.chat_tokens, *self.extra_special_tokens,
+                *self.denoising_tokens]
+
+    @property
+    def denoising_tokens(self) -> list[str]:
+        """The mask token and the sentinels, last among the special tokens (none by default)."""
+        mask = [self.mask_token] if self.mask_token is not None else []
+        return mask + [SENTINEL.format(i) for i in range(self.sentinel_tokens)]
 
 
 class Tokenizer:
@@ -82,6 +98,28 @@ class Tokenizer:
         self.config = config
         self.bos_id, self.eos_id, self.pad_id = (self.special_id(config, key, source)
                                                  for key in ("bos_token", "eos_token", "pad_token"))
+
+    @property
+    def mask_id(self) -> int | None:
+        """The id of ``tokenizer_config.json``'s ``mask_token`` (masked-LM pre-training); None without one."""
+        token = self.config.get("mask_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self.hf.token_to_id(token) if isinstance(token, str) and token else None
+
+    @property
+    def sentinel_ids(self) -> list[int]:
+        """The ids of T5's sentinels ``<extra_id_0>``, ``<extra_id_1>``... in the vocabulary, in order:
+        what span corruption puts in place of the first, second... dropped span."""
+        ids: list[int] = []
+        while (idx := self.hf.token_to_id(SENTINEL.format(len(ids)))) is not None:
+            ids.append(idx)
+        return ids
+
+    @property
+    def special_ids(self) -> list[int]:
+        """Every added special token's id (BOS, EOS, pad, chat markers, mask, sentinels...)."""
+        return sorted(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
 
     def special_id(self, config: dict, key: str, source: str | Path) -> int:
         """The id of the special token ``config[key]``: a string, or the ``{"content": ...}`` mapping
@@ -172,12 +210,15 @@ def build_untrained(cfg: TokenizerConfig) -> tuple[HFTokenizer, trainers.BpeTrai
 
 def hf_tokenizer_config(cfg: TokenizerConfig) -> dict:
     """``tokenizer_config.json`` so that ``transformers`` loads the tokenizer as-is."""
+    mask = {"mask_token": cfg.mask_token} if cfg.mask_token is not None else {}
+    sentinels = [SENTINEL.format(i) for i in range(cfg.sentinel_tokens)]
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": cfg.bos_token,
         "eos_token": cfg.eos_token,
         "pad_token": cfg.pad_token,
-        "additional_special_tokens": [*cfg.chat_tokens, *cfg.extra_special_tokens],
+        **mask,
+        "additional_special_tokens": [*cfg.chat_tokens, *cfg.extra_special_tokens, *sentinels],
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,

@@ -42,11 +42,13 @@ MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completio
 GENERATION_KEYS = {"until", *MAX_TOKEN_KEYS, "do_sample", "temperature", "top_p", "top_k"}
 
 
-def load_checkpoint(path: str, device: str = "auto", dtype: str = "float32") -> tuple[nn.Module, Tokenizer]:
-    """The model of a checkpoint (or a run's newest valid one), in eval mode, and its tokenizer."""
+def load_checkpoint(path: str, device: str = "auto", dtype: str = "float32",
+                    verify: bool = True) -> tuple[nn.Module, Tokenizer]:
+    """The model of a checkpoint (or a run's newest valid one), in eval mode, and its tokenizer
+    (``verify``: check the checksums; off for a checkpoint directory already checked)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    model, directory = load_model(path, device=resolve_device(device))
+    model, directory = load_model(path, device=resolve_device(device), verify=verify)
     return model.to(DTYPES[dtype]).eval(), Tokenizer.load(directory)
 
 

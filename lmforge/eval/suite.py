@@ -35,6 +35,7 @@ from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.core.untrusted import path_name
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.eval.denoising import TrainedDenoising, evaluate_denoising
 from lmforge.eval.evaluate import EvalSettings, MetricResult, evaluate_task, filter_pipelines, metric_specs
 from lmforge.eval.tasks import Task, limited, load_task, read_yaml
 
@@ -185,12 +186,16 @@ def load_tasks(specs: list[str]) -> tuple[list[Task], list[Suite]]:
 
 
 def evaluate_all(tasks: list[Task], suites: list[Suite], model: nn.Module, tok: Tokenizer,
-                 settings: EvalSettings) -> list[MetricResult]:
-    """Every figure of every task, then each suite's centred figures and ``core``."""
+                 settings: EvalSettings, denoising: TrainedDenoising | None = None) -> list[MetricResult]:
+    """Every figure of every task, then each suite's centred figures and ``core``. For a model
+    pre-trained with a denoising objective (``denoising``), a text task gives that objective's figures."""
     results: list[MetricResult] = []
     for task in tasks:
         t0 = time.perf_counter()
-        figures = evaluate_task(task, model, tok, settings)
+        if denoising is not None and task.output_type == "loglikelihood_rolling":
+            figures = evaluate_denoising(task, model, tok, denoising, settings)
+        else:
+            figures = evaluate_task(task, model, tok, settings)
         results += figures
         log.info("eval: %s: %s (%.1fs)", task.name,
                  ", ".join(f"{r.metric}{'' if r.filter == 'none' else '/' + r.filter}={r.value:.4f}" for r in figures),

@@ -8,11 +8,14 @@ on chance, averaged).
 Writes results.json (one record per task, metric and filter: value, stderr, n, config hash)
 and results.md into --out. <checkpoint> is a checkpoint directory or a run directory (its
 newest valid checkpoint). The same tasks run in the harness itself with --model lmforge
-(lmforge.eval.harness).
+(lmforge.eval.harness). A checkpoint pre-trained with objective=mlm or span scores text files
+and prepared data for masked-token accuracy and loss, or span-reconstruction loss and accuracy
+(lmforge.eval.denoising).
 
   lmforge eval runs/demo/sft --tasks data/eval/demo_suite.yaml --out runs/eval-sft
   lmforge eval runs/demo/sft --tasks data/eval/demo_answers.yaml
   lmforge eval runs/demo/pretrain --tasks data/pretrain/milton.jsonl --limit 8 batch_size=32
+  lmforge eval runs/encoder/mlm --tasks runs/encoder/data
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from lmforge.checkpoints.load import resolve_checkpoint
 from lmforge.core.config import at_least, load_config, option, positive, seed_field
 from lmforge.core.io import InputError, atomic_write_json, atomic_write_text, check_output_dir
 from lmforge.core.run import log, record_config, run_dir_lock, start_run
+from lmforge.eval.denoising import check_tasks, trained_denoising
 from lmforge.eval.evaluate import EvalSettings, MetricResult, results_table
 from lmforge.eval.scoring import load_checkpoint
 from lmforge.eval.suite import evaluate_all, load_tasks
@@ -87,10 +92,13 @@ def run_eval(recipe: EvalRecipe) -> dict:
     if recipe.run_dir is not None:  # before any work: a place that cannot take results.json would lose it all
         check_output_dir(recipe.run_dir, "run_dir (--out)")
     tasks, suites = load_tasks(recipe.tasks)  # every file checked before the model loads
-    model, tok = load_checkpoint(recipe.checkpoint, recipe.device, recipe.dtype)
+    directory = resolve_checkpoint(recipe.checkpoint)
+    model, tok = load_checkpoint(str(directory), recipe.device, recipe.dtype, verify=False)
+    denoising = trained_denoising(directory, tok, model.cfg.max_seq_len)  # mlm, span: their own figures on text
+    check_tasks(tasks, denoising)
     settings = EvalSettings(limit=recipe.limit, num_fewshot=recipe.num_fewshot, fewshot_seed=recipe.fewshot_seed,
                             bootstrap_iters=recipe.bootstrap_iters, batch_size=recipe.batch_size, seed=recipe.seed)
-    results = evaluate_all(tasks, suites, model, tok, settings)
+    results = evaluate_all(tasks, suites, model, tok, settings, denoising)
     table = results_table(results)
     print(table, end="", flush=True)
     out = {"checkpoint": str(recipe.checkpoint), "results": [asdict(r) for r in results]}

@@ -13,6 +13,11 @@ layout set in its `parallel:` section (FSDP2/HSDP, tensor and pipeline parallel;
 docs/distributed.md):
 
   torchrun --nproc_per_node=8 -m lmforge pretrain recipes/distributed/gpu_fsdp_tp.yaml
+
+``objective`` chooses the loss: the causal LM (default), or masked LM, span corruption or the
+prefix LM (``data.noising`` corrupts the windows, ``objectives.denoising`` scores them):
+
+  lmforge pretrain recipes/encoder/pretrain.yaml objective=span
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -34,6 +40,7 @@ from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
 from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
+from lmforge.data.noising import MaskingConfig, Noise, NoisedLoader, SpanConfig, build_noise
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
 from lmforge.distributed.config import ParallelConfig
@@ -50,7 +57,9 @@ from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model import families
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
+from lmforge.objectives.base import Objective
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
+from lmforge.objectives.denoising import DenoisingObjective
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.loop import TrainConfig, ValidationSet, accumulation_steps, precision_line, run_precision, train
 from lmforge.train.metrics import is_domain_loss, loss_curve_lines
@@ -69,6 +78,14 @@ class PretrainRecipe:
         "and data order: continued pre-training. model: must be the checkpoint's but for its context keys "
         "(max_seq_len, rope_*), which a context extension changes. Unused when the run resumes its own checkpoints",
     )
+    objective: Literal["clm", "mlm", "span", "prefix_lm"] = option(
+        "clm",
+        help="clm: next-token prediction; mlm: BERT's masked LM (keys mlm.*, bidirectional attention, a tokenizer "
+        "with a mask token); span: T5's span corruption as a decoder-only prefix LM (keys span.*, a tokenizer with "
+        "sentinels); prefix_lm: bidirectional over a random prefix, causal after it, loss after it",
+    )
+    mlm: MaskingConfig = field(default_factory=MaskingConfig)
+    span: SpanConfig = field(default_factory=SpanConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: LoaderConfig = field(default_factory=LoaderConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -104,28 +121,31 @@ def unigram_baseline(datasets: list[DatasetSource], vocab_size: int, summary: di
 
 
 def validation_loader(data: LoaderConfig, manifest: dict, batch_size: int, rank: int = 0,
-                      world_size: int = 1, dataset: DatasetSource | None = None) -> TokenLoader | None:
+                      world_size: int = 1, dataset: DatasetSource | None = None,
+                      noise: Noise | None = None) -> TokenLoader | NoisedLoader | None:
     """The validation split of ``dataset`` (default: the first; ``manifest`` is its manifest) in
-    order, built once per run and restarted for each evaluation; None when it is shorter than one window."""
+    order, built once per run and restarted for each evaluation, its windows corrupted by ``noise``
+    when given; None when it is shorter than one window."""
     if manifest["splits"]["val"]["n_tokens"] <= data.seq_len:
         return None
     cfg = LoaderConfig(datasets=[dataset or data.datasets[0]], seq_len=data.seq_len, bos_aligned=data.bos_aligned,
                        shuffle=False, seed=data.seed, verify_shards=data.verify_shards)
-    return TokenLoader(cfg, batch_size, split="val", loop=False, rank=rank, world_size=world_size)
+    loader = TokenLoader(cfg, batch_size, split="val", loop=False, rank=rank, world_size=world_size)
+    return loader if noise is None else NoisedLoader(loader, noise)
 
 
 def validation_sets(data: LoaderConfig, manifests: list[dict], batch_size: int, rank: int = 0,
-                    world_size: int = 1) -> Callable[[], Iterator] | list[ValidationSet] | None:
+                    world_size: int = 1, noise: Noise | None = None) -> Callable[[], Iterator] | list[ValidationSet] | None:
     """What the loop validates on: one dataset's validation batches (its metrics keep the names
     ``val_loss``, ``val_bpb``), or for a mixture one ``ValidationSet`` per dataset with a
     validation split of at least one window (``val/<name>/loss``, and ``val_loss`` their mean
     weighted by the mixture weights); None when there is nothing to validate on."""
     if len(data.datasets) == 1:
-        loader = validation_loader(data, manifests[0], batch_size, rank, world_size)
+        loader = validation_loader(data, manifests[0], batch_size, rank, world_size, noise=noise)
         return loader.restart if loader is not None else None
     sets = []
     for dataset, manifest in zip(data.datasets, manifests):
-        loader = validation_loader(data, manifest, batch_size, rank, world_size, dataset)
+        loader = validation_loader(data, manifest, batch_size, rank, world_size, dataset, noise)
         if loader is None:
             log.warning("dataset %s (%s) has no validation split of one window of %d tokens: it has no val/%s metrics "
                         "and is left out of val_loss", dataset.label, dataset.path, data.seq_len + 1, dataset.label)
@@ -183,6 +203,29 @@ def load_init(model: torch.nn.Module, directory: Path | None, run_dir: Path, cfg
     log.info("init: weights of %s (optimizer, schedule and data start fresh)", directory)
 
 
+def pretrain_noise(recipe: PretrainRecipe, tok: Tokenizer, pipeline_stages: int) -> Noise | None:
+    """The corruption of ``recipe.objective`` (None for the causal LM), checked before any work:
+    the tokenizer has the tokens it needs and the model can attend bidirectionally."""
+    if recipe.objective == "clm":
+        return None
+    if pipeline_stages > 1:
+        raise ConfigError(f"objective={recipe.objective} runs without pipeline parallelism so far (parallel.pp="
+                          f"{pipeline_stages}); set parallel.pp=1 or objective=clm")
+    model = recipe.model
+    if model.sliding_window is not None or model.positions == "alibi":
+        key = "model.sliding_window" if model.sliding_window is not None else "model.positions=alibi"
+        raise ConfigError(f"objective={recipe.objective} attends both ways over its prefix, but {key} builds causal "
+                          "masks of its own; use full attention with rope or learned positions, or objective=clm")
+    return build_noise(recipe.objective, recipe.mlm, recipe.span, tok, recipe.data.seq_len, recipe.tokenizer)
+
+
+def pretrain_objective(recipe: PretrainRecipe, token_bytes: torch.Tensor) -> Objective:
+    """The loss of ``recipe.objective``."""
+    if recipe.objective == "clm":
+        return CausalLMObjective(token_bytes)
+    return DenoisingObjective(recipe.objective, token_bytes)
+
+
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
     with torch.device(device):
         return families.build(cfg)
@@ -207,19 +250,22 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     if recipe.data.seq_len > recipe.model.max_seq_len:
         raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds model.max_seq_len {recipe.model.max_seq_len}")
 
+    noise = pretrain_noise(recipe, tok, layout.pp)
     init = init_checkpoint(recipe)
 
     if layout.world_size > 1:
         if recipe.train.eval_tasks:
             raise ConfigError("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
                               "train.eval_tasks=[]")
-        return run_pretrain_distributed(recipe, tok, manifests, init)
+        return run_pretrain_distributed(recipe, tok, manifests, init, noise)
     with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
-        return run_pretrain_local(recipe, tok, manifests, init)
+        return run_pretrain_local(recipe, tok, manifests, init, noise)
 
 
-def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict], init: Path | None = None) -> dict:
-    """``run_pretrain`` in one process; ``init``: the checkpoint whose weights it starts from."""
+def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict], init: Path | None = None,
+                       noise: Noise | None = None) -> dict:
+    """``run_pretrain`` in one process; ``init``: the checkpoint whose weights it starts from;
+    ``noise``: the corruption of the windows (``pretrain_noise``)."""
     run_dir = start_run(recipe, recipe.run_dir)
     cfg = recipe.train
     device = resolve_device(cfg.device)
@@ -234,7 +280,7 @@ def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[d
 
     token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
     scorer = eval_tasks_scorer(cfg.eval_tasks, tok, 2 * cfg.micro_batch_size)  # its tasks read before training
-    return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, scorer=scorer)
+    return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, scorer=scorer, noise=noise)
 
 
 def will_resume(cfg: TrainConfig, run_dir: Path) -> bool:
@@ -246,10 +292,11 @@ def will_resume(cfg: TrainConfig, run_dir: Path) -> bool:
 def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.nn.Module, cfg: TrainConfig,
                     run_dir: Path, token_bytes: torch.Tensor, ctx: ParallelContext | None = None,
                     pipeline: PipelineRunner | None = None, precision_reason: str | None = None,
-                    scorer: Scorer | None = None) -> dict:
+                    scorer: Scorer | None = None, noise: Noise | None = None) -> dict:
     """The loop over the token shards (this rank's share under ``ctx``), then ``summary.json``.
     ``precision_reason``: why ``cfg.precision`` was chosen, when it was chosen before the loop;
-    ``scorer``: of ``train.eval_tasks``, run with each validation."""
+    ``scorer``: of ``train.eval_tasks``, run with each validation; ``noise``: the corruption of
+    every window (training and validation) for a denoising objective."""
     rank, dp = data_parallel_rank(ctx)
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
     data = recipe.data
@@ -257,11 +304,11 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
         data = dataclasses.replace(data, verify_shards=True)
     loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)
-    val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp)
+    val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp, noise)
     summary = train(
         model=model,
-        objective=CausalLMObjective(token_bytes),
-        train_batches=loader,
+        objective=pretrain_objective(recipe, token_bytes),
+        train_batches=loader if noise is None else NoisedLoader(loader, noise),
         cfg=cfg,
         run_dir=run_dir,
         recipe=recipe,
@@ -293,7 +340,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
 
 
 def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[dict],
-                             init: Path | None = None) -> dict:
+                             init: Path | None = None, noise: Noise | None = None) -> dict:
     """``run_pretrain`` on one rank of a ``torchrun`` job: the model is built whole on every
     rank from the same seed (or ``init``'s weights), split into this rank's pipeline stage, then parallelized."""
     with (parallel_session(recipe.parallel, recipe.train.device) as ctx,
@@ -321,7 +368,7 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
                                       split=lambda b: (b[:, :-1], b[:, 1:]), loss_sum=causal_lm_loss,
                                       count_bytes=lambda targets: int(token_bytes[targets.cpu()].sum()))
 
-        return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline, reason)
+        return train_on_shards(recipe, manifests, model, cfg, run_dir, token_bytes, ctx, pipeline, reason, noise=noise)
 
 
 MIXED_ENTROPY = " (the datasets' own, weighted as val_loss weights their losses)"

@@ -134,3 +134,20 @@ def test_a_missing_or_unknown_special_token_names_the_file_and_key(small_tokeniz
     d = copy_tokenizer(small_tokenizer_dir, tmp_path / "tok", bos_token=value)  # Qwen's folders: "bos_token": null
     with pytest.raises(InputError, match=rf"^{d / 'tokenizer_config.json'}: {message}"):
         Tokenizer.load(d)
+
+
+def test_a_mask_token_and_sentinels_come_last_among_the_special_tokens_and_transformers_reads_them(
+        tmp_path, corpus_texts):
+    cfg = TokenizerConfig(vocab_size=512, mask_token="[MASK]", sentinel_tokens=3)
+    assert TokenizerConfig().special_tokens == cfg.special_tokens[:5]  # the default tokenizer is unchanged
+    train_tokenizer(corpus_texts, cfg).save(tmp_path)
+    tok = Tokenizer.load(tmp_path)
+    assert (tok.mask_id, tok.sentinel_ids, tok.special_ids) == (5, [6, 7, 8], list(range(9)))
+    assert tok.encode("a [MASK] b<extra_id_2>")[2] == 5 and tok.encode("<extra_id_2>") == [8]
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert hf.mask_token_id == 5 and hf.convert_tokens_to_ids("<extra_id_0>") == 6
+    assert 6 in hf.all_special_ids and tok.vocab_size == 512
+
+
+def test_a_tokenizer_without_them_has_no_mask_id_and_no_sentinels(small_tokenizer):
+    assert small_tokenizer.mask_id is None and small_tokenizer.sentinel_ids == []
