@@ -52,6 +52,33 @@ class ParamCounts:
 
 
 @dataclass
+class MupConfig:
+    """``model.mup``: the maximal-update parameterisation (µP; Yang et al. 2021, "Tensor Programs V",
+    Table 8 with ``MuReadout``) of a model ``m = d_model / base_width`` times as wide as the one whose
+    learning rate and ``init_std`` were tuned, so those carry over to the wider model (µTransfer):
+
+    - hidden matrices (the blocks' 2-D weights): init std ``init_std / √m`` (variance ∝ 1/fan_in),
+      learning rate ``lr / m`` under Adam (``train.optim.mup_lr_multiplier``);
+    - embeddings, norms, biases and the head: init and learning rate as at the base width;
+    - the head's output multiplied by ``1 / m`` (its input scaled so, before the matmul);
+    - attention scores scaled ∝ 1/head_dim: ``√base_head_dim / head_dim`` where ``base_head_dim`` is set
+      (the head width grows with the model), else the family's own scale (heads are added instead).
+
+    At ``d_model = base_width`` (and ``head_dim = base_head_dim``) every rule is the identity: the
+    model is the standard one. ``base_width: null`` (the default) is the standard parameterisation.
+    """
+
+    base_width: int | None = positive(None, help="the d_model the recipe's lr and init_std were tuned at; "
+                                      "null = the standard parameterisation")
+    base_head_dim: int | None = positive(None, help="the head_dim at base_width when heads widen with the model "
+                                         "(attention scale √base_head_dim / head_dim); null = heads are added instead")
+
+    @property
+    def enabled(self) -> bool:
+        return self.base_width is not None
+
+
+@dataclass
 class ModelConfig:
     """A decoder-only transformer.
 
@@ -145,6 +172,7 @@ class ModelConfig:
         0.0, high_open=True, help="dropout on each attention and MLP output before the residual add (training only)"
     )
     init_std: float = positive(0.02, help="the standard deviation of the weights' normal initialisation")
+    mup: MupConfig = option(default_factory=MupConfig, help="µP's base width (model.mup.base_width); unset = standard")
 
     def __post_init__(self) -> None:
         from lmforge.model.families import FAMILIES, PRESETS  # the registry imports this module
@@ -157,6 +185,8 @@ class ModelConfig:
         if type(self) is not family.config:
             raise TypeError(f"family {self.family!r} is configured by {family.config.__name__}, not {type(self).__name__} "
                             "(lmforge.model.families.model_config builds the right one from a mapping)")
+        if isinstance(self.mup, dict):  # read back from a checkpoint's model_config.json
+            self.mup = MupConfig(**self.mup)
         check_ranges(self, source="model")  # built in Python too: a zero or negative size fails here
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
@@ -173,6 +203,24 @@ class ModelConfig:
             self.ffn_hidden = 4 * self.d_model if self.ffn == "gelu" else 64 * -(-(8 * self.d_model // 3) // 64)
         self._check_rope_scaling()
         self._check_attention_pattern()
+        self._check_mup()
+
+    def _check_mup(self) -> None:
+        base, base_head = self.mup.base_width, self.mup.base_head_dim
+        if base is None:
+            if base_head is not None:
+                raise ValueError("model.mup.base_head_dim is set but model.mup.base_width is not; µP needs the base width")
+            return
+        if base > self.d_model:
+            raise ValueError(f"model.mup.base_width = {base} is larger than model.d_model = {self.d_model}: µP scales "
+                             "up from a narrower base model (set base_width to the width the rates were tuned at)")
+        if base_head is not None and base_head > self.head_dim:
+            raise ValueError(f"model.mup.base_head_dim = {base_head} is larger than head_dim = {self.head_dim}: µP "
+                             "scales up from the base model's heads")
+
+    def width_mult(self) -> float:
+        """µP's width multiplier ``m = d_model / model.mup.base_width``; 1 under the standard parameterisation."""
+        return self.d_model / self.mup.base_width if self.mup.enabled else 1.0
 
     def _check_attention_pattern(self) -> None:
         if self.positions != "rope" and self.rope_scaling != "none":

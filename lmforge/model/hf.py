@@ -43,8 +43,39 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our weights under HF names and layouts; a tied output matrix is left out, as ``save_pretrained`` does."""
-    return _mapping(cfg).state_to_hf(state, cfg)
+    """Our weights under HF names and layouts; a tied output matrix is left out, as ``save_pretrained`` does.
+    A µP model's multipliers are folded into its weights first (``fold_mup``)."""
+    return _mapping(cfg).state_to_hf(fold_mup(state, cfg), cfg)
+
+
+def fold_mup(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``state`` with µP's multipliers (``model.mup``) moved into weights, so a class without them
+    computes the same logits: the readout's 1/m into the final norm's gain (and bias), which the
+    head reads alone, tied or not; the attention scale's factor √(base_head_dim / head_dim) into
+    the queries (their norm's gain where they are normalised, else ``wq``'s rows and bias), since
+    RoPE is linear. A gain
+    stored as an offset from 1 (Gemma's ``1 + w``) is folded as such. Standard models pass through."""
+    if not cfg.mup.enabled:
+        return state
+    offset = 1.0 if cfg.family == "gemma" else 0.0
+    out = dict(state)
+
+    def scale_gain(key: str, factor: float) -> None:
+        out[key] = ((state[key].double() + offset) * factor - offset).to(state[key].dtype)
+
+    scale_gain("norm.weight", 1.0 / cfg.width_mult())
+    if "norm.bias" in state:
+        out["norm.bias"] = (state["norm.bias"].double() / cfg.width_mult()).to(state["norm.bias"].dtype)
+    if cfg.mup.base_head_dim is not None:
+        factor = (cfg.mup.base_head_dim / cfg.head_dim) ** 0.5
+        for i in range(cfg.n_layers):
+            gain = next((k for k in (f"layers.{i}.attn.q_norm.weight", f"layers.{i}.attn.q_proj_norm.weight") if k in state), None)
+            if gain is not None:  # the queries are normalised after wq (Qwen3's per head, OLMo 2's whole)
+                scale_gain(gain, factor)
+                continue
+            for key in (k for k in (f"layers.{i}.attn.wq.weight", f"layers.{i}.attn.wq.bias") if k in state):
+                out[key] = (state[key].double() * factor).to(state[key].dtype)
+    return out
 
 
 def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -390,21 +390,28 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.rope_pairs = False  # q/k head columns in rotation-pair order (a decoding layout, ``model.fused``)
+        self.output_mult = 1.0 / cfg.width_mult()  # µP's readout multiplier (model.mup); 1 in the standard parameterisation
+        if cfg.mup.base_head_dim is not None:  # µP's 1/head_dim scores: the family's scale times √(base_head_dim / head_dim)
+            for block in self.layers:
+                block.attn.scale = (block.attn.scale or cfg.head_dim**-0.5) * math.sqrt(cfg.mup.base_head_dim / cfg.head_dim)
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 / Llama practice: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers), zero biases."""
+        """GPT-2 / Llama practice: N(0, init_std), residual projections scaled by 1/sqrt(2·layers), zero biases;
+        under µP (``model.mup``) the blocks' matrices by 1/√m more, so their variance goes as 1/fan_in."""
         std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        hidden_std = std / math.sqrt(self.cfg.width_mult())
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.ndim == 1:  # norm gains
                 nn.init.ones_(p)
             elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
-                nn.init.normal_(p, 0.0, residual_std)
-            else:
+                nn.init.normal_(p, 0.0, hidden_std / math.sqrt(2 * self.cfg.n_layers))
+            elif name.startswith("layers."):
+                nn.init.normal_(p, 0.0, hidden_std)
+            else:  # embeddings and the head
                 nn.init.normal_(p, 0.0, std)
         cos, sin = rope_tables(self.cfg, self.rope_cos.device)
         self.rope_cos.copy_(cos)
@@ -458,8 +465,9 @@ class Transformer(nn.Module):
         return dropout(x, self.cfg.embed_dropout, self.training)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head's logits of final hidden states (a family may transform them, e.g. soft-capping)."""
-        return self.lm_head(hidden)
+        """The LM head's logits of final hidden states (a family may transform them, e.g. soft-capping);
+        under µP the head's input is scaled by its output multiplier 1/m first (the same, without a bias)."""
+        return self.lm_head(hidden if self.output_mult == 1.0 else hidden * self.output_mult)
 
     def layer_masks(self, attn_mask: torch.Tensor | None, offset: int, T: int, kv_cache: KVCache | None,
                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -198,17 +198,14 @@ def hidden_matrices(model: nn.Module) -> set[int]:
 
 
 def muon_groups(model: nn.Module, muon: MuonConfig, adamw: list[dict], betas: tuple[float, float], eps: float,
-                lr: float) -> list[dict]:
-    """The hidden matrices as one Muon group and ``adamw`` (``optim.param_groups``'s groups) less
-    those matrices as AdamW groups; empty groups are dropped. Raises ``ConfigError`` when the model
-    has no hidden matrix to train."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    hidden = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p, embeddings)}
-    if not hidden:
-        raise ConfigError("train.optimizer = muon: the model has no trainable 2-D matrix in its blocks for Muon to "
-                         "orthogonalise (use adamw or lamb)")
+                lr: float, muon_lr: float | None = None) -> list[dict]:
+    """The hidden matrices as one Muon group (at ``muon_lr``, default ``muon.lr``) and ``adamw``
+    (``optim.param_groups``'s groups) less those matrices as AdamW groups; empty groups are dropped.
+    Raises ``ConfigError`` when the model has no hidden matrix to train."""
+    hidden = hidden_matrices(model)
     matrices = [p for group in adamw for p in group["params"] if id(p) in hidden]
-    groups = [{"kind": "muon", "params": matrices, "lr": muon.lr, "peak_lr": muon.lr, "momentum": muon.momentum,
+    rate = muon.lr if muon_lr is None else muon_lr
+    groups = [{"kind": "muon", "params": matrices, "lr": rate, "peak_lr": rate, "momentum": muon.momentum,
                "nesterov": muon.nesterov, "ns_steps": muon.ns_steps, "coefficients": muon.coefficients,
                "ns_dtype": muon.ns_dtype, "weight_decay": muon.weight_decay, "scale": muon.scale}]
     for group in adamw:

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmforge.core.config import ConfigError
+from lmforge.model.transformer import Transformer
 from lmforge.train.lamb import Lamb
-from lmforge.train.muon import Muon, muon_groups
+from lmforge.train.muon import Muon, is_hidden_matrix, muon_groups
 
 if TYPE_CHECKING:
     from lmforge.train.loop import TrainConfig
@@ -37,6 +39,36 @@ def build_adamw(model: nn.Module, lr: float, betas: tuple[float, float], eps: fl
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
 
 
+def width_mult(model: nn.Module, optimizer: str) -> float:
+    """µP's width multiplier ``m`` of the transformer in ``model`` (``model.mup``; 1 without it). A
+    ``ConfigError`` for ``lamb``: µP's learning-rate table is Adam's and Muon's, and LAMB's trust
+    ratio sets each tensor's step from its own norm instead."""
+    mults = {m.cfg.width_mult() for m in model.modules() if isinstance(m, Transformer)}
+    mult = mults.pop() if len(mults) == 1 else 1.0
+    if mult != 1.0 and optimizer == "lamb":
+        raise ConfigError("model.mup is set with train.optimizer = lamb: µP's learning rates are defined for adamw and "
+                          "muon (LAMB's trust ratio scales each tensor's step itself); use adamw or muon, or unset model.mup")
+    return mult
+
+
+def mup_groups(model: nn.Module, groups: list[dict], lr: float, mult: float) -> list[dict]:
+    """``groups`` with the hidden matrices (``muon.is_hidden_matrix``: the blocks' 2-D weights) in
+    groups of their own at µP's Adam rate ``lr / m`` (Yang et al. 2021, Table 8: a matrix both of
+    whose dimensions grow with width); the rest keep ``lr``. LoRA's factors have one dimension that
+    grows (the other is the rank), so they keep ``lr``, as do embeddings, the head, norms and biases.
+    Every group holds its ``peak_lr``."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden = {id(p) for name, p in model.named_parameters()
+              if is_hidden_matrix(name, p, embeddings) and not any(part.startswith("lora_") for part in name.split("."))}
+    out = []
+    for group in groups:
+        for ps, rate in (([p for p in group["params"] if id(p) in hidden], lr / mult),
+                         ([p for p in group["params"] if id(p) not in hidden], lr)):
+            if ps:
+                out.append({**group, "params": ps, "lr": rate, "peak_lr": rate})
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer of ``cfg.optimizer`` over ``model``'s trainable parameters.
 
@@ -45,15 +77,26 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
       the keys above on the rest (embeddings, the head, norms, biases).
     - ``lamb``: ``Lamb`` with the keys above and ``train.lamb``'s on every parameter.
 
+    Under µP (``model.mup``, width multiplier ``m``) AdamW trains the hidden matrices at ``lr / m``
+    (``mup_groups``); Muon's matrices keep ``train.muon.lr`` with the ``shape`` scale, whose
+    orthogonalised update of spectral norm ~√(fan_out / fan_in) is already µP's (Yang, Simon &
+    Bernstein 2023), and take ``lr / m`` with ``adamw_rms``, whose update has AdamW's RMS.
+
     Every group holds ``peak_lr``, the rate the schedule scales (``loop.scheduled_lr``).
     """
     betas = (cfg.beta1, cfg.beta2)
+    mult = width_mult(model, cfg.optimizer)
+    device = next(model.parameters()).device
+    fused = device.type in ("cuda", "cpu")
     if cfg.optimizer == "adamw":
-        return build_adamw(model, cfg.lr, betas, cfg.eps, cfg.weight_decay)
+        if mult == 1.0:
+            return build_adamw(model, cfg.lr, betas, cfg.eps, cfg.weight_decay)
+        return torch.optim.AdamW(mup_groups(model, param_groups(model, cfg.weight_decay), cfg.lr, mult), lr=cfg.lr,
+                                 betas=betas, eps=cfg.eps, fused=fused)
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "muon":
-        fused = next(model.parameters()).device.type in ("cuda", "cpu")
-        return Muon(muon_groups(model, cfg.muon, groups, betas, cfg.eps, cfg.lr), fused=fused)
+        muon_lr = cfg.muon.lr / mult if cfg.muon.scale == "adamw_rms" else cfg.muon.lr
+        return Muon(muon_groups(model, cfg.muon, groups, betas, cfg.eps, cfg.lr, muon_lr=muon_lr), fused=fused)
     if cfg.optimizer == "lamb":
         lamb = cfg.lamb
         return Lamb([{**g, "peak_lr": cfg.lr} for g in groups], lr=cfg.lr, betas=betas, eps=cfg.eps,

@@ -19,6 +19,7 @@ from lmforge.distributed.parallelize import apply_activation_checkpointing, para
 from lmforge.peft.lora import LoraConfig, apply_lora
 from lmforge.train.loop import TrainConfig
 from lmforge.train.muon import hidden_matrices
+from lmforge.train.optim import width_mult
 
 
 def prepare_model(model: nn.Module, cfg: TrainConfig, parallel: ParallelContext | None = None, *,
@@ -34,14 +35,16 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, parallel: ParallelContext 
     (TP, FSDP2/HSDP) by ``parallelize_model``. ``frozen`` prepares a copy that never runs backward (a
     live DPO/KTO reference): no checkpointing or compile, and FSDP frees every gathered weight after
     each forward. A model Muon cannot train (``train.optimizer: muon``, no trainable matrix in its
-    blocks) is refused here, before the stage's work.
+    blocks), or µP under an optimizer it has no rates for, is refused here, before the stage's work.
     """
     if lora is not None:
         wrap_lora(model, lora, stage)
     if head is not None:
         model = head(model)
-    if cfg.optimizer == "muon" and not frozen:
-        hidden_matrices(model)  # refuse now, before the stage scores or lays out the model
+    if not frozen:  # refuse now, before the stage scores or lays out the model
+        width_mult(model, cfg.optimizer)  # µP with an optimizer it has no rates for
+        if cfg.optimizer == "muon":
+            hidden_matrices(model)
     checkpointing = cfg.activation_checkpointing and not frozen
     if parallel is None:
         if checkpointing:

@@ -33,6 +33,9 @@ transformers = pytest.importorskip("transformers")
 BASE = dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, ffn_hidden=96, max_seq_len=64, rope_theta=50000.0)
 VARIANTS = {
     "mha": {},
+    # µP 4x its base, heads 4x wider: the readout and score multipliers, folded into the export (hf.fold_mup)
+    "mup": dict(mup={"base_width": 16, "base_head_dim": 4}, n_kv_heads=2, qkv_bias=True),
+    "mup-qk-norm-tied": dict(mup={"base_width": 16, "base_head_dim": 4}, qk_norm=True, tie_embeddings=True),
     "gqa": dict(n_kv_heads=2),
     "mqa": dict(n_kv_heads=1, head_dim=32),  # head_dim other than d_model / n_heads
     "tied": dict(tie_embeddings=True, n_kv_heads=2),

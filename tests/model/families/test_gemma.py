@@ -21,7 +21,7 @@ from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.checkpoints.load import load_model
 from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError, atomic_directory
-from lmforge.model.config import ModelConfig
+from lmforge.model.config import ModelConfig, MupConfig
 from lmforge.model.families import build, model_config
 from lmforge.model.families.gemma import hf as gemma_hf
 from lmforge.model.families.gemma.config import GemmaConfig
@@ -37,6 +37,8 @@ transformers = pytest.importorskip("transformers")  # the reference (a dev depen
 S, F = "sliding_attention", "full_attention"
 # tests/model/test_parity.py's BASE (width 64, 4 layers of 4 heads of 16, rows of up to 17 tokens) plus these
 PARITY_VARIANTS = {
+    # µP: the multipliers folded into (1 + w) gains, the final norm's and the QK-norm's
+    "gemma:mup": dict(family="gemma", mup={"base_width": 16, "base_head_dim": 4}, qk_norm=True, n_kv_heads=2),
     # Gemma 2: both soft-caps small enough to bend the scores and logits, a scalar other than head_dim,
     # windows of 6 on every other layer, attention biases
     "gemma:gemma2": dict(family="gemma", n_kv_heads=2, attn_softcap=20.0, final_softcap=5.0, query_pre_attn_scalar=24,
@@ -146,7 +148,8 @@ def test_a_gemma3_config_json_as_published_computes_transformers_logits(tmp_path
 @pytest.mark.parametrize("variant", list(PARITY_VARIANTS))
 def test_config_round_trips_through_config_json(variant):
     cfg = model_config({**TINY, "n_layers": 4, **PARITY_VARIANTS[variant]})
-    assert gemma_hf.model_config_from_hf(hf_config_dict(cfg)) == cfg
+    # µP's multipliers go into the exported weights (hf.fold_mup): what comes back is the standard model
+    assert gemma_hf.model_config_from_hf(hf_config_dict(cfg)) == dataclasses.replace(cfg, mup=MupConfig())
 
 
 def test_hf_names_are_transformers_parameter_names():

@@ -43,6 +43,7 @@ import transformers  # noqa: E402  (a dev dependency: the reference these tests 
 
 _SLIDING_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 PARITY_VARIANTS = {
+    "gpt2:mup": dict(family="gpt2", mup={"base_width": 16, "base_head_dim": 4}),  # µP: the readout multiplier in LayerNorm's gain and bias
     "gpt2:plain": dict(family="gpt2", ffn_hidden=None),  # GPT-2's parts and its MLP, 4 d_model wide
     "gpt2:untied": dict(family="gpt2", tie_embeddings=False, norm_eps=1e-6),
     "gpt2:no-biases": dict(family="gpt2", qkv_bias=False, out_bias=False, mlp_bias=False),  # exported as zero biases

@@ -40,6 +40,7 @@ import transformers  # noqa: E402  (a dev dependency: the reference these tests 
 
 # test_parity.py's BASE (4 layers, width 64, 4 heads, vocabulary 256) with these fields
 PARITY_VARIANTS = {
+    "olmo2:mup": dict(family="olmo2", mup={"base_width": 16, "base_head_dim": 4}, n_kv_heads=2),  # µP: the score factor in the QK-norm
     "olmo2:gqa": dict(family="olmo2", n_kv_heads=2, norm_eps=1e-6),
     "olmo2:mqa-head-dim-tied": dict(family="olmo2", n_kv_heads=1, head_dim=32, tie_embeddings=True),
     "olmo2:attention-bias": dict(family="olmo2", qkv_bias=True, out_bias=True, n_kv_heads=2),

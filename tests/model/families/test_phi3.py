@@ -45,6 +45,7 @@ LONG8 = [1.0 + 2.0 * i for i in range(8)]
 
 # test_parity.py's BASE (4 layers, width 64, 4 heads of 16, vocabulary 256, rows of up to 17 tokens) with these
 PARITY_VARIANTS = {
+    "phi3:mup": dict(family="phi3", mup={"base_width": 16, "base_head_dim": 4}, n_kv_heads=2),  # µP, exported through the joined qkv
     "phi3:mha": dict(family="phi3", norm_eps=1e-6),  # Phi-3-mini's attention: as many KV heads as heads
     "phi3:gqa": dict(family="phi3", n_kv_heads=2),  # Phi-3-small/medium's grouped KV heads
     "phi3:mqa-head-dim-tied": dict(family="phi3", n_kv_heads=1, head_dim=32, tie_embeddings=True),

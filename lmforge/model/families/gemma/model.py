@@ -106,7 +106,7 @@ class Gemma(Transformer):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's logits z, as c·tanh(z / c) with ``final_softcap`` c (Gemma 2)."""
-        logits = self.lm_head(hidden)
+        logits = super().logits(hidden)
         c = self.cfg.final_softcap
         return logits if c is None else torch.tanh(logits / c) * c
 
