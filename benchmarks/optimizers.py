@@ -18,14 +18,13 @@ machine's load average before and after it, since a busy machine slows whichever
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from record import command, commit, load_average, machine, now
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/demo/pretrain.yaml"
@@ -135,19 +134,6 @@ def draw_plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import torch
-
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
-            "summary": f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"}
-
-
 def train(optimizer: str, lr: float, run_dir: Path, args: argparse.Namespace) -> dict:
     overrides = [f"run_dir={run_dir}", f"train.optimizer={optimizer}", f"{RATE_KEY[optimizer]}={lr}",
                  "train.max_minutes=null", "train.checkpoint_every=0", "train.keep_checkpoints=1",
@@ -155,14 +141,14 @@ def train(optimizer: str, lr: float, run_dir: Path, args: argparse.Namespace) ->
                  *(QUICK if args.quick else []), *args.set]
     command = [sys.executable, "-m", "lmforge", "pretrain", args.recipe, *overrides]
     print(f"== {optimizer} lr {lr:g}: {' '.join(command[3:])}", flush=True)
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     subprocess.run(command, cwd=REPO, check=True, stdout=None if args.verbose else subprocess.DEVNULL)
     records = read_metrics(run_dir)
     points = curve(records)
     tps = [r["tokens_per_s"] for r in records[1:] if "tokens_per_s" in r]
     run = {"optimizer": optimizer, "lr": lr, "run_dir": str(run_dir), "steps": records[-1]["step"], "curve": points,
            "final_val_loss": points[-1]["val_loss"],
-           "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "tokens_per_s": round(sorted(tps)[len(tps) // 2], 1) if tps else 0.0}
+           "load_average": [load_before, load_average()], "tokens_per_s": round(sorted(tps)[len(tps) // 2], 1) if tps else 0.0}
     print(f"   final validation loss {run['final_val_loss']:.4f} after {points[-1]['train_s']:.0f} s of training, "
           f"{run['tokens_per_s']:.0f} tokens/s", flush=True)
     return run
@@ -194,15 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_docs:
         write_docs(json.loads(args.out.read_text()), [REPO / d for d in DOCS])
         return
-    started = datetime.datetime.now(datetime.UTC)
+    started = now()
     # interleaved (every optimizer's first rate, then every second rate, ...), so that a change in the
     # machine's load over the session falls on each optimizer alike
     rates = [(i, name, lr) for name in args.optimizers for i, lr in enumerate(GRID[name][1:2] if args.quick else GRID[name])]
     runs = [train(name, lr, args.runs / f"{name}-lr{lr:g}", args) for _, name, lr in sorted(rates, key=lambda r: r[0])]
     runs.sort(key=lambda r: (args.optimizers.index(r["optimizer"]), r["lr"]))
     steps = runs[0]["steps"]
-    result = {"benchmark": "optimizers", "date": started.isoformat(timespec="seconds"), "machine": machine(),
-              "command": "python benchmarks/optimizers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"benchmark": "optimizers", "date": started, "machine": machine(), "commit": commit(),
+              "command": command("optimizers.py", argv),
               "recipe": args.recipe, "steps": steps, "overrides": args.set + (QUICK if args.quick else []),
               "figure": "validation loss at the last step and at equal training time, each optimizer at its best rate",
               "runs": runs, "summary": summarise(runs)}

@@ -285,3 +285,30 @@ def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(t
     assert all(b["val_loss_at_equal_time"] >= b["final_val_loss"] - 1e-9 or b["train_s"] <= result["summary"]["equal_time_s"]
                for b in best.values())
     assert (tmp_path / "o.png").is_file() and "| muon |" in stdout
+
+
+def test_mup_sweeps_rates_per_width_under_sp_and_mup_and_names_the_best(tmp_path, corpus_jsonl, small_tokenizer_dir):
+    from lmforge.data.documents import DocumentsConfig
+    from lmforge.stages.prepare import PrepareRecipe, run_prepare
+
+    shards = tmp_path / "shards"
+    run_prepare(PrepareRecipe(run_dir=str(shards), tokenizer=str(small_tokenizer_dir),
+                              data=DocumentsConfig(paths=[str(corpus_jsonl)]), val_fraction=0.1))
+    out = tmp_path / "mup.json"
+    stdout = run("mup.py", "--quick", "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "m.png",
+                 "--set", f"tokenizer={small_tokenizer_dir}", f"data.datasets=[{{path: {shards}}}]",
+                 "model.vocab_size=512", "model.max_seq_len=64", "data.seq_len=32", "train.micro_batch_size=2",
+                 "train.batch_tokens=64")
+    result = read_json(out)
+    runs = {(r["param"], r["width"], r["lr"]): r for r in result["runs"]}
+    assert set(runs) == {(p, w, lr) for p in ("sp", "mup") for w in (32, 64) for lr in (2e-3, 8e-3)}
+    for lr in (2e-3, 8e-3):  # the base width is trained once: there µP is the standard model
+        assert runs[("mup", 32, lr)]["val_loss"] == runs[("sp", 32, lr)]["val_loss"]
+        assert runs[("mup", 64, lr)]["val_loss"] != runs[("sp", 64, lr)]["val_loss"]
+    assert all(r["step"] == 4 and positive(r["val_loss"]) for r in result["runs"])
+    best = result["summary"]["best_lr"]
+    for param in ("sp", "mup"):
+        for w in ("32", "64"):
+            lr = best[param][w]
+            assert runs[(param, int(w), lr)]["val_loss"] == min(runs[(param, int(w), x)]["val_loss"] for x in (2e-3, 8e-3))
+    assert isinstance(result["summary"]["mup_transfers"], bool) and (tmp_path / "m.png").is_file() and "| µP | 64 |" in stdout

@@ -1,0 +1,186 @@
+"""µTransfer on the demo corpus: does the best learning rate at width 64 stay the best at 256?
+
+Sweeps AdamW's peak rate over a grid (factors of 2) at widths 64, 128 and 256 under the standard
+parameterisation (SP) and under µP relative to width 64 (``model.mup.base_width: 64``), each run
+``recipes/mup/pretrain.yaml`` (2 layers, 32-wide heads added with width, an MLP 3x as wide, 150
+steps of 4096 tokens), and records the validation loss at the last step. At the base width µP is
+the standard model, so width 64 is trained once and serves both. Yang et al. 2021 (Tensor Programs
+V) find SP's best rate moving as the model widens and µP's staying put; the JSON says, for this
+corpus and budget, whether µP's best rate at 256 is within one grid step of its best at 64.
+
+    .venv/bin/python benchmarks/mup.py                # 30 runs in one process (~20 min on 2 CPU cores)
+    .venv/bin/python benchmarks/mup.py --quick        # a smoke run: widths 32 and 64, 2 rates, 4 steps
+    .venv/bin/python benchmarks/mup.py --write-docs   # the table of the JSON into README.md's marked block
+
+It needs the demo's tokenizer and shards (`make demo`, or its tokenizer and prepare stages). The
+losses do not depend on the machine's load (each run is seeded), only the time it takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+from record import command, commit, machine, now
+
+from lmforge.core.config import load_config
+from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
+from lmforge.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/mup/pretrain.yaml"
+RESULTS = "benchmarks/results/mup.json"
+PLOT = "docs/img/mup.png"
+DOCS = ("README.md",)
+BEGIN, END = "<!-- mup: written by benchmarks/mup.py --write-docs -->", "<!-- /mup -->"
+WIDTHS, BASE, HEAD_DIM = (64, 128, 256), 64, 32
+RATES = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
+QUICK = dict(widths=(32, 64), base=32, rates=[2e-3, 8e-3],
+             set=["train.max_steps=4", "train.warmup_steps=1", "train.eval_every=4", "train.eval_batches=2"])
+
+
+def shape(width: int) -> list[str]:
+    return [f"model.d_model={width}", f"model.n_heads={max(1, width // HEAD_DIM)}", f"model.ffn_hidden={3 * width}"]
+
+
+def train(param: str, width: int, base: int, lr: float, run_dir: Path, extra: list[str]) -> dict:
+    mup = f"model.mup.base_width={base}" if param == "mup" else "model.mup.base_width=null"
+    overrides = [f"run_dir={run_dir}", *shape(width), mup, f"train.lr={lr}", "train.resume=never", *extra]
+    print(f"== {param} width {width} lr {lr:g}", flush=True)
+    started = time.perf_counter()
+    run_pretrain(load_config(PretrainRecipe, REPO / RECIPE, overrides))
+    evals = [r for r in read_metrics(run_dir) if "val_loss" in r]
+    loss = evals[-1]["val_loss"] if evals else math.nan
+    print(f"   validation loss {loss:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return {"param": param, "width": width, "lr": lr, "val_loss": loss, "step": evals[-1]["step"] if evals else None,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def best_rates(runs: list[dict]) -> dict[str, dict[int, float]]:
+    """(param -> width -> the rate of the lowest validation loss)."""
+    best: dict[str, dict[int, dict]] = {}
+    for run in runs:
+        if math.isfinite(run["val_loss"]):
+            slot = best.setdefault(run["param"], {})
+            if run["width"] not in slot or run["val_loss"] < slot[run["width"]]["val_loss"]:
+                slot[run["width"]] = run
+    return {param: {w: r["lr"] for w, r in sorted(by.items())} for param, by in best.items()}
+
+
+def summarise(runs: list[dict], rates: list[float]) -> dict:
+    best = best_rates(runs)
+    steps = {}
+    for param, by_width in best.items():
+        narrow, wide = min(by_width), max(by_width)
+        steps[param] = rates.index(by_width[wide]) - rates.index(by_width[narrow])  # grid steps the best rate moved
+    return {"best_lr": {p: {str(w): lr for w, lr in by.items()} for p, by in best.items()},
+            "grid_steps_moved": steps, "mup_transfers": abs(steps.get("mup", 99)) <= 1}
+
+
+def markdown_table(result: dict) -> str:
+    widths, rates = result["widths"], result["rates"]
+    loss = {(r["param"], r["width"], r["lr"]): r["val_loss"] for r in result["runs"]}
+    best = result["summary"]["best_lr"]
+    lines = ["| parameterisation | width | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | best lr |",
+             "|---|---|" + "---|" * len(rates) + "---|"]
+    for param in ("sp", "mup"):
+        for w in widths:
+            cells = []
+            for lr in rates:
+                value = loss.get((param, w, lr), math.nan)
+                text = f"{value:.3f}" if math.isfinite(value) else "diverged"
+                cells.append(f"**{text}**" if best.get(param, {}).get(str(w)) == lr else text)
+            lines.append(f"| {'µP' if param == 'mup' else 'SP'} | {w} | " + " | ".join(cells)
+                         + f" | {best.get(param, {}).get(str(w), math.nan):g} |")
+    moved = result["summary"]["grid_steps_moved"]
+    lines += ["", f"Validation loss after {result['steps']} steps of `{result['recipe']}` (bold: each row's best). "
+              f"From width {widths[0]} to {widths[-1]} the best rate moves {moved.get('sp')} grid steps under SP and "
+              f"{moved.get('mup')} under µP (base width {result['base_width']}). {result['machine']['summary']}, "
+              f"{result['date'][:10]}; `{result['command']}`."]
+    return "\n".join(lines)
+
+
+def write_docs(result: dict, paths: list[Path]) -> None:
+    table = markdown_table(result)
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        if not pattern.search(text):
+            raise SystemExit(f"{path}: no block {BEGIN} ... {END} to write the table into")
+        path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text), encoding="utf-8")
+        print(f"wrote the table into {path}")
+
+
+def draw_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, param, title in zip(axes, ("sp", "mup"), ("standard parameterisation", f"µP (base width {result['base_width']})")):
+        for width in result["widths"]:
+            points = sorted((r["lr"], r["val_loss"]) for r in result["runs"] if r["param"] == param and r["width"] == width
+                            and math.isfinite(r["val_loss"]))
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=4, label=f"width {width}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("AdamW peak learning rate")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("validation loss")
+    fig.suptitle(f"{result['recipe']}, {result['steps']} steps; {result['machine']['summary']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: widths 32 and 64 (base 32), 2 rates, 4 steps")
+    p.add_argument("--set", nargs="*", default=[], help="more dotted overrides for every run (e.g. train.max_steps=300)")
+    p.add_argument("--runs", help="where the runs write (default runs/mup, --quick runs/mup_quick)")
+    p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/mup.json)")
+    p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/mup.png)")
+    p.add_argument("--write-docs", action="store_true", help="write the table of --out into README.md, then stop")
+    args = p.parse_args(argv)
+    args.runs = Path(args.runs or ("runs/mup_quick" if args.quick else "runs/mup"))
+    args.out = Path(args.out or (args.runs / "mup.json" if args.quick else RESULTS))
+    args.plot = Path(args.plot or (args.runs / "mup.png" if args.quick else PLOT))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.write_docs:
+        write_docs(json.loads(args.out.read_text()), [REPO / d for d in DOCS])
+        return
+    widths, base, rates = (QUICK["widths"], QUICK["base"], QUICK["rates"]) if args.quick else (WIDTHS, BASE, RATES)
+    extra = (QUICK["set"] if args.quick else []) + args.set
+    started, runs = now(), []
+    for lr in rates:
+        for width in widths:
+            params = ("sp",) if width == base else ("sp", "mup")  # at the base width µP is SP, bit for bit
+            for param in params:
+                runs.append(train(param, width, base, lr, args.runs / f"{param}-w{width}-lr{lr:g}", extra))
+                if width == base:
+                    runs.append({**runs[-1], "param": "mup", "same_as": "sp"})
+    result = {"benchmark": "mup", "date": started, "machine": machine(), "commit": commit(),
+              "command": command("mup.py", argv), "recipe": RECIPE, "steps": next(r["step"] for r in runs),
+              "widths": list(widths), "base_width": base, "rates": rates, "overrides": extra,
+              "figure": "validation loss against AdamW's peak rate per width, SP and µP", "runs": runs,
+              "summary": summarise(runs, rates)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    draw_plot(result, args.plot)
+    print(markdown_table(result))
+    print(f"wrote {args.out} and {args.plot}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

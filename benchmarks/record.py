@@ -1,0 +1,49 @@
+"""What a benchmark's JSON records about the run beside its numbers: the machine (``lmforge doctor``'s
+CPU description: model, the speed-relevant flags such as AMX, cores, torch threads), the date, the
+command and the commit, so a figure in the docs names where and how it was measured."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from lmforge.stages.doctor import cpu_info
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict:
+    cpu = cpu_info()
+    flags = f" ({', '.join(cpu['flags'])})" if cpu["flags"] else ""
+    return {"platform": platform.platform(), "cpu": cpu["model"], "flags": cpu["flags"], "cpus": cpu["usable_cores"],
+            "torch": torch.__version__, "torch_threads": cpu["torch_threads"],
+            "summary": f"{cpu['model']}{flags}, {cpu['usable_cores']} cores, torch {torch.__version__}"}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def command(script: str, argv: list[str] | None) -> str:
+    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def commit() -> str | None:
+    """HEAD, marked when tracked files differ from it; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+uncommitted changes" if dirty else "")
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
