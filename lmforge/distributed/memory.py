@@ -7,7 +7,8 @@ The arithmetic follows what this code keeps alive, for the busiest pipeline stag
   with ``reshard_after_forward: false``, two blocks' and the root's with ZeRO-3), or, with
   no FSDP, autocast's bf16 casts of the matrices (alive from forward to backward);
 - gradients: fp32, split like the master weights (plus one block's unsharded gradients under FSDP);
-- optimizer state: AdamW's two fp32 moments, split like the master weights;
+- optimizer state: AdamW's and LAMB's two fp32 moments per parameter; Muon's one fp32 momentum
+  per weight of the blocks' matrices and AdamW's two for the rest; split like the master weights;
 - activations: what autograd saves per layer (Korthikanti et al. 2022 counted the same for
   GPT; here for pre-norm SwiGLU/GQA blocks with SDPA, whose attention scores are never
   stored), per token, times the tokens in flight; the output's log-softmax and its gradient
@@ -65,8 +66,9 @@ def activation_bytes_per_token(model, tp: int, sequence_parallel: bool, compute_
 
 
 def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_size: int, seq_len: int,
-                precision: str, activation_checkpointing: bool) -> MemoryPlan:
-    """Per-device bytes of ``model`` (a ModelConfig) trained with ``layout``; the largest stage's."""
+                precision: str, activation_checkpointing: bool, optimizer: str = "adamw") -> MemoryPlan:
+    """Per-device bytes of ``model`` (a ModelConfig) trained with ``layout`` and ``optimizer``
+    (``train.optimizer``); the largest stage's."""
     tp, pp, shard = layout.tp, layout.pp, layout.dp_shard
     fsdp = layout.dp > 1
     c = 2 if precision == "bf16" else 4
@@ -103,7 +105,9 @@ def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_
             weights_compute = compute_copies if c == 2 else master
         parameters = master + compute_copies
         gradients = 4 * params // (shard if fsdp else 1) + (gathered * block if fsdp else 0)
-        optimizer = 8 * params // (shard if fsdp else 1)
+        # Muon keeps one buffer for each weight of the blocks' matrices, AdamW two for everything else
+        hidden = sum(counts.layers[i].matmul for i in layers) // tp if optimizer == "muon" else 0
+        state = (8 * params - 4 * hidden) // (shard if fsdp else 1)
 
         in_flight = m if parallel.pp_schedule == "gpipe" or pp == 1 else min(m, pp - stage)
         tokens = rows * seq_len * in_flight
@@ -120,7 +124,7 @@ def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_
         recomputed = activation_bytes_per_token(model, tp, parallel.sequence_parallel, c, residual, False) \
             * rows * seq_len if activation_checkpointing else 0
         acts = saved + max(output, recomputed)
-        plan = MemoryPlan(parameters, gradients, optimizer, int(acts), weights_compute, stage, params,
+        plan = MemoryPlan(parameters, gradients, state, int(acts), weights_compute, stage, params,
                           {"master_weights": master, "compute_copies": compute_copies, "layers": n_layers,
                            "tokens_in_flight": tokens})
         if best is None or plan.total > best.total:
@@ -167,7 +171,7 @@ def available_bytes(device) -> tuple[int, str] | None:
 
 def check_memory_fits(model, parallel: ParallelConfig, layout: Layout, device, *, micro_batch_size: int,
                       seq_len: int, precision: str, activation_checkpointing: bool,
-                      seq_key: str = "data.seq_len", adapters_only: bool = False) -> int | None:
+                      seq_key: str = "data.seq_len", adapters_only: bool = False, optimizer: str = "adamw") -> int | None:
     """Refuse (``ConfigError``, one line) a run whose step needs more than ``device`` has, by
     ``peak_lower_bound`` of its plan, before any allocation; the estimate in bytes, or None if
     the device's memory is unknown. ``precision: auto`` is planned at its cheaper choice."""
@@ -176,7 +180,7 @@ def check_memory_fits(model, parallel: ParallelConfig, layout: Layout, device, *
         return None
     choices = ["bf16", "fp32"] if precision == "auto" else [precision]
     plans = [plan_memory(model, parallel, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=p,
-                         activation_checkpointing=activation_checkpointing) for p in choices]
+                         activation_checkpointing=activation_checkpointing, optimizer=optimizer) for p in choices]
     need = min(peak_lower_bound(p, adapters_only) for p in plans)
     available, what = have
     if need > available:

@@ -334,7 +334,7 @@ def check_finetune_memory(recipe, device: torch.device, parallel: ParallelContex
     check_memory_fits(model, recipe.parallel, layout, device, micro_batch_size=recipe.train.micro_batch_size,
                       seq_len=recipe.data.max_length, precision=recipe.train.precision,
                       activation_checkpointing=recipe.train.activation_checkpointing, seq_key="data.max_length",
-                      adapters_only=recipe.lora is not None)
+                      adapters_only=recipe.lora is not None, optimizer=recipe.train.optimizer)
 
 
 def load_base(checkpoint: str, run_dir: Path, device: torch.device, max_length: int,

@@ -1,6 +1,6 @@
 """Plan a training run before launching it. `lmforge plan memory` prints the bytes each device
 needs for parameters (fp32 master weights and the copies blocks compute with), gradients,
-AdamW state and activations, under the recipe's parallel layout and precision, with and
+optimizer state (AdamW's, Muon's or LAMB's) and activations, under the recipe's parallel layout and precision, with and
 without activation checkpointing, for the busiest pipeline stage. It reads a pretrain
 recipe (model, data.seq_len, train.micro_batch_size, train.precision, parallel) plus
 world_size (needed when parallel.dp_shard is -1). precision auto plans for bf16.
@@ -40,6 +40,9 @@ def recipe_from_args(args: argparse.Namespace) -> PlanRecipe:
     return load_config(PlanRecipe, recipe, overrides)
 
 
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon + AdamW", "lamb": "LAMB"}
+
+
 def memory_plans(recipe: PlanRecipe) -> tuple[str, dict[bool, MemoryPlan]]:
     """The layout and the plans without and with activation checkpointing."""
     p = recipe.parallel
@@ -48,7 +51,8 @@ def memory_plans(recipe: PlanRecipe) -> tuple[str, dict[bool, MemoryPlan]]:
     check_layout(layout, p, recipe.model, recipe.train.micro_batch_size)
     precision = "bf16" if recipe.train.precision == "auto" else recipe.train.precision
     plans = {ac: plan_memory(recipe.model, p, layout, micro_batch_size=recipe.train.micro_batch_size,
-                             seq_len=recipe.data.seq_len, precision=precision, activation_checkpointing=ac)
+                             seq_len=recipe.data.seq_len, precision=precision, activation_checkpointing=ac,
+                             optimizer=recipe.train.optimizer)
              for ac in (False, True)}
     return f"{layout} ({layout.world_size} devices), {precision}", plans
 
@@ -62,7 +66,7 @@ def format_plan(recipe: PlanRecipe, layout: str, plans: dict) -> str:
         f"{'':28}{'no checkpointing':>18}{'activation ckpt':>18}",
     ]
     rows = [("parameters", "parameters"), ("  weights blocks compute with", "weights_compute"),
-            ("gradients", "gradients"), ("optimizer state (AdamW)", "optimizer"), ("activations", "activations"),
+            ("gradients", "gradients"), (f"optimizer state ({OPTIMIZER_NAMES[recipe.train.optimizer]})", "optimizer"), ("activations", "activations"),
             ("total", "total")]
     for label, attr in rows:
         lines.append(f"{label:28}{format_bytes(getattr(plain, attr)):>18}{format_bytes(getattr(ac, attr)):>18}")

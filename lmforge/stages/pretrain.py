@@ -236,7 +236,8 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     check_layout(layout, recipe.parallel, recipe.model, recipe.train.micro_batch_size)
     check_memory_fits(recipe.model, recipe.parallel, layout, resolve_device(recipe.train.device),
                       micro_batch_size=recipe.train.micro_batch_size, seq_len=recipe.data.seq_len,
-                      precision=recipe.train.precision, activation_checkpointing=recipe.train.activation_checkpointing)
+                      precision=recipe.train.precision, activation_checkpointing=recipe.train.activation_checkpointing,
+                      optimizer=recipe.train.optimizer)
     if not recipe.data.datasets:
         raise InputError("data.datasets is empty: list at least one directory written by `lmforge prepare`")
     tok = Tokenizer.load(recipe.tokenizer)

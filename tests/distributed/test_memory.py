@@ -60,6 +60,26 @@ def test_plan_matches_measured_peak_memory_of_a_small_model(precision, checkpoin
     assert measured["Total"] <= plan.total <= 1.3 * measured["Total"]
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "lamb"])
+def test_planned_optimizer_state_is_what_each_optimizer_allocates(optimizer):
+    from lmforge.train.loop import TrainConfig
+    from lmforge.train.optim import build_optimizer
+
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, ffn_hidden=192, max_seq_len=64)
+    model = Transformer(cfg)
+    opt = build_optimizer(model, TrainConfig(optimizer=optimizer))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # creates the state
+    allocated = sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor) and t.numel() > 1)  # moments and momenta, not step counters
+    plan = plan_memory(cfg, ParallelConfig(), Layout(), micro_batch_size=1, seq_len=64, precision="fp32",
+                       activation_checkpointing=False, optimizer=optimizer)
+    assert plan.optimizer == allocated
+    if optimizer == "muon":  # one buffer, not two, for each weight of the blocks' matrices
+        assert allocated == 8 * cfg.num_params() - 4 * sum(layer.matmul for layer in cfg.param_counts().layers)
+
+
 def test_activation_checkpointing_plan_is_much_smaller_and_so_is_the_measurement():
     cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=6, n_heads=4, ffn_hidden=384, max_seq_len=256)
     plans = [plan_memory(cfg, ParallelConfig(), Layout(), micro_batch_size=4, seq_len=256, precision="fp32",
