@@ -106,4 +106,7 @@ class DenoisingObjective(Objective):
         if self.token_bytes is not None and not torch.is_grad_enabled():
             scored = labels != IGNORE_INDEX
             n_bytes = int(self.token_bytes.to(labels.device)[labels[scored]].sum())
-        return LossOutput(self.loss(logits, labels), self.num_targets(batch), n_bytes, metrics=metrics)
+        # the count is data-dependent (a host sync): a compiled training forward leaves it to the loop,
+        # which counts a step's targets with num_targets, rather than break its graph here
+        n_targets = 0 if torch.compiler.is_compiling() else self.num_targets(batch)
+        return LossOutput(self.loss(logits, labels), n_targets, n_bytes, metrics=metrics)

@@ -79,6 +79,14 @@ def test_stopping_and_resuming_gives_the_losses_of_an_uninterrupted_run(objectiv
     assert losses(tmp_path / "half") == losses(trained[objective])  # bit-identical: the same masks, step by step
 
 
+def test_a_compiled_forward_keeps_the_losses_of_the_eager_one(encoder_data, trained, tmp_path):
+    run_dir = tmp_path / "compiled"
+    assert main(["pretrain", *tiny(run_dir, *encoder_data, objective="span", **{"train.compile": True})]) == 0
+    eager, compiled = losses(trained["span"]), losses(run_dir)
+    assert [r[0] for r in compiled] == [r[0] for r in eager]
+    assert all(abs(c[1] - e[1]) < 1e-4 for c, e in zip(compiled, eager))
+
+
 def test_mlm_with_a_tokenizer_without_a_mask_token_is_one_line_naming_the_key_and_writes_nothing(
         encoder_data, small_tokenizer_dir, tmp_path, capsys):
     root = tmp_path / "plain"
@@ -142,8 +150,7 @@ def test_eval_refuses_a_causal_task_for_a_masked_lm(trained, capsys):
     assert "objective=mlm" in capsys.readouterr().err
 
 
-def test_eval_scores_a_prefix_lm_as_a_causal_model(trained, tmp_path):
-    out = tmp_path / "eval"
-    assert main(["eval", str(trained["prefix_lm"]), "--tasks", "data/pretrain/milton.jsonl", "--limit", "2",
-                 "--out", str(out), "device=cpu"]) == 0
+def test_eval_scores_a_prefix_lm_as_a_causal_model(trained, corpus_texts, tmp_path):
+    out, text = tmp_path / "eval", write_jsonl(tmp_path / "text.jsonl", [{"text": t[:400]} for t in corpus_texts[:4]])
+    assert main(["eval", str(trained["prefix_lm"]), "--tasks", str(text), "--out", str(out), "device=cpu"]) == 0
     assert "bits_per_byte" in {r["metric"] for r in json.loads((out / "results.json").read_text())["results"]}
