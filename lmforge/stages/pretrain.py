@@ -211,6 +211,9 @@ def pretrain_noise(recipe: PretrainRecipe, tok: Tokenizer, pipeline_stages: int)
     if pipeline_stages > 1:
         raise ConfigError(f"objective={recipe.objective} runs without pipeline parallelism so far (parallel.pp="
                           f"{pipeline_stages}); set parallel.pp=1 or objective=clm")
+    if recipe.objective == "mlm" and recipe.train.eval_tasks:
+        raise ConfigError("train.eval_tasks scores a causal LM, which objective=mlm does not train: set "
+                          "train.eval_tasks=[] and score the checkpoint with `lmforge eval` (masked-token accuracy)")
     model = recipe.model
     if model.sliding_window is not None or model.positions == "alibi":
         key = "model.sliding_window" if model.sliding_window is not None else "model.positions=alibi"

@@ -127,6 +127,13 @@ def test_a_model_with_causal_masks_of_its_own_is_refused_for_a_bidirectional_obj
     assert "model.sliding_window" in capsys.readouterr().err and not run_dir.exists()
 
 
+def test_a_masked_lm_refuses_the_causal_tasks_of_train_eval_tasks(encoder_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = tiny(run_dir, *encoder_data, objective="mlm", **{"train.eval_tasks": "[demo_choices]"})
+    assert main(["pretrain", *args]) == 2
+    assert "train.eval_tasks" in capsys.readouterr().err and not run_dir.exists()
+
+
 @pytest.mark.parametrize("objective,metrics", [("mlm", {"masked_accuracy", "masked_loss"}),
                                                ("span", {"span_accuracy", "span_loss"})])
 def test_eval_reports_masked_token_accuracy_and_span_reconstruction_loss(objective, metrics, encoder_data, trained,
