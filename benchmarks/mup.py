@@ -2,13 +2,13 @@
 
 Sweeps AdamW's peak rate over a grid (factors of 2) at widths 64, 128 and 256 under the standard
 parameterisation (SP) and under µP relative to width 64 (``model.mup.base_width: 64``), each run
-``recipes/mup/pretrain.yaml`` (2 layers, 32-wide heads added with width, an MLP 3x as wide, 150
-steps of 4096 tokens), and records the validation loss at the last step. At the base width µP is
+``recipes/mup/pretrain.yaml`` (2 layers, 32-wide heads added with width, an MLP 3x as wide, 100
+steps of 2048 tokens), and records the validation loss at the last step. At the base width µP is
 the standard model, so width 64 is trained once and serves both. Yang et al. 2021 (Tensor Programs
 V) find SP's best rate moving as the model widens and µP's staying put; the JSON says, for this
 corpus and budget, whether µP's best rate at 256 is within one grid step of its best at 64.
 
-    .venv/bin/python benchmarks/mup.py                # 30 runs in one process (~20 min on 2 CPU cores)
+    .venv/bin/python benchmarks/mup.py                # 25 runs in one process (~25 min on 2 CPU cores)
     .venv/bin/python benchmarks/mup.py --quick        # a smoke run: widths 32 and 64, 2 rates, 4 steps
     .venv/bin/python benchmarks/mup.py --write-docs   # the table of the JSON into README.md's marked block
 
@@ -39,7 +39,7 @@ PLOT = "docs/img/mup.png"
 DOCS = ("README.md",)
 BEGIN, END = "<!-- mup: written by benchmarks/mup.py --write-docs -->", "<!-- /mup -->"
 WIDTHS, BASE, HEAD_DIM = (64, 128, 256), 64, 32
-RATES = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
+RATES = [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
 QUICK = dict(widths=(32, 64), base=32, rates=[2e-3, 8e-3],
              set=["train.max_steps=4", "train.warmup_steps=1", "train.eval_every=4", "train.eval_batches=2"])
 
