@@ -161,3 +161,25 @@ def test_eval_scores_a_prefix_lm_as_a_causal_model(trained, corpus_texts, tmp_pa
     out, text = tmp_path / "eval", write_jsonl(tmp_path / "text.jsonl", [{"text": t[:400]} for t in corpus_texts[:4]])
     assert main(["eval", str(trained["prefix_lm"]), "--tasks", str(text), "--out", str(out), "device=cpu"]) == 0
     assert "bits_per_byte" in {r["metric"] for r in json.loads((out / "results.json").read_text())["results"]}
+
+
+def test_modernbert_normalises_its_embeddings_and_transforms_its_head_where_lmforge_does_not():
+    """What the pretrain guide says keeps every lmforge family from exporting to ModernBertForMaskedLM."""
+    import torch
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    from lmforge.model.config import ModelConfig
+    from lmforge.model.transformer import Transformer
+
+    bert = ModernBertForMaskedLM(ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=3, num_attention_heads=4,
+                                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                                  sep_token_id=2))
+    assert isinstance(bert.model.embeddings.norm, torch.nn.LayerNorm)  # before the first block
+    assert isinstance(bert.model.layers[0].attn_norm, torch.nn.Identity)  # and the first block has no pre-norm
+    assert isinstance(bert.head.dense, torch.nn.Linear) and isinstance(bert.head.norm, torch.nn.LayerNorm)
+    assert bert.decoder.bias is not None
+    ours = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, ffn_hidden=64, max_seq_len=32))
+    names = {n for n, _ in ours.named_parameters()}
+    assert not any(n.startswith("embed.") and "norm" in n for n in names)  # the residual stream starts at the raw embedding
+    assert any(n.startswith("layers.0.attn_norm") for n in names) and not any("lm_head.bias" in n for n in names)
