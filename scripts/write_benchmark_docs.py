@@ -419,7 +419,9 @@ def render(name: str, result: dict) -> Rendered:
     renderer = RENDERERS.get(result.get("benchmark", name), render_any)
     try:
         out = renderer(result)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a JSON of another shape than its renderer's
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a JSON of another shape than its renderer's
+        print(f"benchmarks/results/{name}.json: its table could not be written ({type(exc).__name__}: {exc}); "
+              "written as its top-level figures: update its renderer in scripts/write_benchmark_docs.py", file=sys.stderr)
         out = render_any(result)
     out.lines = [*out.lines, "", provenance(name, result)]
     return out
