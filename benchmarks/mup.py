@@ -10,7 +10,7 @@ corpus and budget, whether µP's best rate at 256 is within one grid step of its
 
     .venv/bin/python benchmarks/mup.py                # 25 runs in one process (~25 min on 2 CPU cores)
     .venv/bin/python benchmarks/mup.py --quick        # a smoke run: widths 32 and 64, 2 rates, 4 steps
-    .venv/bin/python benchmarks/mup.py --write-docs   # the table of the JSON into README.md's marked block
+    .venv/bin/python scripts/write_benchmark_docs.py  # then the table of the JSON into the README and docs
 
 It needs the demo's tokenizer and shards (`make demo`, or its tokenizer and prepare stages). The
 losses do not depend on the machine's load (each run is seeded), only the time it takes.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -36,8 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/mup/pretrain.yaml"
 RESULTS = "benchmarks/results/mup.json"
 PLOT = "docs/img/mup.png"
-DOCS = ("README.md",)
-BEGIN, END = "<!-- mup: written by benchmarks/mup.py --write-docs -->", "<!-- /mup -->"
 WIDTHS, BASE, HEAD_DIM = (64, 128, 256), 64, 32
 RATES = [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
 QUICK = dict(widths=(32, 64), base=32, rates=[2e-3, 8e-3],
@@ -82,40 +79,6 @@ def summarise(runs: list[dict], rates: list[float]) -> dict:
             "grid_steps_moved": steps, "mup_transfers": abs(steps.get("mup", 99)) <= 1}
 
 
-def markdown_table(result: dict) -> str:
-    widths, rates = result["widths"], result["rates"]
-    loss = {(r["param"], r["width"], r["lr"]): r["val_loss"] for r in result["runs"]}
-    best = result["summary"]["best_lr"]
-    lines = ["| parameterisation | width | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | best lr |",
-             "|---|---|" + "---|" * len(rates) + "---|"]
-    for param in ("sp", "mup"):
-        for w in widths:
-            cells = []
-            for lr in rates:
-                value = loss.get((param, w, lr), math.nan)
-                text = f"{value:.3f}" if math.isfinite(value) else "diverged"
-                cells.append(f"**{text}**" if best.get(param, {}).get(str(w)) == lr else text)
-            lines.append(f"| {'µP' if param == 'mup' else 'SP'} | {w} | " + " | ".join(cells)
-                         + f" | {best.get(param, {}).get(str(w), math.nan):g} |")
-    moved = result["summary"]["grid_steps_moved"]
-    lines += ["", f"Validation loss after {result['steps']} steps of `{result['recipe']}` (bold: each row's best). "
-              f"From width {widths[0]} to {widths[-1]} the best rate moves {moved.get('sp')} grid steps under SP and "
-              f"{moved.get('mup')} under µP (base width {result['base_width']}). {result['machine']['summary']}, "
-              f"{result['date'][:10]}; `{result['command']}`."]
-    return "\n".join(lines)
-
-
-def write_docs(result: dict, paths: list[Path]) -> None:
-    table = markdown_table(result)
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    for path in paths:
-        text = path.read_text(encoding="utf-8")
-        if not pattern.search(text):
-            raise SystemExit(f"{path}: no block {BEGIN} ... {END} to write the table into")
-        path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text), encoding="utf-8")
-        print(f"wrote the table into {path}")
-
-
 def draw_plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -147,7 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", help="where the runs write (default runs/mup, --quick runs/mup_quick)")
     p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/mup.json)")
     p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/mup.png)")
-    p.add_argument("--write-docs", action="store_true", help="write the table of --out into README.md, then stop")
     args = p.parse_args(argv)
     args.runs = Path(args.runs or ("runs/mup_quick" if args.quick else "runs/mup"))
     args.out = Path(args.out or (args.runs / "mup.json" if args.quick else RESULTS))
@@ -157,9 +119,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.write_docs:
-        write_docs(json.loads(args.out.read_text()), [REPO / d for d in DOCS])
-        return
     widths, base, rates = (QUICK["widths"], QUICK["base"], QUICK["rates"]) if args.quick else (WIDTHS, BASE, RATES)
     extra = (QUICK["set"] if args.quick else []) + args.set
     started, runs = now(), []
@@ -178,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     draw_plot(result, args.plot)
-    print(markdown_table(result))
+    for param, by_width in result["summary"]["best_lr"].items():
+        print(f"{param}: best rate by width {by_width}; moved {result['summary']['grid_steps_moved'][param]} grid steps")
     print(f"wrote {args.out} and {args.plot}")
 
 

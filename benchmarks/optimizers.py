@@ -6,7 +6,7 @@ time (each optimizer's best run, interpolated at the training time of the fastes
 
     .venv/bin/python benchmarks/optimizers.py                # 9 runs of the demo's pre-training (~35 min, 2 CPU cores)
     .venv/bin/python benchmarks/optimizers.py --quick        # a smoke run: tiny model, 6 steps, one rate each (~1 min)
-    .venv/bin/python benchmarks/optimizers.py --write-docs   # the table of the JSON into README.md's marked block
+    .venv/bin/python scripts/write_benchmark_docs.py         # then the table of the JSON into the README and docs
 
 It needs the demo's tokenizer and shards (`make demo`, or its tokenizer and prepare stages). Muon's
 rate is that of the blocks' matrices (train.muon.lr); the parameters it leaves to AdamW keep the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/demo/pretrain.yaml"
 RESULTS = "benchmarks/results/optimizers.json"
 PLOT = "docs/img/optimizers.png"
-DOCS = ("README.md",)
-BEGIN, END = "<!-- optimizers: written by benchmarks/optimizers.py --write-docs -->", "<!-- /optimizers -->"
 # each optimizer's key for its rate, and the three rates tried (the recipe's AdamW rate in the middle)
 RATE_KEY = {"adamw": "train.lr", "muon": "train.muon.lr", "lamb": "train.lr"}
 GRID = {"adamw": [1e-3, 2e-3, 4e-3], "muon": [0.01, 0.02, 0.04], "lamb": [3e-3, 1e-2, 3e-2]}
@@ -76,31 +73,6 @@ def summarise(runs: list[dict]) -> dict:
             "best": {name: {"lr": run["lr"], "final_val_loss": run["final_val_loss"], "train_s": run["curve"][-1]["train_s"],
                             "tokens_per_s": run["tokens_per_s"], "val_loss_at_equal_time": round(loss_at_time(run["curve"], t), 4)}
                      for name, run in best.items()}}
-
-
-def markdown_table(result: dict) -> str:
-    s = result["summary"]
-    lines = ["| optimizer | best of the rates tried | validation loss at the last step | at equal time "
-             f"({s['equal_time_s']:.0f} s of training) | tokens/s |", "|---|---|---|---|---|"]
-    for name, b in s["best"].items():
-        tried = ", ".join(f"{r['lr']:g}" + (f" ({r['final_val_loss']:.3f})") for r in result["runs"] if r["optimizer"] == name)
-        lines.append(f"| {name} | {b['lr']:g} (of {tried}) | {b['final_val_loss']:.3f} | {b['val_loss_at_equal_time']:.3f} "
-                     f"| {b['tokens_per_s']:.0f} |")
-    lines += ["", f"{result['steps']} steps of `{result['recipe']}` each, the rate the schedule peaks at (Muon: of its "
-              f"matrices; AdamW's rest at the recipe's rate), validation loss of the prose and chat mixture. "
-              f"{result['machine']['summary']}, {result['date'][:10]}; `{result['command']}`."]
-    return "\n".join(lines)
-
-
-def write_docs(result: dict, paths: list[Path]) -> None:
-    table = markdown_table(result)
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    for path in paths:
-        text = path.read_text(encoding="utf-8")
-        if not pattern.search(text):
-            raise SystemExit(f"{path}: no block {BEGIN} ... {END} to write the table into")
-        path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text), encoding="utf-8")
-        print(f"wrote the table into {path}")
 
 
 def draw_plot(result: dict, path: Path) -> None:
@@ -164,7 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", help="where the runs write (default runs/optimizers, --quick runs/optimizers_quick)")
     p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/optimizers.json)")
     p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/optimizers.png)")
-    p.add_argument("--write-docs", action="store_true", help="write the table of --out into README.md, then stop")
     p.add_argument("--verbose", action="store_true", help="show each run's console")
     args = p.parse_args(argv)
     args.runs = Path(args.runs or ("runs/optimizers_quick" if args.quick else "runs/optimizers"))
@@ -177,9 +148,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.write_docs:
-        write_docs(json.loads(args.out.read_text()), [REPO / d for d in DOCS])
-        return
     started = now()
     # interleaved (every optimizer's first rate, then every second rate, ...), so that a change in the
     # machine's load over the session falls on each optimizer alike
@@ -195,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     draw_plot(result, args.plot)
-    print(markdown_table(result))
+    for name, b in result["summary"]["best"].items():
+        print(f"{name}: best rate {b['lr']:g}, validation loss {b['final_val_loss']:.4f} at the last step, "
+              f"{b['val_loss_at_equal_time']:.4f} at {result['summary']['equal_time_s']:.0f} s of training")
     print(f"wrote {args.out} and {args.plot}")
 
 

@@ -7,12 +7,12 @@ does not record is written "not recorded", never guessed.
     python scripts/write_benchmark_docs.py --check   # exit 1 if a block is not its JSON's (tests/test_benchmark_docs.py)
 
 A block shows one result, ``benchmarks/results/<name>.json``; put it in any page under ``docs/``
-(or in ``benchmarks/README.md``) and the script fills it:
+(or in ``benchmarks/README.md`` or README.md) and the script fills it:
 
     <!-- bench:alignment: written by scripts/write_benchmark_docs.py from benchmarks/results/alignment.json -->
     <!-- /bench:alignment -->
 
-``benchmarks/README.md`` also holds ``bench:summary``, a row per result, and a block of every
+The top-level README.md is written too. ``benchmarks/README.md`` also holds ``bench:summary``, a row per result, and a block of every
 result: a JSON with none there gets one, under its own heading at the end of that file. The script
 reads JSON and Markdown only (no torch), so its check is fast.
 """
@@ -398,6 +398,49 @@ def render_long_context(r: dict) -> Rendered:
     return Rendered(lines, "PI, NTK and YaRN, zero-shot and after continued training", "no scaling")
 
 
+def render_optimizers(r: dict) -> Rendered:
+    s = r["summary"]
+    rows = []
+    for name, b in s["best"].items():
+        tried = ", ".join(f"{x['lr']:g} ({num(x['final_val_loss'], 4)})" for x in r["runs"] if x["optimizer"] == name)
+        rows.append([name, f"{b['lr']:g}", tried, num(b["final_val_loss"], 4), num(b["val_loss_at_equal_time"], 4),
+                     num(b["tokens_per_s"])])
+    lines = [f"{r['steps']} steps of `{r['recipe']}` each, at three peak rates (Muon's: of the blocks' matrices, "
+             "AdamW training the rest at the recipe's rate); validation loss of the recipe's mixture at the last step, "
+             f"and at equal training time: {num(s['equal_time_s'])} s, the fastest best run's.", ""]
+    lines += table(["optimizer", "best rate", "rates tried (final loss)", "validation loss, last step",
+                    "at equal time", "tokens/s"], rows)
+    loads = [x["load_average"] for x in r["runs"] if x.get("load_average")]
+    if loads:
+        lines += ["", f"Load average (1 min) around the runs: {span([v for pair in loads for v in pair], 2)}."]
+    best = min(s["best"].items(), key=lambda kv: kv[1]["final_val_loss"])
+    adamw = s["best"].get("adamw")
+    return Rendered(lines, f"{best[0]}: val loss {num(best[1]['final_val_loss'], 4)}",
+                    f"adamw {num(adamw['final_val_loss'], 4)}" if adamw else "-", "-", "(reported)")
+
+
+def render_mup(r: dict) -> Rendered:
+    rates, widths, best = r["rates"], r["widths"], r["summary"]["best_lr"]
+    loss = {(x["param"], x["width"], x["lr"]): x["val_loss"] for x in r["runs"]}
+    rows = []
+    for param, label in (("sp", "SP"), ("mup", "µP")):
+        for w in widths:
+            cells = []
+            for lr in rates:
+                value = loss.get((param, w, lr))
+                text = "-" if value is None else num(value, 4) if value == value else "diverged"
+                cells.append(f"**{text}**" if best.get(param, {}).get(str(w)) == lr else text)
+            rows.append([label, w, *cells])
+    moved = r["summary"]["grid_steps_moved"]
+    lines = [f"Validation loss after {r['steps']} steps of `{r['recipe']}` at each width and AdamW peak rate "
+             f"(bold: each row's best); µP relative to width {r['base_width']}, where it is the standard model.", ""]
+    lines += table(["", "width", *(f"lr {lr:g}" for lr in rates)], rows)
+    lines += ["", f"From width {widths[0]} to {widths[-1]} the best rate moves {moved.get('sp')} grid steps (factors "
+              f"of 2) under SP and {moved.get('mup')} under µP."]
+    return Rendered(lines, f"µP's best rate moves {moved.get('mup')} grid steps", f"SP's {moved.get('sp')}", "-",
+                    "µP within 1 step", met([r["summary"]["mup_transfers"]]))
+
+
 def render_any(r: dict) -> Rendered:
     """A result with no renderer of its own: its top-level figures."""
     rows = [[f"`{k}`", num(v)] for k, v in r.items()
@@ -411,7 +454,8 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "prepare": render_prepare, "train_step": render_train_step, "attention": render_attention,
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
-    "alignment": render_alignment, "long_context": render_long_context,
+    "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
+    "mup": render_mup,
 }
 
 
@@ -446,7 +490,7 @@ def bodies_of(results: dict[str, dict]) -> dict[str, str]:
 
 
 def default_pages() -> list[Path]:
-    return [INDEX, *sorted((REPO / "docs").rglob("*.md"))]
+    return [INDEX, REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def with_missing_blocks(text: str, names: list[str]) -> str:

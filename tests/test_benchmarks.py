@@ -262,6 +262,17 @@ def test_copying_gain_is_none_at_init_and_large_once_a_model_learns_to_copy(tmp_
     assert row["copying_gain"] == pytest.approx(first - second, abs=1e-3) and positive(row["first_copy_nll"], row["second_copy_nll"])
 
 
+def rendered(result: dict) -> str:
+    """The table scripts/write_benchmark_docs.py writes into the docs for ``result``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("write_benchmark_docs", REPO / "scripts" / "write_benchmark_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return "\n".join(module.render(result["benchmark"], result).lines)
+
+
 def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(tmp_path, corpus_jsonl,
                                                                               small_tokenizer_dir):
     from lmforge.data.documents import DocumentsConfig
@@ -284,7 +295,9 @@ def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(t
     assert set(best) == {"adamw", "muon", "lamb"} and positive(result["summary"]["equal_time_s"])
     assert all(b["val_loss_at_equal_time"] >= b["final_val_loss"] - 1e-9 or b["train_s"] <= result["summary"]["equal_time_s"]
                for b in best.values())
-    assert (tmp_path / "o.png").is_file() and "| muon |" in stdout
+    assert (tmp_path / "o.png").is_file() and "muon: best rate" in stdout
+    table = rendered(result)
+    assert "| muon |" in table and "| lamb |" in table and "at equal time" in table
 
 
 def test_mup_sweeps_rates_per_width_under_sp_and_mup_and_names_the_best(tmp_path, corpus_jsonl, small_tokenizer_dir):
@@ -311,4 +324,6 @@ def test_mup_sweeps_rates_per_width_under_sp_and_mup_and_names_the_best(tmp_path
         for w in ("32", "64"):
             lr = best[param][w]
             assert runs[(param, int(w), lr)]["val_loss"] == min(runs[(param, int(w), x)]["val_loss"] for x in (2e-3, 8e-3))
-    assert isinstance(result["summary"]["mup_transfers"], bool) and (tmp_path / "m.png").is_file() and "| µP | 64 |" in stdout
+    assert isinstance(result["summary"]["mup_transfers"], bool) and (tmp_path / "m.png").is_file() and "mup: best rate by width" in stdout
+    table = rendered(result)
+    assert "| µP | 64 |" in table and "| SP | 32 |" in table and "under µP" in table
