@@ -63,6 +63,7 @@ from lmforge.objectives.denoising import DenoisingObjective
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.loop import TrainConfig, ValidationSet, accumulation_steps, precision_line, run_precision, train
 from lmforge.train.metrics import is_domain_loss, loss_curve_lines
+from lmforge.train.optim import check_mup_optimizer
 from lmforge.train.prepare import prepare_model
 
 
@@ -237,6 +238,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
 def run_pretrain(recipe: PretrainRecipe) -> dict:
     layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
     check_layout(layout, recipe.parallel, recipe.model, recipe.train.micro_batch_size)
+    check_mup_optimizer(recipe.model.width_mult(), recipe.train.optimizer)
     check_memory_fits(recipe.model, recipe.parallel, layout, resolve_device(recipe.train.device),
                       micro_batch_size=recipe.train.micro_batch_size, seq_len=recipe.data.seq_len,
                       precision=recipe.train.precision, activation_checkpointing=recipe.train.activation_checkpointing,

@@ -45,10 +45,15 @@ def width_mult(model: nn.Module, optimizer: str) -> float:
     ratio sets each tensor's step from its own norm instead."""
     mults = {m.cfg.width_mult() for m in model.modules() if isinstance(m, Transformer)}
     mult = mults.pop() if len(mults) == 1 else 1.0
+    check_mup_optimizer(mult, optimizer)
+    return mult
+
+
+def check_mup_optimizer(mult: float, optimizer: str) -> None:
+    """A ``ConfigError`` for µP (width multiplier ``mult`` other than 1) under LAMB (``width_mult``)."""
     if mult != 1.0 and optimizer == "lamb":
         raise ConfigError("model.mup is set with train.optimizer = lamb: µP's learning rates are defined for adamw and "
                           "muon (LAMB's trust ratio scales each tensor's step itself); use adamw or muon, or unset model.mup")
-    return mult
 
 
 def mup_groups(model: nn.Module, groups: list[dict], lr: float, mult: float) -> list[dict]:

@@ -116,14 +116,18 @@ def test_a_base_wider_than_the_model_is_one_line_naming_the_key(keys, match):
         model_config(dict(vocab_size=256, d_model=256, n_heads=16, **keys))
 
 
-def test_a_recipes_base_width_above_d_model_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("overrides,message", [
+    (["model.mup.base_width=64"], "model.mup.base_width = 64 is larger than model.d_model = 32"),
+    (["model.mup.base_width=16", "train.optimizer=lamb"], "model.mup is set with train.optimizer = lamb"),
+])
+def test_a_bad_mup_recipe_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, overrides, message):
     from lmforge.cli.main import main
 
     recipe = tmp_path / "pretrain.yaml"
     recipe.write_text(f"run_dir: {tmp_path / 'run'}\nmodel:\n  d_model: 32\n  n_heads: 2\n")
-    assert main(["pretrain", str(recipe), "model.mup.base_width=64"]) == 2
+    assert main(["pretrain", str(recipe), *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model.mup.base_width = 64 is larger than model.d_model = 32" in err[0], err
+    assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()
 
 
