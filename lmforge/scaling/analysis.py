@@ -79,13 +79,8 @@ def analyse(runs: Runs, curves: Runs | None, settings: FitSettings) -> Analysis:
     if settings.exclude_highest:
         runs = exclude_highest(runs, settings.exclude_highest)
     result = Analysis(runs, settings)
-    if 3 in settings.approaches:
-        kw = dict(bootstrap=settings.bootstrap, seed=settings.seed, delta=settings.huber_delta,
-                  grid_stride=settings.grid_stride)
-        result.chinchilla = fit_law(CHINCHILLA, runs, **kw)
-        result.kaplan = fit_law(KAPLAN, runs, **kw)
-        for fit in (result.chinchilla, result.kaplan):
-            result.warnings += poorly_constrained(fit, constants_table(fit, settings.level), len(runs))
+    # Approaches 2 and 1 first: they take milliseconds, and their errors (too few usable IsoFLOP
+    # budgets, a single size on the envelope) should not wait for Approach 3's bootstrapped fits
     if 2 in settings.approaches:
         result.isoflop = fit_isoflop(runs, settings.budget_tolerance)
         result.warnings += result.isoflop.warnings
@@ -95,6 +90,13 @@ def analyse(runs: Runs, curves: Runs | None, settings: FitSettings) -> Analysis:
         if curves is None:
             result.warnings.append("Approach 1: no training curves given (fit.curves): the envelope is of the "
                                    "runs' final points only")
+    if 3 in settings.approaches:
+        kw = dict(bootstrap=settings.bootstrap, seed=settings.seed, delta=settings.huber_delta,
+                  grid_stride=settings.grid_stride)
+        result.chinchilla = fit_law(CHINCHILLA, runs, **kw)
+        result.kaplan = fit_law(KAPLAN, runs, **kw)
+        for fit in (result.chinchilla, result.kaplan):
+            result.warnings += poorly_constrained(fit, constants_table(fit, settings.level), len(runs))
     result.warnings += agreement_warnings(result)
     return result
 

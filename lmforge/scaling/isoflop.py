@@ -85,24 +85,31 @@ def group_budgets(flops: np.ndarray, tolerance: float) -> list[np.ndarray]:
 
 
 def fit_isoflop(runs: Runs, tolerance: float = 0.05, min_points: int = 3) -> IsoFlopFit:
-    """Approach 2 over the FLOP budgets found in ``runs`` (grouped by ``group_budgets``)."""
+    """Approach 2 over the FLOP budgets found in ``runs`` (grouped by ``group_budgets``). A budget
+    whose parabola cannot give an optimum is skipped with a warning; too few usable budgets is an
+    error that says, budget by budget, why each was skipped."""
     warnings, budgets, dropped = [], [], 0
+    skipped: list[tuple[float, str]] = []  # (C, why) of each budget left out, for the error
     log_n, log_d = np.log(runs.params), np.log(runs.tokens)
     for idx in group_budgets(runs.flops, tolerance):
-        if len(np.unique(runs.params[idx])) < min_points:
+        c_mean = float(np.exp(np.log(runs.flops[idx]).mean()))
+        sizes = len(np.unique(runs.params[idx]))
+        if sizes < min_points:
             dropped += len(idx)
+            skipped.append((c_mean, f"only {sizes} model size{'s' if sizes > 1 else ''}"))
             continue
         c2, c1, c0 = np.polyfit(log_n[idx], runs.loss[idx], 2)
-        c_mean = float(np.exp(np.log(runs.flops[idx]).mean()))
         if c2 <= 0:
             warnings.append(f"Approach 2: the profile at C = {c_mean:.3g} opens downward (no minimum in N); "
                             "skipped: spread its runs more widely around the optimum")
+            skipped.append((c_mean, "opens downward"))
             continue
         vertex = -c1 / (2 * c2)
         if not log_n[idx].min() - FAR <= vertex <= log_n[idx].max() + FAR:
             warnings.append(f"Approach 2: the profile at C = {c_mean:.3g} has its minimum at log N = {vertex:.3g}, "
                             f"over {FAR / math.log(10):g} decades outside its runs' N (a nearly flat parabola); "
                             "skipped: spread its runs more widely around the optimum")
+            skipped.append((c_mean, f"minimum over {FAR / math.log(10):g} decades outside its N"))
             continue
         slope, intercept = np.polyfit(log_n[idx], log_d[idx], 1)
         inside = bool(log_n[idx].min() <= vertex <= log_n[idx].max())
@@ -119,13 +126,29 @@ def fit_isoflop(runs: Runs, tolerance: float = 0.05, min_points: int = 3) -> Iso
         warnings.append(f"Approach 2: {dropped} run(s) left out, in FLOP groups (±{tolerance} decades) with fewer "
                         f"than {min_points} model sizes")
     if len(budgets) < 2:
-        raise InputError(f"{runs.source}: Approach 2 (IsoFLOP profiles) needs at least 2 FLOP budgets, each with "
-                         f"at least {min_points} model sizes (runs within ±{tolerance} decades of FLOPs count as "
-                         f"one budget); found {len(budgets)} usable. Train more sizes per budget, widen "
-                         "fit.budget_tolerance, or leave Approach 2 out (fit.approaches=[1,3])")
+        why = f": {skipped_reasons(skipped)}" if skipped else ""
+        raise InputError(f"{runs.source}: Approach 2 (IsoFLOP profiles) needs at least 2 FLOP budgets with a usable "
+                         f"parabola (at least {min_points} model sizes, opening upward, its minimum within "
+                         f"{FAR / math.log(10):g} decades of its runs; runs within ±{tolerance} decades of FLOPs count "
+                         f"as one budget); found {len(budgets)} usable of {len(budgets) + len(skipped)}{why}. Train "
+                         "more sizes per budget, spread them around its optimum, widen fit.budget_tolerance, or leave "
+                         "Approach 2 out (fit.approaches=[1,3])")
     c = np.array([b.flops for b in budgets])
     return IsoFlopFit(budgets, fit_power_law(c, np.array([b.n_opt for b in budgets])),
                       fit_power_law(c, np.array([b.d_opt for b in budgets])), warnings)
+
+
+def skipped_reasons(skipped: list[tuple[float, str]], shown: int = 3) -> str:
+    """``C = 1e+18, 1e+19: opens downward; C = 1e+20: only 2 model sizes``: the budgets that share a
+    reason together, at most ``shown`` of each named, so the error stays one short line."""
+    by_reason: dict[str, list[float]] = {}
+    for c, why in skipped:
+        by_reason.setdefault(why, []).append(c)
+    parts = []
+    for why, cs in by_reason.items():
+        named = ", ".join(f"{c:.3g}" for c in cs[:shown]) + (f" and {len(cs) - shown} more" if len(cs) > shown else "")
+        parts.append(f"C = {named}: {why}")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- Approach 1

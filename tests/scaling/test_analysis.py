@@ -3,7 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import lmforge.scaling.analysis as analysis
 from lmforge.core.config import ConfigError
+from lmforge.core.io import InputError
 from lmforge.scaling.analysis import Analysis, FitSettings, agreement_warnings, analyse, markdown, summary
 from lmforge.scaling.isoflop import EnvelopeFit, IsoFlopFit, PowerLaw
 from tests.scaling.planted import isoflop_runs, runs_from
@@ -48,3 +50,13 @@ def test_excluding_the_highest_losses_keeps_the_others():
     runs = isoflop_runs(sizes=5)
     result = analyse(runs, None, FitSettings(approaches=[2], exclude_highest=3))
     assert sorted(result.runs.loss) == sorted(runs.loss)[:-3]
+
+
+def test_approach_2_s_check_fails_before_any_approach_3_fit(monkeypatch):
+    def no_fit(*args, **kwargs):
+        raise AssertionError("Approach 3 fitted before Approach 2's check")
+
+    monkeypatch.setattr(analysis, "fit_law", no_fit)
+    runs = isoflop_runs(budgets=(1e19,), sizes=6)  # one budget: Approach 2 cannot fit
+    with pytest.raises(InputError, match="Approach 2.*found 1 usable of 1"):
+        analyse(runs, None, FitSettings(bootstrap=50))

@@ -79,3 +79,16 @@ def test_a_nearly_flat_profile_is_skipped_with_a_warning_not_extrapolated_to_ove
     fit = fit_isoflop(runs)
     assert [round(np.log10(b.flops)) for b in fit.budgets] == [18, 19]
     assert any("C = 1e+21 has its minimum at log N = 5e+06, over 3 decades outside" in w for w in fit.warnings)
+
+
+def test_too_few_usable_budgets_is_one_line_saying_why_each_was_skipped():
+    n = np.array([1e8, 3e8, 1e9] * 2 + [1e8, 1e9])
+    c = np.array([1e18] * 3 + [1e19] * 3 + [1e20] * 2)
+    down = 3.0 - 0.1 * (np.log(n[:3]) - np.log(3e8)) ** 2  # a hump: the parabola opens downward
+    loss = np.concatenate([down, down - 0.5, [2.0, 1.9]])
+    runs = Runs([f"r{i}" for i in range(8)], n, c / (6 * n), c, loss, list(range(2, 10)), "runs.csv")
+    with pytest.raises(InputError) as info:
+        fit_isoflop(runs)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("runs.csv: Approach 2")
+    assert "found 0 usable of 3: C = 1e+18, 1e+19: opens downward; C = 1e+20: only 2 model sizes. " in message
