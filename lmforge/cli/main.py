@@ -250,22 +250,23 @@ def entry_keys(title: str, entries: list[tuple[str, type]]) -> str:
 
 
 class VerbParser(argparse.ArgumentParser):
-    """A verb's parser; its recipe-key table (the recipe dataclasses' fields with their help
-    metadata) is built only when help is printed, not on every run. ``entries``: the verb's
-    ``help_entries`` (what the entries of a list key may be, with their own keys), or None."""
+    """A verb's parser; its recipe-key table (the fields of the stage module's ``RECIPE`` with
+    their help metadata, and its ``help_entries``: what the entries of a list key may be, with
+    their own keys) is built only when help is printed, not on every run: `lmforge scaling`'s
+    ``RECIPE`` imports torch, which its fit never needs."""
 
-    def __init__(self, *args, recipe: type, entries: Any = None, **kwargs):
+    def __init__(self, *args, module: types.ModuleType, **kwargs):
         super().__init__(*args, **kwargs)
-        self.recipe = recipe
-        self.entries = entries
+        self.module = module
 
     def format_help(self) -> str:
-        rows = recipe_keys(self.recipe)
+        recipe, entries = self.module.RECIPE, getattr(self.module, "help_entries", None)
+        rows = recipe_keys(recipe)
         self.epilog = f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}"
-        if families := family_keys(self.recipe):
+        if families := family_keys(recipe):
             self.epilog += f"\n\n{families}"
-        if self.entries is not None:
-            self.epilog += f"\n\n{entry_keys(*self.entries())}"
+        if entries is not None:
+            self.epilog += f"\n\n{entry_keys(*entries())}"
         example = example_override(rows).replace("%", "%%")  # argparse formats help with %
         for action in self._actions:
             if action.dest == "overrides":
@@ -277,7 +278,7 @@ def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.Module
     module = verb.load()
     doc = (module.__doc__ or verb.summary).strip()
     p = VerbParser(prog=f"lmforge {verb.name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                   recipe=module.RECIPE, entries=getattr(module, "help_entries", None))
+                   module=module)
     if hasattr(module, "add_arguments"):
         module.add_arguments(p)
     else:
@@ -290,7 +291,7 @@ def build_verb_parser(verb: Verb) -> tuple[argparse.ArgumentParser, types.Module
 def refuse_torchrun(verb: Verb) -> None:
     """A verb that runs in one process stops under ``torchrun``: every rank would do the same
     work into the same files."""
-    from lmforge.distributed.mesh import launched_world_size  # torch: imported once a verb runs
+    from lmforge.distributed.config import launched_world_size
 
     world_size = launched_world_size()
     if world_size > 1 and not verb.distributed:

@@ -7,6 +7,7 @@ is plain FSDP over every process, which in a single process is no parallelism at
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,3 +55,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp_shard must be at least 1, or -1 for the rest of the world, got {self.dp_shard}")
         if self.pp_microbatches is not None and self.pp_microbatches < 1:
             raise ValueError(f"parallel.pp_microbatches must be at least 1, got {self.pp_microbatches}")
+
+
+def launched_world_size() -> int:
+    """Processes in this job as ``torchrun`` (or ``srun`` with the torchrun variables) set them; 1
+    otherwise. Here, beside the degrees, not in ``mesh``: the CLI asks it of every verb, and this
+    module does not import torch."""
+    return int(os.environ.get("WORLD_SIZE", "1"))

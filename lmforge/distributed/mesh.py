@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmforge.core.io import InputError
 from lmforge.core.run import log
-from lmforge.distributed.config import ParallelConfig
+from lmforge.distributed.config import ParallelConfig, launched_world_size
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -187,11 +187,6 @@ class ParallelContext:
 def data_parallel_rank(ctx: ParallelContext | None) -> tuple[int, int]:
     """This process's data-parallel rank and the data-parallel degree: (0, 1) in one process."""
     return (ctx.dp_rank, ctx.layout.dp) if ctx is not None else (0, 1)
-
-
-def launched_world_size() -> int:
-    """Processes in this job as ``torchrun`` (or ``srun`` with the torchrun variables) set them; 1 otherwise."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 _watchdog: threading.Thread | None = None

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -196,3 +198,21 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(fitted, tmp_path, caps
     args = [f"plan.fit={fitted / 'fit.json'}", "budget.flops=1e20"] if what == "plan" else ["tokens=1e9"]
     assert main(["scaling", what, "recipes/demo/pretrain.yaml", f"out={taken}", *args]) == 2
     assert re.search(rf"out = {taken}: exists and is not a folder", error_line(capsys))
+
+
+def test_plan_without_a_fit_says_to_fit_first(tmp_path, capsys):
+    assert main(["scaling", "plan", f"out={tmp_path}", "budget.flops=1e20"]) == 2
+    assert error_line(capsys) == (f"lmforge scaling: error: {tmp_path / 'fit.json'}: not found; run `lmforge scaling "
+                                  "fit` first (or set plan.fit to a fit.json it wrote)")
+
+
+def test_a_fit_through_the_cli_imports_neither_torch_nor_the_training_code(tmp_path):
+    csv = write_csv(tmp_path / "runs.csv", isoflop_runs(sizes=5))
+    code = ("import sys\nfrom lmforge.cli.main import main\n"
+            f"assert main(['scaling', 'fit', {str(csv)!r}, 'out={tmp_path / 'out'}', 'fit.approaches=[2]']) == 0\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'lmforge.train', "
+            "'lmforge.stages.pretrain'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "out" / "fit.json").is_file()
