@@ -15,8 +15,10 @@ from lmforge.train.forward import DTYPES
 from lmforge.train.metrics import PEAK_ENV, MetricsLogger, is_domain_loss, peak_flops, peak_memory_bytes, utilization
 from lmforge.train.step import StepResult
 
-# objective metrics worth a place on the console line (all of them go to metrics.jsonl)
-CONSOLE_METRICS = ("margin", "accuracy", "kl", "kl_k1")
+# objective metrics worth a place on the console line (all of them go to metrics.jsonl): the
+# preference objectives' margin and accuracy, KTO's KL baseline and DPO's kl_k1; RL's mean reward
+# and KL to the reference (GRPO's kl_ref, with objective.kl_coef > 0; PPO's kl, the KL in its reward)
+CONSOLE_METRICS = ("margin", "accuracy", "kl", "kl_k1", "reward_mean", "kl_ref")
 
 
 class NoMetrics:

@@ -17,6 +17,7 @@ from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.grpo import GRPORecipe, run_grpo
 from lmforge.stages.grpo import report as grpo_report
 from lmforge.train.metrics import read_metrics
+from lmforge.train.step_log import format_step
 from tests.conftest import write_jsonl
 
 # a response of the random model that holds an "e" scores 1: about a third of its 4-token responses at first
@@ -50,6 +51,8 @@ def test_the_reward_rises_and_the_run_writes_final_samples_and_rl_figures(tmp_pa
                 "ratio_max", "response_length_mean", "response_length_max", "zero_variance_share"):
         assert key in records[0], key
     assert records[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # μ = 1: every step on-policy
+    line = format_step(records[-1], 24)  # the console line: the mean reward and the KL to the reference, as DPO's margin
+    assert f" reward_mean {records[-1]['reward_mean']:.3f}" in line and f" kl_ref {records[-1]['kl_ref']:.3f}" in line
     assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step-000001.jsonl", "step-000009.jsonl",
                                                                        "step-000017.jsonl"]
     sample = json.loads((run_dir / "samples" / "step-000009.jsonl").read_text().splitlines()[0])

@@ -23,6 +23,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.stages import VERBS_BY_NAME
 from lmforge.stages.ppo import PPORecipe, run_ppo
 from lmforge.train.metrics import read_metrics
+from lmforge.train.step_log import format_step
 
 REWARD = ["reward.components=[{kind: regex, pattern: 'e'}]"]
 FAST = ["rollout.n=2", "rollout.max_new_tokens=8", "ppo.prompts_per_step=8", "train.micro_batch_size=8",
@@ -60,6 +61,8 @@ def test_the_reward_rises_and_the_run_logs_the_ppo_figures(tmp_path, base_checkp
     assert "zero_variance_share" in records[0]  # rollout.n = 2
     assert records[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
+    line = format_step(records[-1], 24)  # the console line: the mean reward and the KL in the reward
+    assert f" reward_mean {records[-1]['reward_mean']:.3f}" in line and f" kl {records[-1]['kl']:.3f}" in line
     model, _ = load_model(run_dir / "final")
     assert model.cfg.vocab_size == 512 and (run_dir / "final" / "critic.safetensors").is_file()
     assert not (run_dir / "adapter").exists()
