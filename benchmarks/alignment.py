@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from record import command, commit, machine, now
 
-from benchmarks.generate import cpu_name
 from lmforge.checkpoints.load import load_model, resolve_checkpoint
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.rl.prompts import read_prompts
@@ -159,14 +159,6 @@ def table(start: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="runs/demo/sft", help="the SFT model every method starts from")
@@ -185,16 +177,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.eval_examples, args.rs_prompts = 2, 8, args.rs_prompts or 16
-    t0 = time.perf_counter()
+    started, t0 = now(), time.perf_counter()
     rows = [run_method(name, args) for name in args.methods]
     start = score_all(rows, args)
     print(table(start, rows))
-    result = {"benchmark": "alignment", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "commit": commit(), "checkpoint": args.checkpoint, "reward_model": args.reward_model,
+    result = {"benchmark": "alignment", "date": started, "command": command("alignment.py", None), "commit": commit(),
+              "machine": machine(), "checkpoint": args.checkpoint, "reward_model": args.reward_model,
               "tasks": args.tasks, "steps": args.steps, "kl": "exact KL(policy || SFT) over the vocabulary at each "
               "greedy answer token, mean per answer, then over answers", "start": start, "results": rows,
-              "wall_s": time.perf_counter() - t0, "machine": cpu_name(),
-              "cpus": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
+              "wall_s": time.perf_counter() - t0}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from record import command, commit, machine, now
 
 from lmforge.model.transformer import CPU_HAS_AMX, attend
 
@@ -59,7 +57,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/attention.json")
     args = p.parse_args()
 
-    rows = []
+    started, rows = now(), []
     for shape in args.shapes:
         B, H, KV, T, D = (int(x) for x in shape.split("x"))
         for name in args.dtypes:
@@ -80,12 +78,13 @@ def main() -> None:
                   f"   {rows[-1]['speedup']:.2f}x")
     result = {
         "benchmark": "attention",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": started,
+        "command": command("attention.py", None),
+        "commit": commit(),
         "figure": "forward + backward of causal attention, ms, best median of rounds",
         "cpu_has_amx": CPU_HAS_AMX,
         "rows": rows,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

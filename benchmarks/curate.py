@@ -27,9 +27,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 from datasketch import MinHash
+from record import command, commit, machine, now
 
 from lmforge.curate.minhash import MinHashConfig, normalize_text, normalized_words, signatures
 
@@ -119,6 +117,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/curate.json")
     args = parser.parse_args()
 
+    started = now()
     texts = web_pages(args.warc) + page_pieces(args.pretrain)
     cfg = MinHashConfig()
     words = [normalized_words(t) for t in texts]
@@ -145,7 +144,9 @@ def main() -> None:
     headline = ours / rate["datasketch sha1 (default)"]
     result = {
         "benchmark": "curate",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": started,
+        "command": command("curate.py", None),
+        "commit": commit(),
         "documents": n_docs,
         "text_megabytes": round(n_bytes / 1e6, 3),
         "mean_words_per_document": round(float(np.mean([len(w) for w in words])), 1),
@@ -155,8 +156,7 @@ def main() -> None:
         "ratio": round(headline, 3),
         "target_ratio": 5.0,
         "times_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "numpy": np.__version__},
+        "machine": {**machine(), "numpy": np.__version__},
     }
     print(f"{n_docs} documents, {n_bytes / 1e6:.1f} MB, {result['mean_words_per_document']:.0f} words each; one core")
     print(f"{'':34}{'docs/s':>10}{'ratio (text)':>14}{'ratio (sig)':>13}")

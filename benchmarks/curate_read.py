@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from record import command, commit, machine, now  # noqa: E402
 
 from lmforge.curate.readers import InputsConfig, plan_shards, read_piece  # noqa: E402
 from tests.curate.warc_fixtures import PROSE, html_record, write_warc  # noqa: E402
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/curate_read.json"))
     args = parser.parse_args()
 
-    rows = []
+    started, rows = now(), []
     for kind, path in make_inputs(Path(args.workdir), args.records).items():
         total = args.records // 10 if kind.startswith("warc") else args.records
         for k in args.shards:
@@ -80,10 +81,10 @@ def main() -> None:
             r = rows[-1]
             print(f"{kind:9s} {total:>7d} records {r['shards']:>4d} shards: all shards {r['sharded_s']:6.2f} s, "
                   f"one piece {r['one_piece_s']:6.2f} s, ratio {r['ratio']:.2f}", flush=True)
-    result = {"benchmark": "curate_read", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    result = {"benchmark": "curate_read", "date": started, "command": command("curate_read.py", None),
+              "commit": commit(), "machine": machine(),
               "figure": "(plan + read all shards) / (plan + read the file as one shard), best of repeats",
-              "target_ratio_at_most": {"jsonl": 1.3, "warc": 1.3, "warc.gz": 1.3}, "results": rows,
-              "machine": {"platform": platform.platform(), "python": platform.python_version()}}
+              "target_ratio_at_most": {"jsonl": 1.3, "warc": 1.3, "warc.gz": 1.3}, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -96,7 +94,9 @@ def main() -> None:
     if args.mode:
         print(json.dumps(child(args)))
         return
-    rows = []
+    from record import command, commit, machine, now  # torch: in this parent only, not in each mode's child
+
+    started, rows = now(), []
     for mode in MODES:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
         out = subprocess.run(cmd, capture_output=True, text=True)
@@ -112,10 +112,12 @@ def main() -> None:
               f"{r['weights_and_buffers_bytes'] / 2**20:>12.1f}{r['trainable_params']:>12,}{r['optimizer_state_bytes'] / 2**20:>10.1f}")
     result = {
         "benchmark": "finetune",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": started,
+        "command": command("finetune.py", None),
+        "commit": commit(),
+        "machine": machine(args.device),
         "config": {k: v for k, v in vars(args).items() if k not in ("mode", "out")},
         "rows": rows,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
+from record import command, commit, machine, now
 
 from lmforge.core.config import load_config
 from lmforge.inference.engine import GenerationConfig, generate
@@ -60,27 +57,6 @@ def build_pair(cfg: ModelConfig) -> tuple[Transformer, torch.nn.Module]:
     if ours.cfg.tie_embeddings:
         theirs.tie_weights()
     return ours, theirs
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str | None:
-    """HEAD, with ``-dirty`` when tracked or new files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return f"{head}-dirty" if status.strip() else head
 
 
 TEMPERATURE, TOP_P = 0.8, 0.95  # the sampled rows' settings, on both sides (top-k off)
@@ -155,12 +131,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    started = now()
     rows = [measure(b, d, args) for d in args.dtypes for b in args.batch_sizes]
     sampled = [measure(1, d, args, samples=k) for d in args.dtypes for k in args.samples]
     result = {
         "benchmark": "generate",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": git_commit(),
+        "date": started,
+        "command": command("generate.py", None),
+        "commit": commit(),
+        "machine": {**machine(), "transformers": transformers.__version__},
         "model": {"preset": args.preset, "overrides": args.model, "params": model_config(args).num_params(),
                   "init": "random (seed 0)"},
         "prompt_len": args.prompt_len,
@@ -171,9 +150,6 @@ def main() -> None:
         "results": rows,
         "sampled": sampled,
         "sampling": {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0},
-        "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__},
     }
     print(f"{'batch':>5} {'dtype':>9} {'lmforge tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}  greedy rows equal")
     for r in rows:

@@ -31,15 +31,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import random
 import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from record import command, commit, machine, now
 
 from lmforge.checkpoints.files import build_model
 from lmforge.checkpoints.load import read_checkpoint_weights, resolve_checkpoint
@@ -403,30 +400,6 @@ def print_table(result: dict) -> None:
     print(markdown_table(result))
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    threads = torch.get_num_threads()
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": threads, "summary": f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"}
-
-
-def commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-        return head + ("+uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 # ---------------------------------------------------------------------------------- main
 
 
@@ -489,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
+    date, load_before = now(), os.getloadavg()
     started = time.time()
     recipe, plans = lifecycle_plans(args.runs, args.quick)
     cfgs = stage_configs(plans)
@@ -500,13 +473,10 @@ def main(argv: list[str] | None = None) -> None:
     t_eval = time.time()
     rows, sizes = evaluate(cfgs, args)
     base = cfgs["pretrain"]
-    python = Path(sys.executable)
-    python = python.relative_to(REPO) if python.is_relative_to(REPO) else python.name
-    command = " ".join([str(python), "benchmarks/long_context.py", *(argv if argv is not None else sys.argv[1:])])
     result = {
         "benchmark": "long_context",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": command,
+        "date": date,
+        "command": command("long_context.py", argv),
         "commit": commit(),
         "machine": {**machine(), "load_average_1_5_15_min": {"start": [round(x, 2) for x in load_before],
                                                              "end": [round(x, 2) for x in os.getloadavg()]}},

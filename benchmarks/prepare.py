@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from record import command, commit, machine, now
 
 from lmforge.core.io import expand_paths
 from lmforge.data.documents import DocumentsConfig, read_documents
@@ -34,6 +33,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/prepare.json")
     args = parser.parse_args()
 
+    started = now()
     docs_cfg = DocumentsConfig(paths=[args.data])
     texts = [d.text for d in read_documents(docs_cfg)]
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
@@ -65,7 +65,10 @@ def main() -> None:
     peer, fast, ours = min(peer_times), min(fast_times), min(ours_times)
     result = {
         "benchmark": "prepare",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": started,
+        "command": command("prepare.py", None),
+        "commit": commit(),
+        "machine": machine(),
         "text_megabytes": round(n_bytes / 1e6, 3),
         "input_file_megabytes": round(input_bytes / 1e6, 3),
         "documents": len(texts),
@@ -78,8 +81,6 @@ def main() -> None:
         "target_ratio": 0.8,
         "times_s": {"lmforge_prepare": [round(t, 3) for t in ours_times], "encode_batch": [round(t, 3) for t in peer_times],
                     "encode_batch_fast": [round(t, 3) for t in fast_times]},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
     }
     print(f"{'':28}{'MB/s':>10}")
     print(f"{'tokenizers encode_batch':28}{result['tokenizers_encode_batch_mb_per_s']:>10.2f}")

@@ -18,12 +18,17 @@ from lmforge.stages.doctor import cpu_info
 REPO = Path(__file__).resolve().parents[1]
 
 
-def machine() -> dict:
+def machine(device: str | torch.device | None = None) -> dict:
+    """The CPU, and with ``device`` (the benchmark's torch device) its name: a GPU's model."""
     cpu = cpu_info()
     flags = f" ({', '.join(cpu['flags'])})" if cpu["flags"] else ""
+    name = None if device is None else (
+        torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device))
+    on = f", {name}" if name and name != "cpu" else ""
     return {"platform": platform.platform(), "cpu": cpu["model"], "flags": cpu["flags"], "cpus": cpu["usable_cores"],
-            "torch": torch.__version__, "torch_threads": cpu["torch_threads"],
-            "summary": f"{cpu['model']}{flags}, {cpu['usable_cores']} cores, torch {torch.__version__}"}
+            "torch": torch.__version__, "torch_threads": cpu["torch_threads"], "python": platform.python_version(),
+            **({"device": name} if name else {}),
+            "summary": f"{cpu['model']}{flags}, {cpu['usable_cores']} cores, torch {torch.__version__}{on}"}
 
 
 def now() -> str:

@@ -22,15 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
+from generate import DTYPES, build_pair, model_config  # this folder is the script's first import path
+from record import command, commit, machine, now
 
-from benchmarks.generate import DTYPES, build_pair, cpu_name, git_commit, model_config
 from lmforge.rl.prompts import Prompt
 from lmforge.rl.rollout import RolloutConfig, RolloutState, rollout_batch, sample_rollouts
 
@@ -100,13 +100,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    load_before = os.getloadavg()
+    started, load_before = now(), os.getloadavg()
     figures = measure(args)
     load_after = os.getloadavg()
     result = {
         "benchmark": "rollout",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": git_commit(),
+        "date": started,
+        "command": command("rollout.py", None),
+        "commit": commit(),
+        "machine": {**machine(), "transformers": transformers.__version__},
         "model": {"preset": args.preset, "overrides": args.model, "params": model_config(args).num_params(),
                   "init": "random (seed 0)", "dtype": args.dtype},
         "shape": {"prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens,
@@ -117,9 +119,6 @@ def main() -> None:
         "target_ratio": TARGET,
         **figures,
         "load_average_1m": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
-        "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__},
     }
     print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, {args.dtype}")
     print(f"{'side':>24} {'tokens/s':>10} {'ratio':>6}")

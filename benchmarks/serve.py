@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 import openai
 import requests
 import torch
-from generate import cpu_name, git_commit  # this folder is the script's first import path
+from record import command, commit, machine, now  # this folder is the script's first import path
 
 from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.checkpoints.load import load_model
@@ -170,6 +169,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    started = now()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else build_checkpoint(args, Path(tmp))
         model, _ = load_model(str(checkpoint), device="cpu")
@@ -193,8 +193,10 @@ def main() -> None:
                            f"{engine['generated_tokens']} (engine)")
     result = {
         "benchmark": "serve",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": git_commit(),
+        "date": started,
+        "command": command("serve.py", None),
+        "commit": commit(),
+        "machine": {**machine(), "openai": openai.__version__},
         "model": {"checkpoint": args.checkpoint, "preset": None if args.checkpoint else args.preset,
                   "overrides": args.model, "params": model.cfg.num_params(), "dtype": "float32",
                   "init": "checkpoint" if args.checkpoint else "random (seed 0)"},
@@ -208,9 +210,6 @@ def main() -> None:
         "engine_in_process": engine,
         "http_overhead_ratio": round(engine["tokens_per_s"] / http["tokens_per_s"], 3),
         "runs": {"server": http_runs, "engine_in_process": engine_runs},
-        "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__, "openai": openai.__version__},
     }
     print(f"{'side':>10} {'req/s':>7} {'tok/s':>8} {'TTFT mean ms':>13} {'TTFT p90 ms':>12}")
     for name, r in (("server", http), ("engine", engine)):

@@ -24,14 +24,10 @@ head/body timeouts (2 s) so slow clients are reaped within the run. Two phases:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import random
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -40,8 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import requests
-import torch
-from generate import cpu_name, git_commit  # this folder is the script's first import path
+from record import command, commit, machine, now  # this folder is the script's first import path
 from serve import NAME, build_checkpoint, serve_process
 
 from lmforge.checkpoints.load import load_model
@@ -262,7 +257,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serve_abuse.json")
     args = parser.parse_args()
     random.seed(0)
-    max_body = ServeRecipe.max_body_bytes  # the server's default, which this run keeps
+    started, max_body = now(), ServeRecipe.max_body_bytes  # the server's default, which this run keeps
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else build_checkpoint(args, Path(tmp))
@@ -280,9 +275,10 @@ def main() -> None:
             still_serves = requests.post(url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
     result = {
         "benchmark": "serve_abuse",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": started,
+        "command": command("serve_abuse.py", None),
+        "commit": commit(),
+        "machine": machine(),
         "model": {"checkpoint": args.checkpoint, "preset": None if args.checkpoint else args.preset,
                   "overrides": args.model, "params": model.cfg.num_params(), "max_len": max_len},
         "server": {"max_body_bytes": max_body, "head_timeout_s": TIMEOUT_S, "body_timeout_s": TIMEOUT_S,
@@ -298,9 +294,6 @@ def main() -> None:
                   "rss_within_10pct_after_maximal": abs(maximal["rss_after_over_before"] - 1) <= 0.10,
                   "rss_within_10pct_at_end": abs(after / baseline - 1) <= 0.10,
                   "no_valid_errors": not mixed["valid_errors"], "still_serves": still_serves},
-        "machine": {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},
     }
     print(f"{'maximal legal request':<46} {'bytes':>9} {'status':>7} {'ms':>8} {'/health max ms':>15}")
     for name, r in maximal["requests"].items():

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from record import command, commit, machine, now
 
 from lmforge.core.config import load_config
 from lmforge.model.config import ModelConfig
@@ -135,7 +133,10 @@ def main() -> None:
     out = Path(args.out or f"benchmarks/results/train_step_{device.type}.json")
     result = {
         "benchmark": "train_step",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": now(),
+        "command": command("train_step.py", None),
+        "commit": commit(),
+        "machine": machine(device),
         "config": {"preset": args.preset, "model_overrides": args.model, "batch": args.batch, "seq": args.seq,
                    "compile": args.compile, "params": cfg.num_params(), "flops_per_token": flops_per_token,
                    "rounds": args.rounds, "steps": args.steps},
@@ -145,9 +146,6 @@ def main() -> None:
         "peak_memory_bytes": None,
         "targets": {"bf16_ratio": 1.25, "bf16_mfu": 0.55} if device.type == "cpu" else {"mfu_1b": 0.45},
         "peak_flops": {pr: peak_flops(device, DTYPES[pr], measure_if_missing=False) for pr in precisions},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,21 @@ def run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
 
 
 def read_json(path: Path) -> dict:
+    """A benchmark's results JSON, which says when, where and how it was measured (``benchmarks/record.py``)."""
     assert path.is_file(), f"{path} was not written"
-    return json.loads(path.read_text())
+    result = json.loads(path.read_text())
+    assert result["date"] and result["commit"] and result["command"].startswith("python benchmarks/"), path
+    assert result["machine"]["cpu"] and result["machine"]["summary"], path
+    return result
+
+
+def test_every_benchmark_records_its_run_through_record_py():
+    """One machine/commit helper (record.py), not a copy per script that records less."""
+    own = re.compile(r"^def (machine|cpu_name|commit|git_commit|now)\(", re.MULTILINE)
+    copies = [p.name for p in BENCHMARKS.glob("*.py") if p.name != "record.py" and own.search(p.read_text())]
+    assert not copies
+    writers = [p for p in BENCHMARKS.glob("*.py") if '"benchmark":' in p.read_text()]
+    assert [p.name for p in writers if "from record import" not in p.read_text()] == []
 
 
 def positive(*values: float) -> bool:

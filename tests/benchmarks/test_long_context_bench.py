@@ -22,6 +22,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCRIPT = REPO / "benchmarks" / "long_context.py"
+sys.path.append(str(SCRIPT.parent))  # its `from record import ...`, as when it runs as a script
 spec = importlib.util.spec_from_file_location("long_context_bench", SCRIPT)
 bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # registered first: it defines dataclasses
 spec.loader.exec_module(bench)
@@ -194,6 +195,8 @@ def test_quick_mode_runs_the_recipes_scores_every_model_and_writes_the_docs_tabl
     assert {r["rope"].get("rope_scaling") for r in result["rows"]} == {None, "dynamic", "linear", "yarn"}
     assert set(result["training"]) == {"pretrain", "extend_pi", "extend_ntk", "extend_yarn"}
     assert result["training"]["extend_yarn"]["seq_len"] == 1024 and result["config"]["quick"] is True
+    assert result["date"] and result["commit"] and result["command"].startswith("python benchmarks/long_context.py")
+    assert result["machine"]["cpu"] and "load_average_1_5_15_min" in result["machine"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     doc = tmp_path / "doc.md"
