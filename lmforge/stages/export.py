@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 from lmforge.checkpoints.files import TOKENIZER_FILES, WEIGHTS, load_model_config
 from lmforge.checkpoints.load import read_checkpoint_weights, resolve_checkpoint
 from lmforge.core.config import load_config, option
-from lmforge.core.io import InputError, atomic_directory, atomic_write_json
-from lmforge.core.run import log
+from lmforge.core.io import InputError, atomic_write_json
+from lmforge.core.run import HOLDER_FILE, LOCK_FILE, atomic_run_dir, log, run_dir_lock
 from lmforge.data.chatml import CHATML_TEMPLATE
 from lmforge.model.hf import (
     HF_WEIGHTS,
@@ -79,6 +79,16 @@ def run_export(recipe: ExportRecipe, chat: bool = False) -> Path:
     ckpt = resolve_checkpoint(recipe.checkpoint)
     out = Path(recipe.run_dir)
     _check_output_dir(out, ckpt)
+    # A folder with a run lock in it (a lifecycle's export stage: the lifecycle locks, and so makes,
+    # the stage's folder first) is exported into under that lock, which the swap keeps; a held lock
+    # of this process is used as it is, another process's is refused. Without one, the export takes
+    # none, so a plain export's folder holds only the model's files.
+    with run_dir_lock(out, enabled=(out / LOCK_FILE).is_file()):
+        return _write_export(recipe, ckpt, out, chat)
+
+
+def _write_export(recipe: ExportRecipe, ckpt: Path, out: Path, chat: bool) -> Path:
+    """``run_export`` once its output folder is checked (and locked, where it has a lock)."""
     cfg = load_model_config(ckpt)
     if recipe.merge_lora:
         state = merged_state(ckpt, recipe.merge_lora)
@@ -94,7 +104,7 @@ def run_export(recipe: ExportRecipe, chat: bool = False) -> Path:
     except ValueError as exc:
         raise InputError(f"{ckpt}: cannot export to Hugging Face format: {exc}") from exc
 
-    with atomic_directory(out) as tmp:
+    with atomic_run_dir(out) as tmp:  # carries a held lock into the new folder
         hf_state = {k: v.contiguous() for k, v in state_dict_to_hf(state, cfg).items()}
         save_file(hf_state, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", hf_config)
@@ -153,11 +163,15 @@ def merged_state(ckpt: Path, adapter_dir: str) -> dict:
 
 
 def _check_output_dir(out: Path, ckpt: Path) -> None:
-    """Refuse to replace the checkpoint itself, or a folder that is not an earlier export."""
+    """Refuse to replace the checkpoint itself, or a folder that is not an earlier export: a folder
+    holding nothing but a run lock (the one a lifecycle makes for its export stage) is empty."""
     out_abs, ckpt_abs = out.resolve(), ckpt.resolve()
     if out_abs == ckpt_abs or out_abs in ckpt_abs.parents:
         raise InputError(f"{out}: the output folder would replace the checkpoint {ckpt}; choose another folder")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: exists and is not a Hugging Face model folder; choose a new folder or remove it")
+    held = {LOCK_FILE, HOLDER_FILE}
+    if out.is_dir() and any(p.name not in held for p in out.iterdir()) and not (out / "config.json").is_file():
         raise InputError(f"{out}: exists and is not a Hugging Face model folder; choose a new folder or remove it")
 
 

@@ -142,6 +142,32 @@ def test_export_replaces_only_an_earlier_export(tmp_path, vocab_size):
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
 
 
+
+def test_export_into_a_folder_another_run_holds_is_refused_and_a_stale_lock_is_taken(tmp_path, vocab_size):
+    """A folder holding only a run lock is empty to export (a lifecycle locks its export stage's folder
+    first); a lock another process holds refuses the export, naming it; the user's files still refuse it."""
+    from lmforge.core.run import LOCK_FILE, RunDirBusy
+    from tests.core.test_run import hold_in_subprocess
+
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size), None)
+    (tmp_path / "hf").mkdir()  # not made by the holder's lock, so the lock file stays when it ends
+    holder = hold_in_subprocess(tmp_path / "hf")
+    try:
+        with pytest.raises(RunDirBusy, match=rf"pid {holder.pid} on "):
+            run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+    finally:
+        holder.communicate("")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [LOCK_FILE]  # its lock, left by a finished run
+    run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [LOCK_FILE, "config.json", "model.safetensors"]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / LOCK_FILE).touch()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(InputError, match="not a Hugging Face model folder"):
+        run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "notes")))
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
 # --------------------------------------------------------------------------- import
 
 

@@ -185,3 +185,24 @@ def test_the_report_card_heads_a_stopped_stage_as_such():
     card = {"stages": ["pretrain", "sft"], "results": {"pretrain": [result], "sft": [result]}, "seconds": 1.0}
     assert "| task | metric | pretrain (stopped early) | sft |" in card_lines(card, {"pretrain"})
     assert "| task | metric | pretrain | sft |" in card_lines(card)
+
+
+def test_an_export_stage_writes_a_folder_transformers_loads_and_a_rerun_skips_it(tmp_path, base_checkpoint):
+    """The lifecycle locks each stage's folder (which makes it) before the stage runs: export takes the
+    folder holding only that lock as its own, and keeps the lock through its atomic swap."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    stages = [{"name": "export", "verb": "export", "overrides": [f"checkpoint={base_checkpoint}",
+                                                                 f"run_dir={tmp_path / 'hf'}"]}]
+    life = tmp_path / "lifecycle.yaml"
+    life.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "stages": stages}))
+    assert [r["status"] for r in run_lifecycle(load_config(LifecycleRecipe, life))] == ["ran"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 2
+    assert [r["status"] for r in run_lifecycle(load_config(LifecycleRecipe, life))] == ["skipped"]
+    again = run_lifecycle(load_config(LifecycleRecipe, life, ["force=true"]))  # an earlier export is replaced
+    assert [r["status"] for r in again] == ["ran"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.num_hidden_layers == 2
