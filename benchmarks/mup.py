@@ -97,11 +97,13 @@ def draw_plot(result: dict, path: Path) -> None:
                             and math.isfinite(r["val_loss"]))
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=4, label=f"width {width}")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(result["rates"], [f"{lr:g}" for lr in result["rates"]])
         ax.set_xlabel("AdamW peak learning rate")
         ax.set_title(title)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("validation loss")
-    fig.suptitle(f"{result['recipe']}, {result['steps']} steps; {result['machine']['summary']}", fontsize=9)
+    fig.suptitle(f"{result['recipe']}, {result['steps']} steps\n{result['machine']['cpu']}, {result['machine']['cpus']} cores, "
+                 f"torch {result['machine']['torch']}, {result['date'][:10]}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -111,6 +113,7 @@ def draw_plot(result: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: widths 32 and 64 (base 32), 2 rates, 4 steps")
+    p.add_argument("--replot", action="store_true", help="draw the figure again from --out's JSON, then stop")
     p.add_argument("--set", nargs="*", default=[], help="more dotted overrides for every run (e.g. train.max_steps=300)")
     p.add_argument("--runs", help="where the runs write (default runs/mup, --quick runs/mup_quick)")
     p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/mup.json)")
@@ -124,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        draw_plot(json.loads(args.out.read_text()), args.plot)
+        print(f"wrote {args.plot}")
+        return
     widths, base, rates = (QUICK["widths"], QUICK["base"], QUICK["rates"]) if args.quick else (WIDTHS, BASE, RATES)
     extra = (QUICK["set"] if args.quick else []) + args.set
     if not any(k.startswith(("tokenizer=", "data.datasets=")) for k in extra):  # the recipe's own data: made once
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     draw_plot(result, args.plot)
     for param, by_width in result["summary"]["best_lr"].items():
-        print(f"{param}: best rate by width {by_width}; moved {result['summary']['grid_steps_moved'][param]} grid steps")
+        print(f"{param}: best rate by width {by_width}; {result['summary']['grid_steps_moved'][param]:+d} grid steps "
+              f"from width {min(result['widths'])} to {max(result['widths'])}")
     print(f"wrote {args.out} and {args.plot}")
 
 

@@ -99,7 +99,8 @@ def draw_plot(result: dict, path: Path) -> None:
     by_step.set_title("every rate, by step")
     by_time.set_title("each optimizer's best rate, by wall time")
     by_step.legend(fontsize=7)
-    fig.suptitle(f"{result['recipe']}, {result['steps']} steps; {result['machine']['summary']}", fontsize=9)
+    fig.suptitle(f"{result['recipe']}, {result['steps']} steps\n{result['machine']['cpu']}, {result['machine']['cpus']} cores, "
+                 f"torch {result['machine']['torch']}, {result['date'][:10]}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -132,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizers", nargs="+", default=list(GRID), choices=list(GRID))
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 6 steps, the middle rate only")
     p.add_argument("--eval-every", type=int, default=25, help="steps between validations (the curves' points)")
+    p.add_argument("--replot", action="store_true", help="draw the figure again from --out's JSON, then stop")
     p.add_argument("--set", nargs="*", default=[], help="more dotted overrides for every run (e.g. train.max_steps=100)")
     p.add_argument("--runs", help="where the runs write (default runs/optimizers, --quick runs/optimizers_quick)")
     p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/optimizers.json)")
@@ -148,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        draw_plot(json.loads(args.out.read_text()), args.plot)
+        print(f"wrote {args.plot}")
+        return
     started = now()
     # interleaved (every optimizer's first rate, then every second rate, ...), so that a change in the
     # machine's load over the session falls on each optimizer alike

@@ -431,14 +431,21 @@ def render_mup(r: dict) -> Rendered:
                 text = "-" if value is None else num(value, 4) if value == value else "diverged"
                 cells.append(f"**{text}**" if best.get(param, {}).get(str(w)) == lr else text)
             rows.append([label, w, *cells])
-    moved = r["summary"]["grid_steps_moved"]
+    moved = {k: grid_moves(v) for k, v in r["summary"]["grid_steps_moved"].items()}
     lines = [f"Validation loss after {r['steps']} steps of `{r['recipe']}` at each width and AdamW peak rate "
              f"(bold: each row's best); µP relative to width {r['base_width']}, where it is the standard model.", ""]
     lines += table(["", "width", *(f"lr {lr:g}" for lr in rates)], rows)
-    lines += ["", f"From width {widths[0]} to {widths[-1]} the best rate moves {moved.get('sp')} grid steps (factors "
-              f"of 2) under SP and {moved.get('mup')} under µP."]
-    return Rendered(lines, f"µP's best rate moves {moved.get('mup')} grid steps", f"SP's {moved.get('sp')}", "-",
+    lines += ["", f"From width {widths[0]} to {widths[-1]} the best rate {moved.get('sp')} (steps of a factor of 2) "
+              f"under SP and {moved.get('mup')} under µP."]
+    return Rendered(lines, f"µP's best rate {moved.get('mup')}", f"SP's {moved.get('sp')}", "-",
                     "µP within 1 step", met([r["summary"]["mup_transfers"]]))
+
+
+def grid_moves(steps: int) -> str:
+    """How far a best rate moved along the grid, in words: "stays", "moves 1 step down"."""
+    if steps == 0:
+        return "stays"
+    return f"moves {abs(steps)} step{'s' if abs(steps) != 1 else ''} {'down' if steps < 0 else 'up'}"
 
 
 def render_any(r: dict) -> Rendered:
