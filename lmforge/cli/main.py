@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import errno
 import json
+import os
 import sys
 import textwrap
 import types
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 from lmforge import __version__
 from lmforge.core.config import ConfigError, dump_config, field_help, load_config, parse_scalar, plugins, type_name
 from lmforge.core.io import InputError
-from lmforge.core.run import setup_logging
+from lmforge.core.run import RunDiverged, setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
 
 
@@ -320,6 +321,19 @@ def plugin_lines(found: list[tuple[str, str]]) -> str:
     return "\n".join([*lines, *(f"#   {key}: {spec}" for key, spec in found)]) + "\n"
 
 
+def print_error(verb: str, message: str, same_on_every_rank: bool) -> None:
+    """``lmforge <verb>: error: <message>`` on stderr. Under torchrun every rank runs ``main``: an
+    error that every rank of a machine meets alike is printed by its first rank (LOCAL_RANK 0)
+    alone, and the others exit with the same status without it. Alike are the errors of reading
+    the recipe and overrides (each rank reads the same files) and a divergence (``RunDiverged``:
+    every rank decides it from the same all-reduced loss, gradient norm and weight count). An
+    error raised inside a stage may be one rank's own (a data shard only it reads), so every rank
+    prints those."""
+    if same_on_every_rank and os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    print(f"lmforge {verb}: error: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in VERBS_BY_NAME:
@@ -335,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, module = build_verb_parser(verb)
     args = parser.parse_intermixed_args(argv[1:])
     setup_logging()
+    running = False  # whether the stage itself has started (see print_error)
     try:
         if hasattr(module, "recipe_from_args"):
             cfg = module.recipe_from_args(args)
@@ -347,14 +362,20 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(dump_config(cfg) + plugin_lines(getattr(module, "recipe_plugins", plugins)(cfg)))
             return 0
         refuse_torchrun(verb)
+        running = True
         module.run(cfg)
     except (ConfigError, InputError) as exc:
-        print(f"lmforge {verb.name}: error: {exc}", file=sys.stderr)
+        print_error(verb.name, str(exc), same_on_every_rank=not running)
         return 2
+    except RunDiverged as exc:
+        # The recipe was valid and the run failed, so exit status 1 (2 is bad input): one line, as
+        # the message already says the step, what was kept and what to change; no traceback.
+        print_error(verb.name, str(exc), same_on_every_rank=True)
+        return 1
     except OSError as exc:
         if exc.errno not in WRITE_ERRORS:
             raise
-        print(f"lmforge {verb.name}: error: {write_error(exc)}", file=sys.stderr)
+        print_error(verb.name, write_error(exc), same_on_every_rank=False)
         return 2
     except KeyboardInterrupt:
         print(f"lmforge {verb.name}: interrupted", file=sys.stderr)

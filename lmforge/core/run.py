@@ -63,6 +63,13 @@ class RunDirBusy(InputError):
     """Another process is writing into the run directory."""
 
 
+class RunDiverged(FloatingPointError):
+    """A training run stopped because its numbers went non-finite: too many NaN/inf steps in a row
+    (``train.max_nonfinite_steps``), or weights that would have been checkpointed non-finite. The
+    message says the step and what to change; the command prints it as one line (exit status 1:
+    the run failed, the recipe was not wrong)."""
+
+
 _held: dict[str, int] = {}  # real path of a run directory -> descriptor of its locked LOCK_FILE
 _created: set[str] = set()  # run directories the lock made: removed on release if the run wrote nothing
 

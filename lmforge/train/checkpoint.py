@@ -56,6 +56,7 @@ from lmforge.core.io import (
     replace_directory,
     temporary_directory,
 )
+from lmforge.core.run import RunDiverged
 from lmforge.distributed.checkpoint import is_sharded_checkpoint, load_sharded, read_model_state, save_sharded
 from lmforge.model.transformer import Transformer
 
@@ -95,7 +96,7 @@ def save_training_checkpoint(
 
 
 def refuse_nonfinite_weights(model: torch.nn.Module, target: Path, distributed: bool = False) -> None:
-    """Raise ``FloatingPointError`` instead of writing ``target`` when a weight holds NaN or inf
+    """Raise ``RunDiverged`` instead of writing ``target`` when a weight holds NaN or inf
     (``distributed``: on any rank; every rank calls this and gets the same verdict)."""
     local = [(k, v.to_local() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()]
     bad = nonfinite_weights((k, v.detach()) for k, v in local)
@@ -106,7 +107,7 @@ def refuse_nonfinite_weights(model: torch.nn.Module, target: Path, distributed: 
         count = int(total.item())
     if count:
         names = ", ".join(bad[:3]) or "on another rank"
-        raise FloatingPointError(
+        raise RunDiverged(
             f"step {int(target.name.removeprefix('step_'))}: the weights hold non-finite values ({names}); checkpoint "
             f"{target} not written. Resume from the last checkpoint with a lower train.lr or more train.warmup_steps")
 

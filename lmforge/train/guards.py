@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from lmforge.core.run import log
+from lmforge.core.run import RunDiverged, log
 
 
 class NonFiniteGuard:
@@ -22,13 +22,13 @@ class NonFiniteGuard:
         self.in_a_row = 0
 
     def observe(self, step: int, skipped: bool, loss: float, grad_norm: torch.Tensor) -> None:
-        """After step ``step`` (1-based); raises ``FloatingPointError`` once too many in a row were skipped."""
+        """After step ``step`` (1-based); raises ``RunDiverged`` once too many in a row were skipped."""
         self.total += skipped
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped:
             log.warning("step %d: loss %s, gradient norm %s: optimizer step skipped", step, loss, float(grad_norm))
         if self.in_a_row >= self.max_in_a_row:
-            raise FloatingPointError(
+            raise RunDiverged(
                 f"non-finite loss or gradient norm for {self.in_a_row} steps in a row, each skipped (step "
                 f"{step}: loss {loss}, gradient norm {float(grad_norm)}); lower train.lr, raise "
                 f"train.warmup_steps, or resume from the last checkpoint"

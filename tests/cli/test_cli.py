@@ -41,6 +41,34 @@ def test_unknown_key_is_reported_with_a_suggestion_and_exit_code_2(capsys):
     assert "did you mean 'val_fraction'" in capsys.readouterr().err
 
 
+
+def test_under_torchrun_an_error_every_rank_meets_alike_is_printed_by_the_first_rank_only(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A bad override, or a divergence (decided from all-reduced numbers), reads the same on every
+    rank: the machine's first rank prints it, the others exit with the same status. An error inside
+    a stage may be one rank's own, so every rank prints it."""
+    import lmforge.stages.export as export
+    from lmforge.core.run import RunDiverged
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["prepare", "val_fractoin=0.1"]) == 2
+    assert capsys.readouterr().err == ""
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 2  # raised inside the stage
+    assert "lmforge export: error: " in capsys.readouterr().err
+
+    def diverged(cfg):
+        raise RunDiverged("non-finite loss or gradient norm for 3 steps in a row")
+
+    monkeypatch.setattr(export, "run", diverged)
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["prepare", "val_fractoin=0.1"]) == 2
+    assert "did you mean 'val_fraction'" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err == "lmforge export: error: non-finite loss or gradient norm for 3 steps in a row\n"
+
+
 def test_print_config_shows_the_resolved_recipe(capsys, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("tokenizer:\n  vocab_size: 1000\n")

@@ -6,6 +6,7 @@ checkpoints are all invalid stops and asks."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -74,6 +75,39 @@ def test_a_checkpoint_is_never_written_from_nonfinite_weights(make_recipe, tmp_p
     with pytest.raises(FloatingPointError, match=r"step 2: .*non-finite.*not written"):
         run_pretrain(make_recipe(**{"train.max_steps": 4, "train.checkpoint_every": 1, "train.keep_checkpoints": 4}))
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_00000001"]
+
+
+
+@pytest.mark.parametrize("how", ["nonfinite steps", "nonfinite weights"])
+def test_a_diverged_run_is_one_error_line_with_exit_status_1_on_the_command_line(
+        how, tmp_path, monkeypatch, capsys, shards_dir, small_tokenizer_dir):
+    """Not a traceback: the message says the step and what to change. Exit status 1, not 2: the
+    recipe was valid; the run failed."""
+    from lmforge.cli.main import main
+    from lmforge.train.step import StepRunner
+    from tests.train.conftest import tiny_pretrain_overrides
+
+    if how == "nonfinite steps":
+        poison_gradients_at(monkeypatch, set(range(2, 100)))
+        message = r"non-finite loss or gradient norm for 3 steps in a row, each skipped \(step 4: .*warmup_steps"
+    else:
+        real = StepRunner.run_step
+
+        def overflowing_step(runner, *args, **kwargs):
+            result = real(runner, *args, **kwargs)
+            with torch.no_grad():
+                next(runner.model.parameters()).fill_(float("inf"))
+            return result
+
+        monkeypatch.setattr(StepRunner, "run_step", overflowing_step)
+        message = r"step 1: the weights hold non-finite values \(.*\); checkpoint .*step_00000001 not written"
+    overrides = tiny_pretrain_overrides(tmp_path / "run", shards_dir, small_tokenizer_dir, **{
+        "train.max_steps": 6, "train.checkpoint_every": 1})
+    assert main(["pretrain", *overrides]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [line] = [line for line in err.splitlines() if "error" in line]
+    assert re.fullmatch(rf"lmforge pretrain: error: {message}.*", line)
 
 
 def poison_checkpoint(ckpt) -> None:
