@@ -1,10 +1,10 @@
 """Export a checkpoint as a Hugging Face model folder: config.json, model.safetensors
 (HF parameter names; a tied output matrix stored once), generation_config.json, and the
 checkpoint's tokenizer.json + tokenizer_config.json. transformers then loads it with
-AutoModelForCausalLM.from_pretrained(dir) (as LlamaForCausalLM; Qwen2 for q/k/v-only
-biases, Qwen3 for QK-norm) and AutoTokenizer.from_pretrained(dir). <checkpoint> is a
-checkpoint directory or a run directory (its newest valid checkpoint). Models with
-LayerNorm or a GELU MLP (the gpt2-124m preset) have no HF equivalent and are refused.
+AutoModelForCausalLM.from_pretrained(dir), as the class of the model's family (the table
+below) that computes it exactly, and AutoTokenizer.from_pretrained(dir). A model that no
+class of its family computes exactly is refused, naming what differs. <checkpoint> is a
+checkpoint directory or a run directory (its newest valid checkpoint).
 
 A tokenizer with ChatML's <|im_end|> has it and end-of-text as stop tokens (eos_token_id
 a list in generation_config.json), so transformers' generate on an apply_chat_template
@@ -32,6 +32,7 @@ from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import HOLDER_FILE, LOCK_FILE, atomic_run_dir, log, run_dir_lock
 from lmforge.data.chatml import CHATML_TEMPLATE
+from lmforge.model.families import families_table
 from lmforge.model.hf import (
     HF_WEIGHTS,
     cast_weights,
@@ -43,6 +44,8 @@ from lmforge.model.hf import (
     special_token_ids,
     state_dict_to_hf,
 )
+
+__doc__ += f"\nmodel families (lmforge.model.families; the registry writes this table):\n\n{families_table()}\n"
 
 
 @dataclass

@@ -174,6 +174,18 @@ def verb_help(verb, capsys):
     return capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("verb", ["export", "import"])
+def test_export_and_import_help_list_every_familys_hugging_face_classes_from_the_registry(verb, capsys):
+    """Written from ``lmforge.model.families``, so a new family or class cannot be left out."""
+    from lmforge.model.families import FAMILIES, hf_classes
+
+    out = verb_help(verb, capsys)
+    assert all(f"`{cls}`" in out for cls in hf_classes().values())
+    assert all(f"| `{name}` |" in out for name in FAMILIES)
+    assert "no HF equivalent" not in out  # the hand-written text that said gpt2 models were refused
+
+
 def key_line(out, key):
     """The table row of ``key`` (its first line)."""
     return next(line for line in out.splitlines() if re.match(rf"^\s+{re.escape(key)}\s", line))
