@@ -41,7 +41,9 @@ from lmforge.eval.tasks import Task, limited, load_task, read_yaml
 
 SUITE_KEYS = {"group", "task", "core"}
 CORE_KEYS = {"task", "metric", "filter", "chance"}
-BUNDLED = Path("data/eval")  # where a bare task name (``demo_choices``) is looked up
+# where a bare task name (``demo_choices``) is looked up: data/eval of the repository lmforge is
+# installed from (this file is lmforge/eval/suite.py), whatever the current directory
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "eval"
 
 
 @dataclass
@@ -61,7 +63,8 @@ class Suite:
 
 
 def resolve_task_path(spec: str) -> Path:
-    """A task file, or a bundled task or suite by name (``demo_suite`` -> data/eval/demo_suite.yaml)."""
+    """A task file, or a bundled task or suite by name (``demo_suite`` -> data/eval/demo_suite.yaml of
+    lmforge's repository, ``BUNDLED``)."""
     path = Path(spec)
     if path.exists() or path.suffix or ("@" in path.name and Path(spec.rpartition("@")[0]).is_dir()):
         return path  # a file, a prepared directory, or DIR@SPLIT
@@ -71,7 +74,15 @@ def resolve_task_path(spec: str) -> Path:
     names = sorted(p.stem for p in [*BUNDLED.glob("*.yaml"), *BUNDLED.glob("heldout/*.jsonl")])
     close = difflib.get_close_matches(spec, names, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f" (bundled: {', '.join(names)})" if names else ""
-    raise InputError(f"{spec}: no such task file, and no bundled task of that name in {BUNDLED}{hint}")
+    raise InputError(f"{spec}: no such task file, and no bundled task of that name in {shown(BUNDLED)}{hint}")
+
+
+def shown(path: Path) -> Path:
+    """``path`` as a message gives it: relative to the current directory when under it."""
+    try:
+        return path.relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def is_suite(path: Path) -> bool:

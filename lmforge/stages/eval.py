@@ -45,7 +45,7 @@ class EvalRecipe:
     tasks: list[str] = option(
         default_factory=list,
         help="task YAML files, suites (a group of tasks and its CORE aggregate) or bundled names "
-        "(data/eval/<name>.yaml); any other file: bits per byte of its text",
+        "(data/eval/<name>.yaml of lmforge's repository); any other file: bits per byte of its text",
     )
     limit: float | None = positive(None, help="the first N documents of each task (below 1: that share); null = all")
     num_fewshot: int | None = at_least(0, None, help="overrides each task's num_fewshot, unless a task fixes 0")

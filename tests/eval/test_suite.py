@@ -60,10 +60,27 @@ def test_a_bad_suite_names_the_file_line_and_key(tmp_path, corpus_texts, text, m
         load_tasks([str(tmp_path / "suite.yaml")])
 
 
+
+def test_a_bundled_task_name_resolves_in_the_installed_repository_from_any_directory(tmp_path, monkeypatch):
+    """Bare names are looked up in the repository lmforge is installed from, not under the current
+    directory; a file of that path under the current directory still comes first."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    assert resolve_task_path("demo_suite") == root / "data/eval/demo_suite.yaml"
+    assert resolve_task_path("bpb_milton") == root / "data/eval/heldout/bpb_milton.jsonl"
+    tasks, (suite,) = load_tasks(["demo_suite"])
+    assert {"demo_choices", "demo_answers", "bpb_milton"} <= {t.name for t in tasks}
+    with pytest.raises(InputError, match=rf"demo_suit: no such task file, and no bundled task of that name in "
+                                         rf"{root / 'data/eval'}; did you mean 'demo_suite'\?"):
+        resolve_task_path("demo_suit")
+    (tmp_path / "demo_suite").mkdir()  # the user's own folder of that name
+    assert resolve_task_path("demo_suite") == Path("demo_suite")
+
+
 def test_bundled_suite_loads_by_name_and_scores_only_held_out_text(monkeypatch):
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
-    assert resolve_task_path("demo_suite") == Path("data/eval/demo_suite.yaml")
+    assert resolve_task_path("demo_suite") == root / "data/eval/demo_suite.yaml"
     with pytest.raises(InputError, match="did you mean 'demo_suite'"):
         resolve_task_path("demo_suit")
     tasks, (suite,) = load_tasks(["demo_suite"])
