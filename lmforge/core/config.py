@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -241,13 +241,18 @@ class Sources:
                 return f"{self.label} {item!r}"
         return self.recipe
 
-    def of_checks(self, section: str, message: str) -> str:
+    def of_checks(self, section: str, message: str, preset_keys: Collection[str] = ()) -> str:
         """The source of an error that ``section``'s own checks raised (its ``__post_init__``,
         across keys: ``warmup_steps must be in [0, max_steps]``): the overrides of keys in it that
-        ``message`` names (``train.warmup_steps=500``, named as ``warmup_steps``), else as ``of``."""
+        ``message`` names (``train.warmup_steps=500``, named as ``warmup_steps``), else as ``of``.
+        ``preset_keys``: the keys the section's preset filled in; a message naming one of them
+        blames the override that set the preset too (``model.preset=gemma2-2b``'s sliding_window)."""
         prefix = f"{section}." if section else ""
         named = [item for key, item in self.overrides.items()
                  if key.startswith(prefix) and key != section and _names(message, key.removeprefix(prefix))]
+        preset = self.overrides.get(f"{prefix}preset")
+        if preset is not None and preset not in named and any(_names(message, key) for key in preset_keys):
+            named.insert(0, preset)
         if not named or self.of(section) != self.recipe:
             return self.of(section)
         return f"{self.label}{'s' if len(named) > 1 else ''} {', '.join(map(repr, named))}"
@@ -262,8 +267,8 @@ def _source(source: str | Sources, key: str, unknown: bool = False) -> str:
     return source.of(key, unknown) if isinstance(source, Sources) else source
 
 
-def _checks_source(source: str | Sources, section: str, message: str) -> str:
-    return source.of_checks(section, message) if isinstance(source, Sources) else source
+def _checks_source(source: str | Sources, section: str, message: str, preset_keys: Collection[str] = ()) -> str:
+    return source.of_checks(section, message, preset_keys) if isinstance(source, Sources) else source
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
@@ -413,11 +418,14 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
     if renamed and not prefix:  # a recipe's deprecated keys, dotted from its top
         data = move_renamed_keys(data, renamed, source)
     expand = getattr(cls, "expand_preset", None)
+    preset_keys: list[str] = []  # the keys the section's 'preset' filled in, not the user
     if expand is not None:  # e.g. a model preset fills fields under the user's own keys
         try:
-            data = expand(data)
+            expanded = expand(data)
         except ValueError as exc:
-            raise ConfigError(f"{_source(source, section)}: {where}: {exc}") from exc
+            raise ConfigError(f"{_source(source, prefix + 'preset')}: {where}: {exc}") from exc
+        preset_keys = [key for key in expanded if key not in data]
+        data = expanded
     select = getattr(cls, "class_for", None)
     if select is not None:  # e.g. a model family's config class, named by the section's 'family' key
         try:
@@ -446,7 +454,7 @@ def from_dict(cls: type[T], data: Any, *, source: str | Sources = "config", pref
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"{_checks_source(source, section, str(exc))}: {where}: {exc}") from exc
+        raise ConfigError(f"{_checks_source(source, section, str(exc), preset_keys)}: {where}: {exc}") from exc
 
 
 def recipe_defaults(f: dataclasses.Field, tp: Any) -> dict[str, Any]:

@@ -333,6 +333,27 @@ def test_a_sections_own_check_is_blamed_on_the_overrides_it_names_else_on_the_re
     assert one_error_line(capsys, "pretrain") == f"{recipe}: {check} 500"
 
 
+
+def test_a_preset_or_family_error_is_blamed_on_the_override_that_named_it_else_on_the_recipe(tmp_path, capsys):
+    recipe = tmp_path / "pretrain.yaml"
+    recipe.write_text("model:\n  preset: tiny\n  max_seq_len: 512\n")
+    assert main(["pretrain", str(recipe), "model.preset=olmo-tiny"]) == 2
+    assert one_error_line(capsys, "pretrain").startswith(
+        "command-line override 'model.preset=olmo-tiny': 'model': unknown model preset 'olmo-tiny'; choose one of tiny,")
+    assert main(["pretrain", str(recipe), "model.family=olmo"]) == 2
+    assert one_error_line(capsys, "pretrain").startswith(
+        "command-line override 'model.family=olmo': 'model': unknown model family 'olmo'; choose one of llama,")
+    window = "'model': sliding_window = 4096 must be in [1, max_seq_len = 512]"  # the preset's window, the recipe's context
+    assert main(["pretrain", str(recipe), "model.preset=gemma2-2b"]) == 2
+    assert one_error_line(capsys, "pretrain").startswith(f"command-line override 'model.preset=gemma2-2b': {window}")
+    recipe.write_text("model:\n  preset: olmo-tiny\n")
+    assert main(["pretrain", str(recipe), "model.d_model=64"]) == 2  # the recipe's own preset stays the recipe's
+    assert one_error_line(capsys, "pretrain").startswith(f"{recipe}: 'model': unknown model preset 'olmo-tiny'")
+    recipe.write_text("model:\n  preset: gemma2-2b\n  max_seq_len: 512\n")
+    assert main(["pretrain", str(recipe), "model.d_model=2304"]) == 2  # an override the check does not name
+    assert one_error_line(capsys, "pretrain").startswith(f"{recipe}: {window}")
+
+
 def test_a_bare_key_of_a_section_gets_the_dotted_key_suggested(capsys):
     assert main(["prepare", "recipes/demo/prepare.yaml", "skip_bad_records=true"]) == 2
     assert one_error_line(capsys, "prepare") == (
