@@ -46,6 +46,7 @@ load average before and after each is recorded.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pickle
@@ -198,6 +199,15 @@ def nanogpt_workdir(checkout: Path, text_path: Path, out: Path) -> Path:
     return out
 
 
+def checkout_version(checkout: Path) -> dict:
+    """Which nanoGPT ran: the checkout's git commit where it is a git checkout, and the sha256 of each file copied."""
+    git = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                         text=True).stdout.split()
+    own = len(git) == 2 and Path(git[0]).resolve() == checkout.resolve()  # not a folder inside another repository
+    return {"path": str(checkout), "git_commit": git[1] if own else None,
+            "sha256": {name: hashlib.sha256((checkout / name).read_bytes()).hexdigest() for name in NANOGPT_FILES}}
+
+
 def parse_nanogpt(lines: list[tuple[float, float | None, str]]) -> dict:
     """nanoGPT's evaluations (``step N: train loss X, val loss Y``) when they were printed, and its
     iterations' losses and times (``iter N: loss X, time Yms``)."""
@@ -221,7 +231,8 @@ def run_nanogpt(checkout: Path, text: str, text_path: Path, runs: Path, python: 
     args = NANOGPT_ARGS + (QUICK["nanogpt"] if quick else [])
     print(f"== nanogpt: python train.py {' '.join(args)}", flush=True)
     lines, totals = run_timed([python, "-u", "train.py", *args], work, env, runs / "nanogpt.log")
-    return {"command": "python train.py " + " ".join(args), "split": split, **totals, **parse_nanogpt(lines)}
+    return {"command": "python train.py " + " ".join(args), "checkout": checkout_version(checkout), "split": split,
+            **totals, **parse_nanogpt(lines)}
 
 
 def parse_lmforge(lines: list[tuple[float, float | None, str]], run_dir: Path) -> dict:
@@ -384,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
               "figure": "validation loss (nats per character, the same validation characters) against wall time, "
                         "nanoGPT's shakespeare_char CPU run and lmforge's recipes",
               "text": {"source": SOURCE, "plays": list(PLAYS), "chars": len(text), "distinct_chars": len(set(text)),
+                       "sha256": hashlib.sha256(text.encode()).hexdigest(),
                        "split": split},
               "sides": sides}
     result["summary"] = summarise(sides)

@@ -107,6 +107,7 @@ def test_nanogpt_side_runs_a_copy_of_the_checkout_and_its_loss_is_the_target(tmp
     nanogpt = result["sides"]["nanogpt"]
     assert [(e["step"], e["val_loss"]) for e in nanogpt["evals"]] == sorted(FAKE_LOSSES.items())
     assert nanogpt["split"] == result["text"]["split"] and nanogpt["median_iter_ms"] == 14.5
+    assert nanogpt["checkout"]["git_commit"] is None and set(nanogpt["checkout"]["sha256"]) >= {"train.py", "model.py"}
     argv = json.loads((runs / "nanogpt" / "argv.json").read_text())
     assert argv[:13] == ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
                          "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
