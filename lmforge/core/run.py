@@ -50,6 +50,17 @@ def setup_logging(level: int = logging.INFO) -> None:
     log.propagate = False
 
 
+def format_count(n: float) -> str:
+    """A count as a person reads it, to three significant figures: 950, 35.2K, 9.31M, 1.24B
+    (parameters, tokens); ``distributed.memory.format_bytes`` is the same for bytes."""
+    value, unit = float(n), ""
+    for bigger in ("K", "M", "B", "T"):
+        if abs(float(f"{value:.3g}")) < 1000:  # 999,950 is 1M, not 1e+03K
+            break
+        value, unit = value / 1000, bigger
+    return f"{value:.3g}{unit}"
+
+
 # --------------------------------------------------------------------------- run directories
 
 LOCK_FILE = ".lmforge-lock"  # flock'ed while a run writes into the directory; removed only with the

@@ -88,7 +88,7 @@ class Served:
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse a text that cannot fit the context, before the work of tokenizing it."""
         if chars > self.max_text_chars:
-            raise APIError(400, f"the {param} has {chars} characters, more than this model's context of {self.max_len} "
+            raise APIError(400, f"{_the(param)} {chars} characters, more than this model's context of {self.max_len} "
                                 f"tokens can hold (at most {self.max_text_chars}): shorten the {param}",
                            param=param, code="context_length_exceeded")
 
@@ -99,9 +99,14 @@ class Served:
 
     def check_length(self, prompt: list[int], max_tokens: int, param: str) -> None:
         if len(prompt) + max_tokens > self.max_len:
-            raise APIError(400, f"this model's context is {self.max_len} tokens; the {param} has {len(prompt)} and "
+            raise APIError(400, f"this model's context is {self.max_len} tokens; {_the(param)} {len(prompt)} and "
                                 f"max_tokens asks for {max_tokens} more: shorten the {param} or lower max_tokens",
                            param=param if len(prompt) >= self.max_len else "max_tokens", code="context_length_exceeded")
+
+
+def _the(param: str) -> str:
+    """The request field as a message's subject, with its verb: "the prompt has", "the messages have"."""
+    return f"the {param} {'have' if param == 'messages' else 'has'}"
 
 
 def max_text_chars(tokenizer: Tokenizer, max_len: int) -> int:

@@ -30,7 +30,7 @@ from lmforge.checkpoints.files import TOKENIZER_FILES, WEIGHTS, load_model_confi
 from lmforge.checkpoints.load import read_checkpoint_weights, resolve_checkpoint
 from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_write_json
-from lmforge.core.run import HOLDER_FILE, LOCK_FILE, atomic_run_dir, log, run_dir_lock
+from lmforge.core.run import HOLDER_FILE, LOCK_FILE, atomic_run_dir, format_count, log, run_dir_lock
 from lmforge.data.chatml import CHATML_TEMPLATE
 from lmforge.model.families import families_table
 from lmforge.model.hf import (
@@ -121,7 +121,7 @@ def _write_export(recipe: ExportRecipe, ckpt: Path, out: Path, chat: bool) -> Pa
     if len(copied) < len(TOKENIZER_FILES):
         log.warning("export: %s has no %s; AutoTokenizer.from_pretrained(%s) will not work", ckpt, " or ".join(sorted(set(TOKENIZER_FILES) - set(copied))), out)
     n_params = sum(v.numel() for v in hf_state.values())
-    log.info("export: %s -> %s (%s, %.1fM parameters, %s)", ckpt, out, hf_config["architectures"][0], n_params / 1e6, dtype)
+    log.info("export: %s -> %s (%s, %s parameters, %s)", ckpt, out, hf_config["architectures"][0], format_count(n_params), dtype)
     return ckpt
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from lmforge.checkpoints.files import MODEL_CONFIG, TOKENIZER_FILES, WEIGHTS, write_checksums
 from lmforge.core.config import load_config, option
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, read_json
-from lmforge.core.run import log
+from lmforge.core.run import format_count, log
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.families import families_table
 from lmforge.model.hf import (
@@ -98,7 +98,8 @@ def run_import(recipe: ImportRecipe) -> Path:
         _warn_about_special_tokens(src)
     n_params = sum(v.numel() for v in state.values())
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")
-    log.info("import: %s (%s) -> %s (%.1fM parameters, %s)", src, SUPPORTED_ARCHITECTURES[hf_config["model_type"]], out, n_params / 1e6, dtype)
+    log.info("import: %s (%s) -> %s (%s parameters, %s)", src, SUPPORTED_ARCHITECTURES[hf_config["model_type"]], out,
+             format_count(n_params), dtype)
     return out
 
 

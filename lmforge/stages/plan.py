@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from lmforge.core.config import load_config, positive
+from lmforge.core.run import format_count
 from lmforge.distributed.memory import MemoryPlan, format_bytes, plan_memory
 from lmforge.distributed.mesh import check_layout, resolve_layout
 from lmforge.stages.pretrain import PretrainRecipe
@@ -61,7 +62,7 @@ def format_plan(recipe: PlanRecipe, layout: str, plans: dict) -> str:
     plain, ac = plans[False], plans[True]
     stage = f", pipeline stage {plain.stage} ({plain.detail['layers']} layers)" if recipe.parallel.pp > 1 else ""
     lines = [
-        f"memory per device: {recipe.model.num_params() / 1e9:.3g}B parameters, layout {layout}, "
+        f"memory per device: {format_count(recipe.model.num_params())} parameters, layout {layout}, "
         f"micro-batch {recipe.train.micro_batch_size} x {recipe.data.seq_len} tokens{stage}",
         f"{'':28}{'no checkpointing':>18}{'activation ckpt':>18}",
     ]
@@ -70,7 +71,7 @@ def format_plan(recipe: PlanRecipe, layout: str, plans: dict) -> str:
             ("total", "total")]
     for label, attr in rows:
         lines.append(f"{label:28}{format_bytes(getattr(plain, attr)):>18}{format_bytes(getattr(ac, attr)):>18}")
-    lines.append(f"({plain.params_on_device / 1e9:.4g}B parameters on this device before data-parallel sharding; "
+    lines.append(f"({format_count(plain.params_on_device)} parameters on this device before data-parallel sharding; "
                  "the total counts gradients beside activations, an upper bound)")
     return "\n".join(lines)
 

@@ -38,7 +38,7 @@ from lmforge.checkpoints.files import load_model_config, load_weights
 from lmforge.checkpoints.load import checkpoint_dirs, read_checkpoint_weights, resolve_checkpoint
 from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
-from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
+from lmforge.core.run import completed_summary, format_count, log, run_dir_lock, start_run
 from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
 from lmforge.data.noising import MaskingConfig, Noise, NoisedLoader, SpanConfig, build_noise
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
@@ -280,8 +280,8 @@ def run_pretrain_local(recipe: PretrainRecipe, tok: Tokenizer, manifests: list[d
     load_init(model, init, run_dir, cfg, device)
     n_params = recipe.model.num_params()
     flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
-    log.info("model: %.2fM parameters (%.2fM in matmuls), %.1f MFLOP per token at seq_len %d, on %s",
-             n_params / 1e6, recipe.model.matmul_params() / 1e6, flops_per_token / 1e6, recipe.data.seq_len, device)
+    log.info("model: %s parameters (%s in matmuls), %.1f MFLOP per token at seq_len %d, on %s", format_count(n_params),
+             format_count(recipe.model.matmul_params()), flops_per_token / 1e6, recipe.data.seq_len, device)
     model = prepare_model(model, cfg, stage="pretrain")
 
     token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
@@ -362,8 +362,8 @@ def run_pretrain_distributed(recipe: PretrainRecipe, tok: Tokenizer, manifests: 
         model = build_model(recipe.model, ctx.device)
         load_init(model, init, run_dir, cfg, ctx.device)
         flops_per_token = recipe.model.flops_per_token(recipe.data.seq_len)
-        log.info("model: %.2fM parameters, %.1f MFLOP per token; layout %s over %d processes (%s)",
-                 recipe.model.num_params() / 1e6, flops_per_token / 1e6, layout, layout.world_size, ctx.device.type)
+        log.info("model: %s parameters, %.1f MFLOP per token; layout %s over %d processes (%s)",
+                 format_count(recipe.model.num_params()), flops_per_token / 1e6, layout, layout.world_size, ctx.device.type)
         token_bytes = torch.tensor(token_byte_lengths(tok) + [0] * (recipe.model.vocab_size - tok.vocab_size))
         if layout.pp > 1:
             model = split_into_stage(model, ctx.pp_rank, layout.pp)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from lmforge.core.config import ConfigError
-from lmforge.core.run import log
+from lmforge.core.run import format_count, log
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.peft.lora import LoraConfig, apply_lora
@@ -64,4 +64,4 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
     except ValueError as exc:  # no matching target, a tied target, a shape NF4 cannot block
         raise ConfigError(f"lora: {exc}") from exc
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("%s: LoRA r=%d on %d linears: %.3fM trainable parameters", stage, cfg.r, len(wrapped), trainable / 1e6)
+    log.info("%s: LoRA r=%d on %d linears: %s trainable parameters", stage, cfg.r, len(wrapped), format_count(trainable))

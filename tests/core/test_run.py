@@ -15,11 +15,19 @@ from lmforge.core.run import (
     RunDirBusy,
     acquire_run_dir,
     completed_summary,
+    format_count,
     record_config,
     release_run_dir,
     run_dir_lock,
     start_run,
 )
+
+
+@pytest.mark.parametrize("n, text", [(0, "0"), (950, "950"), (1000, "1K"), (35_184, "35.2K"), (999_950, "1M"),
+                                     (9_314_304, "9.31M"), (124_439_808, "124M"), (1_240_000_000, "1.24B"),
+                                     (405.8e9, "406B"), (3.2e12, "3.2T")])
+def test_a_count_reads_as_a_person_would_say_it(n, text):
+    assert format_count(n) == text
 
 
 @dataclass

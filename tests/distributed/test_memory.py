@@ -125,6 +125,9 @@ def test_plan_memory_cli_prints_every_kind_with_and_without_checkpointing(capsys
     for row in ("parameters", "gradients", "optimizer state", "activations", "total"):
         assert row in out
     assert "no checkpointing" in out and "activation ckpt" in out and "6.38 GB" in out
+    assert out.startswith("memory per device: 406B parameters,")
+    assert main(["plan", "memory", "recipes/demo/pretrain.yaml"]) == 0
+    assert capsys.readouterr().out.startswith("memory per device: 9.31M parameters,")  # not 0.00931B
 
 
 def test_a_step_larger_than_the_device_is_refused_naming_the_batch_and_the_estimate(monkeypatch):

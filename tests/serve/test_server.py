@@ -269,6 +269,24 @@ def test_a_text_past_the_context_is_refused_before_it_is_tokenized(server, monke
     assert calls == []
 
 
+
+@pytest.mark.parametrize("param, subject", [("messages", "the messages have"), ("prompt", "the prompt has")])
+def test_a_context_error_reads_as_english_for_the_prompt_and_the_messages(param, subject):
+    from types import SimpleNamespace
+
+    from lmforge.serve.app import Served
+    from lmforge.serve.protocol import APIError
+
+    served = SimpleNamespace(max_len=512, max_text_chars=100)
+    with pytest.raises(APIError) as err:
+        Served.check_length(served, [1] * 11, 600, param)
+    assert err.value.message == (f"this model's context is 512 tokens; {subject} 11 and max_tokens asks for 600 more: "
+                                 f"shorten the {param} or lower max_tokens")
+    with pytest.raises(APIError) as err:
+        Served.check_chars(served, 101, param)
+    assert err.value.message.startswith(f"{subject} 101 characters, more than this model's context of 512 tokens")
+
+
 def test_the_openai_client_raises_its_own_errors_for_them(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-9", messages=CHAT)

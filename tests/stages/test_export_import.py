@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -141,6 +142,14 @@ def test_export_replaces_only_an_earlier_export(tmp_path, vocab_size):
     run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))  # an earlier export is replaced
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
 
+
+
+
+def test_export_logs_its_parameter_count_as_a_person_reads_it(tmp_path, vocab_size, caplog):
+    save_checkpoint(tmp_path / "ckpt", tiny(vocab_size, d_model=32, n_layers=1, ffn_hidden=64), None)
+    with caplog.at_level("INFO", logger="lmforge"):
+        run_export(ExportRecipe(checkpoint=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "hf")))
+    assert re.search(r"\(LlamaForCausalLM, \d+(\.\d+)?K parameters, float32\)", caplog.text), caplog.text  # not 0.0M
 
 
 def test_export_into_a_folder_another_run_holds_is_refused_and_a_stale_lock_is_taken(tmp_path, vocab_size):
