@@ -405,14 +405,13 @@ def render_optimizers(r: dict) -> Rendered:
         tried = ", ".join(f"{x['lr']:g} ({num(x['final_val_loss'], 4)})" for x in r["runs"] if x["optimizer"] == name)
         rows.append([name, f"{b['lr']:g}", tried, num(b["final_val_loss"], 4), num(b["val_loss_at_equal_time"], 4),
                      num(b["tokens_per_s"])])
+    loads = [v for x in r["runs"] for v in x.get("load_average", [])]
+    load = f" The machine's load average (1 min) around the runs: {span(loads, 2)}." if loads else ""
     lines = [f"{r['steps']} steps of `{r['recipe']}` each, at three peak rates (Muon's: of the blocks' matrices, "
              "AdamW training the rest at the recipe's rate); validation loss of the recipe's mixture at the last step, "
-             f"and at equal training time: {num(s['equal_time_s'])} s, the fastest best run's.", ""]
+             f"and at equal training time: {num(s['equal_time_s'])} s, the fastest best run's.{load}", ""]
     lines += table(["optimizer", "best rate", "rates tried (final loss)", "validation loss, last step",
                     "at equal time", "tokens/s"], rows)
-    loads = [x["load_average"] for x in r["runs"] if x.get("load_average")]
-    if loads:
-        lines += ["", f"Load average (1 min) around the runs: {span([v for pair in loads for v in pair], 2)}."]
     best = min(s["best"].items(), key=lambda kv: kv[1]["final_val_loss"])
     adamw = s["best"].get("adamw")
     return Rendered(lines, f"{best[0]}: val loss {num(best[1]['final_val_loss'], 4)}",
@@ -441,6 +440,35 @@ def render_mup(r: dict) -> Rendered:
                     "µP within 1 step", met([r["summary"]["mup_transfers"]]))
 
 
+def render_nanogpt(r: dict) -> Rendered:
+    s, sides = r["summary"], r["sides"]
+    ref = sides.get(s["reference"], {})
+    text = r.get("text", {})
+    lines = [f"Validation loss in nats per character on the same {num(text.get('chars'))} characters of "
+             f"`{text.get('source')}` and the same 90/10 split; the target is {s['target_from']}, "
+             f"{num(s['target_val_loss'], 4)}; each side in its own process with {r.get('threads')} torch thread(s), one after another; "
+             "lmforge's recipes are in `recipes/nanogpt/`.", ""]
+    rows = []
+    if ref:
+        last = ref["evals"][-1] if ref.get("evals") else {}
+        rows.append(["nanoGPT, its README's CPU command", f"{num(last.get('val_loss'), 4)} @ {last.get('step')}",
+                     "-", num(s.get("reference_wall_s")), "reference", ""])
+    for name, x in s["sides"].items():
+        cfg = sides.get(name, {})
+        compiled = ("" if "compiled" not in name else
+                    ", compiled, " + ("a warm cache" if cfg.get("compile_cache") == "kept" else "an empty cache"))
+        rows.append([f"`{cfg.get('recipe', name).removeprefix('recipes/nanogpt/')}`{compiled}",
+                     f"{num(x['final_val_loss'], 4)}", x["step"] if x["reached"] else "not reached", num(x["wall_s"]),
+                     num(x.get("wall_ratio")), "yes" if x.get("goal_met") else "no"])
+    lines += table(["side", "val loss at its last step", "step it passes the target", "wall s to the target",
+                    "wall time vs nanoGPT", f"within {num(s['goal_ratio'], 2)}?"], rows)
+    best = min((x for x in s["sides"].values() if x["reached"]), key=lambda x: x["wall_s"], default=None)
+    return Rendered(lines, f"target in {num(best['wall_s'])} s" if best else "target not reached",
+                    f"nanoGPT {num(s.get('reference_wall_s'))} s" if ref else "-",
+                    num(best.get("wall_ratio")) if best else "-", f"<= {num(s['goal_ratio'], 2)}",
+                    met([bool(s.get("goal_met"))]))
+
+
 def grid_moves(steps: int) -> str:
     """How far a best rate moved along the grid, in words: "stays", "moves 1 step down"."""
     if steps == 0:
@@ -462,7 +490,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
-    "mup": render_mup,
+    "mup": render_mup, "nanogpt": render_nanogpt,
 }
 
 
