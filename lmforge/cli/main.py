@@ -236,14 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def entry_summary(cls: type) -> str:
+    """The first paragraph of a config class's docstring, on one line; "" if it has none."""
+    doc = (cls.__doc__ or "").strip()
+    summary = "" if doc.startswith(f"{cls.__name__}(") else doc.split("\n\n")[0]  # a dataclass's own: no docstring
+    return " ".join(summary.split())
+
+
 def entry_keys(title: str, entries: list[tuple[str, type]]) -> str:
     """``title``, then each kind of entry of a list key (curate's step types) with the first line
     of its config class's docstring and the table of its keys, from their help metadata."""
     parts = [title]
     for name, cls in entries:
-        doc = (cls.__doc__ or "").strip()
-        summary = "" if doc.startswith(f"{cls.__name__}(") else doc.split("\n\n")[0]  # a dataclass's own: no docstring
-        parts += textwrap.wrap(f"{name}: {' '.join(summary.split())}".rstrip(": "), HELP_WIDTH, initial_indent="  ",
+        parts += textwrap.wrap(f"{name}: {entry_summary(cls)}".rstrip(": "), HELP_WIDTH, initial_indent="  ",
                                subsequent_indent=" " * 6)
         if rows := recipe_keys(cls, depth=1):
             parts.append(key_table(rows))
@@ -252,9 +257,9 @@ def entry_keys(title: str, entries: list[tuple[str, type]]) -> str:
 
 class VerbParser(argparse.ArgumentParser):
     """A verb's parser; its recipe-key table (the fields of the stage module's ``RECIPE`` with
-    their help metadata, and its ``help_entries``: what the entries of a list key may be, with
-    their own keys) is built only when help is printed, not on every run: `lmforge scaling`'s
-    ``RECIPE`` imports torch, which its fit never needs."""
+    their help metadata, and its ``help_entries``: sections of ``(title, [(name, config class)])``,
+    as what the entries of a list key may be, each with its own keys) is built only when help is
+    printed, not on every run: `lmforge scaling`'s ``RECIPE`` imports torch, which its fit never needs."""
 
     def __init__(self, *args, module: types.ModuleType, **kwargs):
         super().__init__(*args, **kwargs)
@@ -266,8 +271,8 @@ class VerbParser(argparse.ArgumentParser):
         self.epilog = f"recipe keys (set in the YAML recipe or as key=value overrides):\n{key_table(rows)}"
         if families := family_keys(recipe):
             self.epilog += f"\n\n{families}"
-        if entries is not None:
-            self.epilog += f"\n\n{entry_keys(*entries())}"
+        for title, items in entries() if entries is not None else []:
+            self.epilog += f"\n\n{entry_keys(title, items)}"
         example = example_override(rows).replace("%", "%%")  # argparse formats help with %
         for action in self._actions:
             if action.dest == "overrides":

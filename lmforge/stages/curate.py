@@ -31,10 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", help="YAML recipe, or `train-classifier RECIPE.yaml`")
 
 
-def help_entries() -> tuple[str, list[tuple[str, type]]]:
-    """What ``lmforge curate --help`` shows below the recipe keys: each step type and its config
-    class, whose fields' help metadata explains the type's keys (a type whose module cannot be
-    imported here is left out)."""
+def help_entries() -> list[tuple[str, list[tuple[str, type]]]]:
+    """What ``lmforge curate --help`` and the docs' reference page show below the recipe keys:
+    each step type and its config class, whose fields' help metadata explains the type's keys (a
+    type whose module cannot be imported here is left out), then the keys of a train-classifier recipe."""
+    from lmforge.curate.quality import TrainClassifierConfig
     from lmforge.curate.steps import STEP_TYPES, config_class
 
     entries = []
@@ -43,8 +44,12 @@ def help_entries() -> tuple[str, list[tuple[str, type]]]:
             entries.append((name, config_class(name)))
         except ConfigError:
             continue
-    return ("step types (each entry of steps: {type: <type>, name: <optional label>, <that type's keys below>}):",
-            entries)
+    return [
+        ("step types (each entry of steps: {type: <type>, name: <optional label>, <that type's keys below>}):",
+         entries),
+        ("train-classifier recipe keys (`lmforge curate train-classifier RECIPE.yaml [key=value ...]`):",
+         [("train-classifier", TrainClassifierConfig)]),
+    ]
 
 
 def recipe_from_args(args: argparse.Namespace) -> Any:

@@ -127,9 +127,30 @@ def keys_without_help(recipe: type) -> list[str]:
     return [row.key for row in recipe_keys(recipe) if not row.help.strip()]
 
 
+def help_entry_classes(module) -> list[tuple[str, type]]:
+    """``(entry name, config class)`` of every entry a verb's ``help_entries`` lists below its
+    recipe keys (curate's step types, from the step registry, and train-classifier)."""
+    sections = module.help_entries() if hasattr(module, "help_entries") else []
+    return [entry for _, entries in sections for entry in entries]
+
+
 @pytest.mark.parametrize("verb", [v.name for v in VERBS])
 def test_every_key_of_every_verbs_recipe_has_help_text(verb):
-    assert keys_without_help(VERBS_BY_NAME[verb].load().RECIPE) == []
+    """The recipe's keys, and the keys of every entry ``--help`` lists below them (each curate step
+    type's config): a field declared without ``help=`` fails here."""
+    module = VERBS_BY_NAME[verb].load()
+    assert keys_without_help(module.RECIPE) == []
+    missing = [f"{name}: {key}" for name, cls in help_entry_classes(module) for key in keys_without_help(cls)]
+    assert missing == []
+
+
+def test_curate_help_lists_every_registered_step_type_so_each_ones_keys_are_checked_for_help_text():
+    from lmforge.curate.quality import TrainClassifierConfig
+    from lmforge.curate.steps import STEP_TYPES, config_class
+
+    listed = dict(help_entry_classes(VERBS_BY_NAME["curate"].load()))
+    assert {name: listed.get(name) for name in STEP_TYPES} == {name: config_class(name) for name in STEP_TYPES}
+    assert listed["train-classifier"] is TrainClassifierConfig
 
 
 def test_curate_help_shows_each_step_types_keys_and_minhash_explains_its_keys_in_field_metadata(capsys):
@@ -143,6 +164,10 @@ def test_curate_help_shows_each_step_types_keys_and_minhash_explains_its_keys_in
     minhash = steps.split("\n  minhash: MinHash-LSH near-dedup", 1)[1]
     assert re.search(r"^    n_grams\s+int\s+default 5\n\s+words per shingle$", minhash, re.M)
     assert "LSH bands b; more bands catch lower similarities" in minhash
+    language = steps.split("\n  language: ", 1)[1].split("\n  url_filter: ", 1)[0]
+    assert re.search(r"^    languages\s+a list of str\s+default \['en'\]\n\s+ISO 639 codes", language, re.M)
+    classifier = " ".join(out.split("train-classifier recipe keys", 1)[1].split())
+    assert "hash_bits int default 20 features are hashed into 2^hash_bits buckets" in classifier
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
