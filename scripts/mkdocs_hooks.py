@@ -1,7 +1,8 @@
 """MkDocs hooks of the docs site (mkdocs.yml): the pages written from the code, and links out of docs/.
 
-- ``reference/<verb>.md``: each verb's ``--help`` and its recipe keys (type, default, help), from the
-  functions ``lmforge <verb> --help`` itself uses (``lmforge.cli.main``), so the two cannot disagree.
+- ``reference/<verb>.md``: each verb's ``--help`` and its recipe keys (type, default, help), and the
+  entries its ``--help`` lists below them (curate's step types, each with its keys), from the functions
+  ``lmforge <verb> --help`` itself uses (``lmforge.cli.main``), so the two cannot disagree.
 - ``api/<package>.md``: the public functions and classes of a package's modules, which mkdocstrings
   renders from their docstrings.
 - A link from docs/ to a file outside it (``../README.md``, which GitHub follows) is checked to exist
@@ -47,16 +48,17 @@ def code_spans(text: str) -> str:
     return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(parts))
 
 
-def key_table_html(rows: list) -> str:
+def key_table_html(rows: list, id_prefix: str = "") -> str:
     """The rows of ``recipe_keys`` as an HTML table (a Markdown table would break on the ``|`` of types
-    and help text); a list's entry keys are indented under the list, as in ``--help``."""
+    and help text); a list's entry keys are indented under the list, as in ``--help``. Each row's id
+    is ``id_prefix`` and its key, so that the tables of one page do not repeat an id."""
     lines = ["<table>", "<thead><tr><th>key</th><th>type</th><th>default</th><th>help</th></tr></thead>", "<tbody>"]
     for r in rows:
         indent = "&emsp;" * r.depth + ("↳ " if r.depth else "")
         default = r.default.removeprefix("default ")
         keep_whole = ' style="white-space: nowrap"' if len(default) <= 24 else ""  # wrap long values only
         lines.append(
-            f'<tr id="{html.escape(r.key)}"><td style="white-space: nowrap">{indent}<code>{html.escape(r.key)}</code></td>'
+            f'<tr id="{html.escape(id_prefix + r.key)}"><td style="white-space: nowrap">{indent}<code>{html.escape(r.key)}</code></td>'
             f"<td>{html.escape(r.type)}</td><td{keep_whole}><code>{html.escape(default)}</code></td>"
             f"<td>{code_spans(r.help)}</td></tr>"
         )
@@ -64,8 +66,31 @@ def key_table_html(rows: list) -> str:
     return "\n".join(lines)
 
 
+def entry_sections(module) -> list[str]:
+    """The Markdown of what a verb's ``help_entries`` lists below its recipe keys in ``--help``
+    (curate's step types): per section its title as a heading (what the title has in parentheses
+    below it), then per entry a heading, the summary of its config class and the table of its keys
+    (row ids ``<entry>.<key>``)."""
+    from lmforge.cli.main import entry_summary, recipe_keys
+
+    parts = []
+    for title, entries in module.help_entries() if hasattr(module, "help_entries") else []:
+        heading, _, note = title.rstrip(":").partition(" (")
+        parts.append(f"## {heading[0].upper() + heading[1:]}")
+        if note := note.removesuffix(")"):
+            parts.append(code_spans(note[0].upper() + note[1:]) + ".")
+        for name, cls in entries:
+            parts.append(f"### `{name}`")
+            if summary := entry_summary(cls):
+                parts.append(code_spans(summary))
+            if rows := recipe_keys(cls):
+                parts.append(key_table_html(rows, id_prefix=f"{name}."))
+    return parts
+
+
 def reference_page(verb) -> str:
-    """A verb's page: its summary, its ``--help`` above the key table, and the key table."""
+    """A verb's page: its summary, its ``--help`` above the key table, the key table, and the
+    entries its ``--help`` lists below the table (curate's step types), each with its keys."""
     from lmforge.cli.main import build_verb_parser, recipe_keys
 
     parser, module = build_verb_parser(verb)
@@ -79,6 +104,7 @@ def reference_page(verb) -> str:
         "Set in the YAML recipe or on the command line as `key=value` (a dotted key reaches into a section). "
         "`lmforge " + verb.name + " --help` prints the same table.",
         key_table_html(rows),
+        *entry_sections(module),
     ]) + "\n"
 
 

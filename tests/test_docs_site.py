@@ -50,6 +50,27 @@ def test_a_reference_page_lists_a_key_with_its_type_and_default_from_the_recipe(
     assert f"<code>{html.escape(row.default.removeprefix('default '))}</code>" in shown
 
 
+def test_the_curate_reference_page_lists_each_step_type_with_its_keys_and_their_help():
+    """What ``curate --help`` lists below its recipe keys (the step types, train-classifier) is on
+    its reference page too, each key's help from its field's metadata; written by the hook, no build."""
+    import dataclasses
+    import importlib.util
+
+    from lmforge.core.config import field_help
+    from lmforge.curate.extract import ExtractConfig
+    from lmforge.curate.steps import STEP_TYPES
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", REPO / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = hooks.reference_page(VERBS_BY_NAME["curate"])
+    assert all(f"\n### `{name}`\n" in page for name in [*STEP_TYPES, "train-classifier"])
+    timeout = next(f for f in dataclasses.fields(ExtractConfig) if f.name == "timeout_s")
+    row = page.split('<tr id="extract.timeout_s">', 1)[1].split("</tr>", 1)[0]
+    assert "<code>5.0</code>" in row and html.escape(field_help(timeout)) in row
+    assert '<tr id="train-classifier.hash_bits">' in page
+
+
 def test_an_api_page_renders_a_functions_docstring(site):
     page = (site / "api" / "objectives" / "index.html").read_text()
     first_line = inspect.getdoc(dpo_loss).splitlines()[0]

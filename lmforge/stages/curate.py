@@ -8,7 +8,7 @@ Kept documents go to run_dir/output (Parquet or JSONL with id, text, metadata: w
 reason, and counts, languages, duplicate clusters and scores to stats.json, report.md and
 report.png. Shards run in parallel (a local process pool, or executor=ray); a finished
 shard leaves a marker, so rerunning an interrupted run redoes only what is missing.
-Step types and their keys: docs/curate.md.
+Each step type's keys are listed below the recipe keys; docs/curate.md explains the steps.
 
   lmforge curate recipes/demo/curate.yaml workers=2
   lmforge curate train-classifier RECIPE.yaml [key=value ...]   # train a quality classifier
@@ -45,7 +45,7 @@ def help_entries() -> list[tuple[str, list[tuple[str, type]]]]:
         except ConfigError:
             continue
     return [
-        ("step types (each entry of steps: {type: <type>, name: <optional label>, <that type's keys below>}):",
+        ("step types (each entry of steps: `{type: <type>, name: <optional label>, <the type's keys below>}`):",
          entries),
         ("train-classifier recipe keys (`lmforge curate train-classifier RECIPE.yaml [key=value ...]`):",
          [("train-classifier", TrainClassifierConfig)]),
