@@ -5,7 +5,7 @@ continued pre-training at 1024 (recipes/long_context/).
     .venv/bin/python benchmarks/long_context.py               # the recipes, then the evaluation (~15 min, 2 CPU cores)
     .venv/bin/python benchmarks/long_context.py --eval-only   # the evaluation of runs/long_context as it is
     .venv/bin/python benchmarks/long_context.py --quick       # a smoke run: a tiny model, a few steps (~30 s)
-    .venv/bin/python benchmarks/long_context.py --write-docs  # the results table of the JSON into docs/long-context.md
+    .venv/bin/python scripts/write_benchmark_docs.py          # then its table into the README and docs/long-context.md
 
 The recipes run as the lifecycle recipes/long_context/lifecycle.yaml runs them (a stage already
 complete with the same config is skipped). Each model is then scored on:
@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +58,6 @@ LIFECYCLE = "recipes/long_context/lifecycle.yaml"
 RECIPE_ROOT = "runs/long_context"  # where the recipes write; --runs moves every path under it
 RESULTS = "benchmarks/results/long_context.json"
 PLOT = "docs/img/long_context.png"
-DOCS = ("README.md", "docs/long-context.md")
-BEGIN, END = "<!-- long-context: written by benchmarks/long_context.py --write-docs -->", "<!-- /long-context -->"
 
 BUCKETS = ((0, 256), (256, 512), (512, 1024))
 LENGTHS = (256, 512, 1024)
@@ -325,42 +322,6 @@ def passkey_accuracy(model: torch.nn.Module, trials: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------- report
 
 
-def markdown_table(result: dict) -> str:
-    buckets = [f"{lo}-{hi}" for lo, hi in result["config"]["buckets"]]
-    lengths = [str(n) for n in result["config"]["passkey"]["lengths"]]
-    head = (["RoPE", "continued training"] + [f"ppl {b}" for b in buckets]
-            + [f"passkey {n}" for n in lengths])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in result["rows"]:
-        steps = result["training"].get(EXTENSIONS.get(r["method"], ""), {}).get("step")
-        cells = [r["method"], f"{steps} steps at 1024" if r["trained"] else "none (zero-shot)"]
-        cells += [f"{r['perplexity'][b]:.1f}" if r["perplexity"][b] < 1e4 else f"{r['perplexity'][b]:.2g}"
-                  for b in buckets]
-        cells += [f"{100 * r['passkey'][n]:.0f}%" for n in lengths]
-        lines.append("| " + " | ".join(cells) + " |")
-    cfg = result["config"]
-    pk = cfg["passkey"]
-    lines.append("")
-    lines.append(f"Perplexity of {cfg['windows']} held-out windows of {cfg['max_len']} tokens by position; passkey: "
-                 f"log-likelihood ranking of the key against {pk['candidates'] - 1} others (chance "
-                 f"{100 / pk['candidates']:.0f}%), {pk['keys']} keys at each of {len(pk['depths'])} depths "
-                 f"({pk['depths'][0]:.0%}-{pk['depths'][-1]:.0%}) per length. {result['machine']['summary']}, "
-                 f"{result['date'][:10]}; `{result['command']}`.")
-    return "\n".join(lines)
-
-
-def write_docs(result: dict, paths: list[Path]) -> None:
-    """Rewrite the block between the markers in each of ``paths`` with the results table."""
-    table = markdown_table(result)
-    for path in paths:
-        text = path.read_text(encoding="utf-8")
-        pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"{path}: no block {BEGIN} ... {END} to write the table into")
-        path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text), encoding="utf-8")
-        print(f"wrote the table into {path}")
-
-
 def draw_plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -397,7 +358,11 @@ def draw_plot(result: dict, path: Path) -> None:
 
 
 def print_table(result: dict) -> None:
-    print(markdown_table(result))
+    """Each row's perplexity over all positions and passkey accuracy by length (the docs' table,
+    by position, is scripts/write_benchmark_docs.py's)."""
+    for r in result["rows"]:
+        keys = ", ".join(f"{n} {100 * v:.0f}%" for n, v in r["passkey"].items())
+        print(f"{r['label']}: perplexity {r['perplexity_all']:.1f}; passkey {keys}")
 
 
 # ---------------------------------------------------------------------------------- main
@@ -428,12 +393,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 2 steps a stage, 2 windows, 3 depths")
     p.add_argument("--eval-only", action="store_true", help="score the recipes' outputs as they are; run nothing")
-    p.add_argument("--write-docs", action="store_true",
-                   help="write the table of --out into the marked blocks of --docs, then stop")
     p.add_argument("--runs", help=f"where the recipes write (default {RECIPE_ROOT}, --quick {RECIPE_ROOT}_quick)")
     p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/long_context.json)")
     p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/long_context.png)")
-    p.add_argument("--docs", nargs="+", default=list(DOCS), help="files whose marked block --write-docs rewrites")
     p.add_argument("--max-len", type=int, default=1024, help="the extended context: windows and the longest prompt")
     p.add_argument("--windows", type=int, default=None, help="held-out windows for perplexity (default 32, quick 2)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="passkey prompt lengths")
@@ -456,9 +418,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.write_docs:
-        write_docs(json.loads(args.out.read_text()), [Path(d) for d in args.docs])
-        return
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
