@@ -388,13 +388,22 @@ def render_alignment(r: dict) -> Rendered:
 
 
 def render_long_context(r: dict) -> Rendered:
-    cfg = r["config"]
-    lengths = [str(n) for n in cfg["passkey"]["lengths"]]
-    lines = [f"A {cfg['params'] / 1e6:.1f}M-parameter model pre-trained at {cfg['pretrain_seq_len']} tokens, "
-             f"scored at up to {cfg['max_len']}; the table by position is in `docs/long-context.md`.", ""]
-    lines += table(["model", "perplexity, all positions", *(f"passkey {n}" for n in lengths)],
-                   [[x["label"], num(x["perplexity_all"], 4), *(pct(x["passkey"][n]) for n in lengths)]
-                    for x in r["rows"]])
+    cfg, pk = r["config"], r["config"]["passkey"]
+    buckets = [f"{lo}-{hi}" for lo, hi in cfg["buckets"]]
+    lengths = [str(n) for n in pk["lengths"]]
+    extensions = {"PI": "extend_pi", "NTK": "extend_ntk", "YaRN": "extend_yarn"}
+    rows = []
+    for x in r["rows"]:
+        steps = r["training"].get(extensions.get(x["method"], ""), {}).get("step")
+        rows.append([x["method"], f"{steps} steps at {cfg['max_len']}" if x["trained"] else "none (zero-shot)",
+                     *(f"{x['perplexity'][b]:.1f}" if x["perplexity"][b] < 1e4 else f"{x['perplexity'][b]:.2g}"
+                       for b in buckets),
+                     *(f"{100 * x['passkey'][n]:.0f}%" for n in lengths)])
+    lines = table(["RoPE", "continued training", *(f"ppl {b}" for b in buckets), *(f"passkey {n}" for n in lengths)], rows)
+    lines += ["", f"Perplexity of {cfg['windows']} held-out windows of {cfg['max_len']} tokens by position; passkey: "
+              f"log-likelihood ranking of the key against {pk['candidates'] - 1} others (chance "
+              f"{100 / pk['candidates']:.0f}%), {pk['keys']} keys at each of {len(pk['depths'])} depths "
+              f"({pk['depths'][0]:.0%}-{pk['depths'][-1]:.0%}) per length."]
     return Rendered(lines, "PI, NTK and YaRN, zero-shot and after continued training", "no scaling")
 
 
