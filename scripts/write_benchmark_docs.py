@@ -1,7 +1,7 @@
 """Write the measured figures of ``benchmarks/results/*.json`` into the Markdown pages that show
 them, between markers, so that no figure is copied into prose by hand. Each result becomes a table
-and a line naming the machine, the date, the commit and the command its JSON records; what a JSON
-does not record is written "not recorded", never guessed.
+and a line naming the machine, the date and the command its JSON records (the commit stays in the
+JSON); what a JSON does not record is written "not recorded", never guessed.
 
     python scripts/write_benchmark_docs.py           # rewrite every block from the JSON
     python scripts/write_benchmark_docs.py --check   # exit 1 if a block is not its JSON's (tests/test_benchmark_docs.py)
@@ -98,11 +98,11 @@ def machine_of(result: dict) -> str:
 
 
 def provenance(name: str, result: dict) -> str:
+    """The machine, date and command the JSON records (its commit stays in the JSON: the pages
+    name no commit hashes)."""
     date = result.get("date")
-    commit = result.get("commit")
     command = result.get("command")
     return (f"Machine: {machine_of(result)}; date: {date[:10] if date else NOT_RECORDED}; "
-            f"commit: {f'`{commit[:12]}`' if commit else NOT_RECORDED}; "
             f"command: {f'`{command}`' if command else NOT_RECORDED}. "
             f"From `benchmarks/results/{name}.json`.")
 

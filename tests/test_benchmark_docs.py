@@ -83,7 +83,7 @@ def test_a_block_is_written_from_its_json_and_checked(tmp_path, script, capsys):
     assert text.startswith("# A page\n\nSome prose.\n\n") and text.endswith("\n\nMore prose.\n")  # prose untouched
     assert "a stale table" not in text and "| `widgets_per_s` | 12.5 |" in text
     # what the JSON does not record is said, not invented
-    assert "Machine: not recorded; date: not recorded; commit: not recorded; command: not recorded." in text
+    assert "Machine: not recorded; date: not recorded; command: not recorded." in text
     assert "## toy" in index.read_text(encoding="utf-8")  # the index got a section for the new result
     assert script.main(["--check", *args]) == 0
 
@@ -91,7 +91,7 @@ def test_a_block_is_written_from_its_json_and_checked(tmp_path, script, capsys):
                                       "date": "2030-01-02T03:04:05+00:00", "machine": {"cpu": "Some CPU", "cpus": 4}})
     assert script.main(["--check", *args]) == 1
     assert script.main(args) == 0
-    assert "Machine: Some CPU, 4 cores; date: 2030-01-02; commit: not recorded; command: `python toy.py`." \
+    assert "Machine: Some CPU, 4 cores; date: 2030-01-02; command: `python toy.py`." \
         in page.read_text(encoding="utf-8")
     assert script.main(["--check", *args]) == 0
 
