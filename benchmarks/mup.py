@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from record import command, commit, machine, now
+from record import header, now, write_result
 
 from lmforge.core.config import load_config
 from lmforge.stages.prepare import PrepareRecipe, run_prepare
@@ -148,13 +148,11 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(train(param, width, base, lr, args.runs / f"{param}-w{width}-lr{lr:g}", extra))
                 if width == base:
                     runs.append({**runs[-1], "param": "mup", "same_as": "sp"})
-    result = {"benchmark": "mup", "date": started, "machine": machine(), "commit": commit(),
-              "command": command("mup.py", argv), "recipe": RECIPE, "steps": next(r["step"] for r in runs),
+    result = {**header("mup", "mup.py", argv, started), "recipe": RECIPE, "steps": next(r["step"] for r in runs),
               "widths": list(widths), "base_width": base, "rates": rates, "overrides": extra,
               "figure": "validation loss against AdamW's peak rate per width, SP and µP", "runs": runs,
               "summary": summarise(runs, rates)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(result, args.out)
     draw_plot(result, args.plot)
     for param, by_width in result["summary"]["best_lr"].items():
         print(f"{param}: best rate by width {by_width}; {result['summary']['grid_steps_moved'][param]:+d} grid steps "

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from record import REPO, command, commit, machine, now
+from record import REPO, header, now, write_result
 
 from lmforge.core.config import load_config
 from lmforge.data.shards import open_shards
@@ -399,8 +399,7 @@ def main(argv: list[str] | None = None) -> None:
                                       args.threads, args.quick)
         else:
             sides[name] = run_lmforge(name, data, args.runs, args.threads, extra)
-    result = {"benchmark": "nanogpt", "date": started, "machine": machine(), "commit": commit(),
-              "command": command("nanogpt.py", argv), "quick": args.quick, "threads": args.threads,
+    result = {**header("nanogpt", "nanogpt.py", argv, started), "quick": args.quick, "threads": args.threads,
               "figure": "validation loss (nats per character, the same validation characters) against wall time, "
                         "nanoGPT's shakespeare_char CPU run and lmforge's recipes",
               "text": {"source": SOURCE, "plays": list(PLAYS), "chars": len(text), "distinct_chars": len(set(text)),
@@ -408,8 +407,7 @@ def main(argv: list[str] | None = None) -> None:
                        "split": split},
               "sides": sides}
     result["summary"] = summarise(sides)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(result, args.out)
     draw_plot(result, args.plot)
     print_table(result)
     print(f"wrote {args.out} and {args.plot}")

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from record import command, commit, load_average, machine, now
+from record import header, load_average, now, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/demo/pretrain.yaml"
@@ -161,13 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = [train(name, lr, args.runs / f"{name}-lr{lr:g}", args) for _, name, lr in sorted(rates, key=lambda r: r[0])]
     runs.sort(key=lambda r: (args.optimizers.index(r["optimizer"]), r["lr"]))
     steps = runs[0]["steps"]
-    result = {"benchmark": "optimizers", "date": started, "machine": machine(), "commit": commit(),
-              "command": command("optimizers.py", argv),
+    result = {**header("optimizers", "optimizers.py", argv, started),
               "recipe": args.recipe, "steps": steps, "overrides": args.set + (QUICK if args.quick else []),
               "figure": "validation loss at the last step and at equal training time, each optimizer at its best rate",
               "runs": runs, "summary": summarise(runs)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(result, args.out)
     draw_plot(result, args.plot)
     for name, b in result["summary"]["best"].items():
         print(f"{name}: best rate {b['lr']:g}, validation loss {b['final_val_loss']:.4f} at the last step, "

@@ -5,6 +5,7 @@ command and the commit, so a figure in the docs names where and how it was measu
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -48,6 +49,19 @@ def commit() -> str | None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                            text=True).stdout.strip()
     return head + ("+uncommitted changes" if dirty else "")
+
+
+def header(benchmark: str, script: str, argv: list[str] | None, started: str) -> dict:
+    """The keys every results JSON opens with: what ran, when (``started``, of ``now``), where, from
+    which commit and by which command."""
+    return {"benchmark": benchmark, "date": started, "machine": machine(), "commit": commit(),
+            "command": command(script, argv)}
+
+
+def write_result(result: dict, path: Path, indent: int = 1) -> None:
+    """``result`` as the JSON file ``path`` (its folder made as needed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=indent) + "\n")
 
 
 def load_average() -> float:

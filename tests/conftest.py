@@ -54,6 +54,22 @@ def import_reference(name: str) -> ModuleType:
             sys.path.remove(str(REFERENCE_DIR))
 
 
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script of the repository (``scripts/``, ``benchmarks/``) as a module, registered under
+    ``name`` before it runs (a dataclass of it looks its module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def benchmark_docs_writer() -> ModuleType:
+    """scripts/write_benchmark_docs.py, which writes the docs' tables of benchmarks/results/*.json."""
+    return load_script(REPO / "scripts" / "write_benchmark_docs.py", "write_benchmark_docs")
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return path

@@ -24,7 +24,7 @@ from lmforge.data.sft_demo import make_examples
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import RewardModel
 from lmforge.model.transformer import Transformer
-from tests.conftest import REPO, write_jsonl
+from tests.conftest import REPO, benchmark_docs_writer, write_jsonl
 from tests.curate.warc_fixtures import PROSE, html_record, write_warc
 
 BENCHMARKS = REPO / "benchmarks"
@@ -65,7 +65,8 @@ def test_every_benchmark_records_its_run_through_record_py():
     own = re.compile(r"^def (machine|cpu_name|commit|git_commit|now)\(", re.MULTILINE)
     copies = [p.name for p in BENCHMARKS.glob("*.py") if p.name != "record.py" and own.search(p.read_text())]
     assert not copies
-    writers = [p for p in BENCHMARKS.glob("*.py") if '"benchmark":' in p.read_text()]
+    writers = [p for p in BENCHMARKS.glob("*.py") if p.name != "record.py"
+               and ('"benchmark":' in p.read_text() or "header(" in p.read_text())]
     assert [p.name for p in writers if "from record import" not in p.read_text()] == []
 
 
@@ -278,28 +279,26 @@ def test_copying_gain_is_none_at_init_and_large_once_a_model_learns_to_copy(tmp_
 
 def rendered(result: dict) -> str:
     """The table scripts/write_benchmark_docs.py writes into the docs for ``result``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("write_benchmark_docs", REPO / "scripts" / "write_benchmark_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return "\n".join(module.render(result["benchmark"], result).lines)
+    return "\n".join(benchmark_docs_writer().render(result["benchmark"], result).lines)
 
 
-def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(tmp_path, corpus_jsonl,
-                                                                              small_tokenizer_dir):
+@pytest.fixture()
+def small_shards(tmp_path, corpus_jsonl, small_tokenizer_dir) -> list[str]:
+    """``--set`` overrides that point a benchmark's pretrain recipe at shards of the test corpus, tiny shapes."""
     from lmforge.data.documents import DocumentsConfig
     from lmforge.stages.prepare import PrepareRecipe, run_prepare
 
     shards = tmp_path / "shards"
     run_prepare(PrepareRecipe(run_dir=str(shards), tokenizer=str(small_tokenizer_dir),
                               data=DocumentsConfig(paths=[str(corpus_jsonl)]), val_fraction=0.1))
+    return [f"tokenizer={small_tokenizer_dir}", f"data.datasets=[{{path: {shards}}}]", "model.vocab_size=512",
+            "model.max_seq_len=64", "data.seq_len=32", "train.micro_batch_size=2", "train.batch_tokens=64"]
+
+
+def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(tmp_path, small_shards):
     out = tmp_path / "optimizers.json"
     stdout = run("optimizers.py", "--quick", "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "o.png",
-                 "--set", f"tokenizer={small_tokenizer_dir}", f"data.datasets=[{{path: {shards}}}]",
-                 "model.vocab_size=512", "model.max_seq_len=64", "data.seq_len=32", "train.micro_batch_size=2",
-                 "train.batch_tokens=64", "train.max_steps=4", "train.eval_every=2")
+                 "--set", *small_shards, "train.max_steps=4", "train.eval_every=2")
     result = read_json(out)
     assert [r["optimizer"] for r in result["runs"]] == ["adamw", "muon", "lamb"]
     for r in result["runs"]:
@@ -314,18 +313,10 @@ def test_optimizers_trains_each_optimizer_and_compares_at_equal_steps_and_time(t
     assert "| muon |" in table and "| lamb |" in table and "at equal time" in table
 
 
-def test_mup_sweeps_rates_per_width_under_sp_and_mup_and_names_the_best(tmp_path, corpus_jsonl, small_tokenizer_dir):
-    from lmforge.data.documents import DocumentsConfig
-    from lmforge.stages.prepare import PrepareRecipe, run_prepare
-
-    shards = tmp_path / "shards"
-    run_prepare(PrepareRecipe(run_dir=str(shards), tokenizer=str(small_tokenizer_dir),
-                              data=DocumentsConfig(paths=[str(corpus_jsonl)]), val_fraction=0.1))
+def test_mup_sweeps_rates_per_width_under_sp_and_mup_and_names_the_best(tmp_path, small_shards):
     out = tmp_path / "mup.json"
     stdout = run("mup.py", "--quick", "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "m.png",
-                 "--set", f"tokenizer={small_tokenizer_dir}", f"data.datasets=[{{path: {shards}}}]",
-                 "model.vocab_size=512", "model.max_seq_len=64", "data.seq_len=32", "train.micro_batch_size=2",
-                 "train.batch_tokens=64")
+                 "--set", *small_shards)
     result = read_json(out)
     runs = {(r["param"], r["width"], r["lr"]): r for r in result["runs"]}
     assert set(runs) == {(p, w, lr) for p in ("sp", "mup") for w in (32, 64) for lr in (2e-3, 8e-3)}

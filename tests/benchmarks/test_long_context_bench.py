@@ -4,7 +4,6 @@ the plot and the docs' table)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,15 +16,13 @@ import torch
 from lmforge.data.tokenizer import TokenizerConfig, train_tokenizer
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
-from tests.conftest import REPO
+from tests.conftest import REPO, benchmark_docs_writer, load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCRIPT = REPO / "benchmarks" / "long_context.py"
 sys.path.append(str(SCRIPT.parent))  # its `from record import ...`, as when it runs as a script
-spec = importlib.util.spec_from_file_location("long_context_bench", SCRIPT)
-bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # registered first: it defines dataclasses
-spec.loader.exec_module(bench)
+bench = load_script(SCRIPT, "long_context_bench")
 
 ROPES = {
     "none": {},
@@ -200,10 +197,6 @@ def test_quick_mode_runs_the_recipes_scores_every_model_and_writes_the_docs_tabl
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the docs' table of it, as scripts/write_benchmark_docs.py writes it
-    spec = importlib.util.spec_from_file_location("write_benchmark_docs", REPO / "scripts" / "write_benchmark_docs.py")
-    writer = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = writer  # its dataclass looks its module up
-    spec.loader.exec_module(writer)
-    table = "\n".join(writer.render("long_context", result).lines)
+    table = "\n".join(benchmark_docs_writer().render("long_context", result).lines)
     assert "| YaRN | 2 steps at 1024 |" in table and "| none | none (zero-shot) |" in table
     assert (results.stat().st_mtime_ns if results.exists() else None) == before
