@@ -186,11 +186,16 @@ class Muon(torch.optim.Optimizer):
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
+def hidden_matrix_names(model: nn.Module) -> dict[str, int]:
+    """Name -> id of each trainable parameter ``is_hidden_matrix`` picks (a tied one once)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {name: id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p, embeddings)}
+
+
 def hidden_matrices(model: nn.Module) -> set[int]:
     """The ids of the trainable parameters Muon trains (``is_hidden_matrix``); a ``ConfigError``
     when there are none (``prepare_model`` asks before a stage does any work)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    hidden = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p, embeddings)}
+    hidden = set(hidden_matrix_names(model).values())
     if not hidden:
         raise ConfigError("train.optimizer = muon: the model has no trainable 2-D matrix in its blocks for Muon to "
                           "orthogonalise (use adamw or lamb)")

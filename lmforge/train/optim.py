@@ -12,7 +12,7 @@ from torch import nn
 from lmforge.core.config import ConfigError
 from lmforge.model.transformer import Transformer
 from lmforge.train.lamb import Lamb
-from lmforge.train.muon import Muon, is_hidden_matrix, muon_groups
+from lmforge.train.muon import Muon, hidden_matrix_names, muon_groups
 
 if TYPE_CHECKING:
     from lmforge.train.loop import TrainConfig
@@ -62,9 +62,8 @@ def mup_groups(model: nn.Module, groups: list[dict], lr: float, mult: float) -> 
     whose dimensions grow with width); the rest keep ``lr``. LoRA's factors have one dimension that
     grows (the other is the rank), so they keep ``lr``, as do embeddings, the head, norms and biases.
     Every group holds its ``peak_lr``."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    hidden = {id(p) for name, p in model.named_parameters()
-              if is_hidden_matrix(name, p, embeddings) and not any(part.startswith("lora_") for part in name.split("."))}
+    hidden = {pid for name, pid in hidden_matrix_names(model).items()
+              if not any(part.startswith("lora_") for part in name.split("."))}
     out = []
     for group in groups:
         for ps, rate in (([p for p in group["params"] if id(p) in hidden], lr / mult),
