@@ -40,7 +40,7 @@ demo: $(STAMP) | $(TMPDIR)
 	$(LMFORGE) run recipes/demo/lifecycle.yaml
 
 test: $(STAMP) | $(TMPDIR)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # the docs site (mkdocs.yml) at http://127.0.0.1:8000, rebuilt as docs/ changes; `make test` builds it
 # with --strict (tests/test_docs_site.py)
