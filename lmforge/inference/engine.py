@@ -49,7 +49,8 @@ from lmforge.core.config import at_least, in_range, positive, seed_field, unit_i
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.sampling import repetition_penalty, sample_next_token
 from lmforge.model.fused import fused_copy, is_plain, onednn_packs
-from lmforge.model.transformer import KVCache, positions_and_mask, ring_capacity, slot_times
+from lmforge.model.kv_cache import KV_CACHE_DTYPES, KVCache, ring_capacity, slot_times
+from lmforge.model.transformer import positions_and_mask
 
 FinishReason = Literal["stop", "length"]
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -171,9 +172,7 @@ class Batch:
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The rows ``rows`` (a row may repeat: ``n`` samples of one prompt), in that order."""
-        c = self.cache
-        written = min(c.length, c.capacity)
-        cache = KVCache(written_rows(c.k, rows, written), written_rows(c.v, rows, written), c.length, c.window)
+        cache = self.cache.select(rows)
         key_mask = self.key_mask.index_select(0, rows) if self.key_mask is not None else None
         next_positions = self.next_positions.index_select(0, rows)
         return Batch(cache, unpadded(key_mask, cache, next_positions), next_positions, self.logits.index_select(0, rows))
@@ -184,25 +183,6 @@ class Batch:
         if self.key_mask is None:
             return torch.full((self.logits.shape[0],), written, device=self.logits.device)
         return self.key_mask[:, :written].sum(dim=1)
-
-    def in_time_order(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Keys, values (layers, B, heads, n, head_dim) and key mask (B, n) of the last ``n`` positions, oldest first."""
-        c = self.cache
-        columns = torch.arange(c.length - n, c.length, device=c.k.device) % c.capacity
-        key_mask = self.key_mask[:, columns] if self.key_mask is not None else None
-        return c.k[:, :, :, columns], c.v[:, :, :, columns], key_mask
-
-
-def written_rows(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
-    """A new (layers, len(rows), heads, capacity, head_dim) cache holding the first ``length``
-    columns of ``rows``; the columns not yet written are not copied (a prompt's prefill copied
-    for its ``n`` samples has most of its columns still to come)."""
-    shape = list(cache.shape)
-    shape[1] = len(rows)
-    out = cache.new_empty(shape)
-    with torch.no_grad():  # a cache is never differentiated; out= refuses tensors that require grad
-        torch.index_select(cache[:, :, :, :length], 1, rows, out=out[:, :, :, :length])
-    return out
 
 
 def unpadded(key_mask: torch.Tensor | None, cache: KVCache, next_positions: torch.Tensor) -> torch.Tensor | None:
@@ -228,19 +208,20 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 PromptScores = tuple[list[float], list[list[tuple[int, float]]] | None]
 
 
-def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int) -> Batch:
-    """Run the prompts through the model into a fresh cache with room for ``extra`` more tokens."""
-    return scored_prefill(model, prompts, extra)[0]
+def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int, kv_cache_dtype: str = "auto") -> Batch:
+    """Run the prompts through the model into a fresh cache (the model's ``new_kv_cache``, stored as
+    ``kv_cache_dtype``) with room for ``extra`` more tokens."""
+    return scored_prefill(model, prompts, extra, kv_cache_dtype=kv_cache_dtype)[0]
 
 
 def scored_prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int,
-                   score: dict[int, int] | None = None) -> tuple[Batch, dict[int, PromptScores]]:
+                   score: dict[int, int] | None = None, kv_cache_dtype: str = "auto") -> tuple[Batch, dict[int, PromptScores]]:
     """``prefill``, and for each prompt numbered in ``score`` (prompt index -> alternatives wanted)
     each prompt token's log-probability, from the head over every position of the same forward."""
     param = model.embed.weight
     tokens, lengths = left_pad(prompts, 0, param.device)
     B, T = tokens.shape
-    cache = KVCache.empty(model.cfg, B, T + extra, param.dtype, param.device)
+    cache = model.new_kv_cache(B, T + extra, param.dtype, param.device, kv_cache_dtype)
     if all(len(p) == T for p in prompts):
         hidden = model.hidden_states(tokens, kv_cache=cache)
         key_mask = None
@@ -271,24 +252,16 @@ def merge(a: Batch, b: Batch, extra: int) -> Batch:
     for ``extra`` more tokens; columns no row still reads are dropped."""
     spans = torch.cat((a.spans(), b.spans()))
     width = int(spans.max())
-    window = a.cache.window
-    capacity = ring_capacity(width + extra, window)
-    k0 = a.cache.k
-    shape = (k0.shape[0], len(spans), k0.shape[2], capacity, k0.shape[4])
-    # zeros, not empty: padding columns are masked, and a masked NaN would still poison softmax
-    k, v = k0.new_zeros(shape), k0.new_zeros(shape)
-    key_mask = torch.zeros(len(spans), capacity, dtype=torch.bool, device=k0.device)
+    capacity = ring_capacity(width + extra, a.cache.window)
+    key_mask = torch.zeros(len(spans), capacity, dtype=torch.bool, device=spans.device)
     key_mask[:, width:] = True
     start = 0
     for part in (a, b):
         rows = slice(start, start + part.logits.shape[0])
         n = min(part.cache.length, part.cache.capacity, width)
-        part_k, part_v, part_mask = part.in_time_order(n)
-        k[:, rows, :, width - n : width] = part_k
-        v[:, rows, :, width - n : width] = part_v
-        key_mask[rows, width - n : width] = True if part_mask is None else part_mask
+        key_mask[rows, width - n : width] = True if part.key_mask is None else part.key_mask[:, part.cache.recent_columns(n)]
         start = rows.stop
-    cache, next_positions = KVCache(k, v, width, window), torch.cat((a.next_positions, b.next_positions))
+    cache, next_positions = a.cache.merged(b.cache, width, capacity), torch.cat((a.next_positions, b.next_positions))
     return Batch(cache, unpadded(key_mask, cache, next_positions), next_positions, torch.cat((a.logits, b.logits)))
 
 
@@ -365,10 +338,13 @@ class Engine:
     """Continuous batching over a queue: ``submit`` requests, then iterate ``run()`` for
     ``(request id, its n generations)`` as each request finishes (not in submission order)."""
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, max_batch: int = 64):
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, max_batch: int = 64,
+                 kv_cache_dtype: str = "auto"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.model, self.tokenizer, self.max_batch, self.kv_cache_dtype = model, tokenizer, max_batch, kv_cache_dtype
         self.net = decoding_view(model)
         self.queue: deque[tuple[int, Request]] = deque()
         self.rows: list[Row] = []
@@ -526,7 +502,7 @@ class Engine:
         fail (they fail, alone) and the rest are prefilled together. A failure of the rest is the batch's."""
         def together(items: list) -> tuple[Batch, dict[int, PromptScores]]:
             score = {i: r.config.top_logprobs for i, (_, r, *_) in enumerate(items) if r.config.prompt_logprobs}
-            return scored_prefill(self.net, [r.prompt for _, r, *_ in items], extra, score)
+            return scored_prefill(self.net, [r.prompt for _, r, *_ in items], extra, score, self.kv_cache_dtype)
 
         try:
             return starts, together(starts)
@@ -537,7 +513,7 @@ class Engine:
         good = []
         for item in starts:
             try:
-                scored_prefill(self.net, [item[1].prompt], 0)
+                scored_prefill(self.net, [item[1].prompt], 0, kv_cache_dtype=self.kv_cache_dtype)
                 good.append(item)
             except Exception as exc:  # noqa: BLE001
                 self.fail(item[0], exc)
@@ -625,13 +601,15 @@ def generate(
     config: GenerationConfig,
     tokenizer: Tokenizer | None = None,
     max_batch: int = 64,
+    kv_cache_dtype: str = "auto",
 ) -> list[Generation]:
     """Continue each prompt (token ids) until a stop token, a stop string or ``max_new_tokens``;
     ``config.n`` generations per prompt, prompt after prompt. With ``config.seed`` the prompts
-    share one generator, as one seeded call."""
+    share one generator, as one seeded call. ``kv_cache_dtype``: how the KV cache is stored
+    (``kv_cache.KV_CACHE_DTYPES``)."""
     if not prompts:
         raise ValueError("every prompt needs at least one token (add a BOS token to an empty prompt)")
-    engine = Engine(model, tokenizer, max_batch=max_batch)
+    engine = Engine(model, tokenizer, max_batch=max_batch, kv_cache_dtype=kv_cache_dtype)
     generator = None
     if config.seed is not None:
         generator = torch.Generator(model.embed.weight.device).manual_seed(config.seed)

@@ -14,13 +14,13 @@ Parallelism and activation checkpointing are applied from outside.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmforge.model.config import ModelConfig
+from lmforge.model.kv_cache import KVCache, new_cache
 from lmforge.model.rope import LENGTH_DEPENDENT, rope_tables, tables_at
 
 
@@ -184,90 +184,6 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
         return (probs.to(dtype) @ v).to(dtype)
 
 
-@dataclass
-class KVCache:
-    """Keys and values of every layer for incremental decoding: (layers, B, kv_heads, capacity, head_dim).
-
-    ``length`` counts the positions written (the time of the next one). When every layer is a
-    sliding one (``window`` set), the capacity is at most the window and the cache is a ring:
-    time t lives in slot t mod capacity, a slot is overwritten once no query can see it again,
-    and memory stays flat however long decoding runs. Attention is order-free over keys, so a
-    one-token step reads the ring in slot order; ``key_times`` says which time each key holds.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int = 0
-    window: int | None = None  # every layer's sliding window: the cache is a ring of at most this many slots
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
-        # Uninitialised: attention reads only the positions written so far.
-        window = cfg.sliding_window if all(cfg.sliding_layers()) else None
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, ring_capacity(max_len, window), cfg.head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
-                   window=window)
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
-
-    def wraps(self, T: int) -> bool:
-        """Whether a step of ``T`` new positions goes past the capacity (only a ring may)."""
-        return self.length + T > self.capacity
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values after the cached ones; return the keys/values the step
-        attends to, in ``key_times``' order: every position so far, or on a ring that wraps, the
-        slots in slot order (one new position) or the kept ones then the new ones (several)."""
-        start, T = self.length, k.shape[2]
-        if start + T <= self.k.shape[3]:  # not wrapping
-            keys, values = self.k[layer, :, :, : start + T], self.v[layer, :, :, : start + T]
-            keys[:, :, start:] = k
-            values[:, :, start:] = v
-            return keys, values
-        if self.window is None:
-            raise ValueError(f"KV cache holds {self.capacity} positions; {start + T} requested")
-        C = self.capacity
-        if T == 1:
-            self.k[layer, :, :, start % C] = k[:, :, 0]
-            self.v[layer, :, :, start % C] = v[:, :, 0]
-            return self.k[layer], self.v[layer]
-        kept = torch.arange(start - min(start, C), start, device=k.device) % C
-        keys = torch.cat((self.k[layer][:, :, kept], k), dim=2)
-        values = torch.cat((self.v[layer][:, :, kept], v), dim=2)
-        m = min(T, C)
-        slots = torch.arange(start + T - m, start + T, device=k.device) % C
-        self.k[layer][:, :, slots] = k[:, :, -m:]
-        self.v[layer][:, :, slots] = v[:, :, -m:]
-        return keys, values
-
-    def key_times(self, T: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """The time of each key a step of ``T`` new positions attends to (``store``'s order), and the earliest."""
-        start, C = self.length, self.capacity
-        if not self.wraps(T):
-            return torch.arange(start + T, device=device), 0
-        if T == 1:
-            return slot_times(start + 1, C, device), start + 1 - C
-        first = start - min(start, C)
-        return torch.arange(first, start + T, device=device), first
-
-
-def ring_capacity(max_len: int, window: int | None) -> int:
-    """Slots a cache for ``max_len`` positions needs: a ring keeps the last ``window`` (the new
-    position's window: itself and the ``window - 1`` before it)."""
-    return max_len if window is None else min(max_len, window)
-
-
-def slot_times(length: int, capacity: int, device: torch.device | str) -> torch.Tensor:
-    """(capacity,) the time each slot of a ring holds after ``length`` writes (a slot not yet
-    written: the time it will hold)."""
-    slots = torch.arange(capacity, device=device)
-    if length <= capacity:
-        return slots
-    return (length - 1) - (length - 1 - slots) % capacity
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -367,7 +283,8 @@ class Transformer(nn.Module):
     A family's model (``model.family``) is this class or a subclass that names its config
     class and block class and, where its arithmetic differs around the blocks, overrides
     ``embed_tokens`` or ``logits``, or ``sliding_rope_at`` where its sliding layers rotate by RoPE
-    of their own; ``lmforge.model.families.build`` makes the right one."""
+    of their own, or ``new_kv_cache`` where its attention caches other quantities than keys and
+    values; ``lmforge.model.families.build`` makes the right one."""
 
     config_class: type[ModelConfig] = ModelConfig
     block_class: type[nn.Module] = Block
@@ -468,6 +385,20 @@ class Transformer(nn.Module):
         """The LM head's logits of final hidden states (a family may transform them, e.g. soft-capping);
         under µP the head's input is scaled by its output multiplier 1/m first (the same, without a bias)."""
         return self.lm_head(hidden if self.output_mult == 1.0 else hidden * self.output_mult)
+
+    def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                     kv_dtype: str = "auto") -> KVCache:
+        """An empty cache for ``batch`` rows of up to ``max_len`` positions, stored as ``kv_dtype``
+        (``kv_cache.KV_CACHE_DTYPES``; ``auto``: ``dtype``), read by attention in ``dtype``: every layer's
+        keys and values, (kv_heads, head_dim) each per position, in a ring of ``sliding_window``
+        slots when every layer slides. How the engine makes a model's cache, and so a family's hook:
+        one whose attention caches other quantities (a latent cache) overrides this with
+        ``kv_cache.new_cache`` of its own heads and widths, and its attention's ``kv_cache.store``
+        returns them; the engine then needs nothing more (the ``KVCache`` protocol)."""
+        cfg = self.cfg
+        window = cfg.sliding_window if all(cfg.sliding_layers()) else None
+        return new_cache(kv_dtype, layers=cfg.n_layers, batch=batch, heads=cfg.n_kv_heads,
+                         widths=(cfg.head_dim, cfg.head_dim), max_len=max_len, window=window, dtype=dtype, device=device)
 
     def layer_masks(self, attn_mask: torch.Tensor | None, offset: int, T: int, kv_cache: KVCache | None,
                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:

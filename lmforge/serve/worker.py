@@ -149,7 +149,7 @@ class EngineWorker:
             for ticket in list(self.tickets.values()):
                 self.close(ticket, "error", exc)
             self.tickets.clear()
-            self.engine = Engine(self.engine.model, self.engine.tokenizer, self.engine.max_batch)
+            self.engine = Engine(self.engine.model, self.engine.tokenizer, self.engine.max_batch, self.engine.kv_cache_dtype)
             return
         for engine_id, generations in finished:
             ticket = self.tickets.pop(engine_id, None)

@@ -25,7 +25,7 @@ from lmforge.inference.sampling import min_p_filter, repetition_penalty, sample_
 from lmforge.model.config import ModelConfig
 from lmforge.model.fused import PackedLinear, fused_copy, onednn_packs
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
-from lmforge.model.transformer import KVCache, Transformer
+from lmforge.model.transformer import Transformer
 from lmforge.peft.lora import LoraConfig, apply_lora
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,7 +90,7 @@ def test_each_row_of_a_left_padded_batch_gets_the_logits_of_its_prompt_alone(mod
 @torch.no_grad()
 def test_a_multi_token_step_after_a_cached_prefix_is_causal(model):
     tokens = torch.tensor([PROMPTS[0]])
-    cache = KVCache.empty(model.cfg, 1, tokens.shape[1], torch.float32, "cpu")
+    cache = model.new_kv_cache(1, tokens.shape[1], torch.float32, "cpu")
     head = model(tokens[:, :4], kv_cache=cache)
     tail = model(tokens[:, 4:], kv_cache=cache)
     torch.testing.assert_close(torch.cat([head, tail], dim=1), model(tokens), atol=1e-5, rtol=0)
@@ -143,7 +143,7 @@ def test_bfloat16_generation_runs_and_caches_in_bfloat16(model):
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     results = generate(bf16, PROMPTS, greedy(6))
     assert [len(r.tokens) for r in results] == [6, 6, 6]
-    assert prefill(decoding_view(bf16), PROMPTS, 6).cache.k.dtype == torch.bfloat16
+    assert prefill(decoding_view(bf16), PROMPTS, 6).cache.tensors["k"].dtype == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- the decoding layout
@@ -197,7 +197,7 @@ def test_a_16_bit_decoding_view_computes_the_16_bit_models_logits(dtype):
     # joined matrices compute the same dot products, each rounded once to 16 bits
     torch.testing.assert_close(logits.float(), reference.float(), atol=0.05, rtol=0.02)
     batch = prefill(view, [PROMPTS[0]], extra=2)
-    assert batch.cache.k.dtype == dtype
+    assert batch.cache.tensors["k"].dtype == dtype
     # the cached pass keeps the 16-bit attention kernel, the full pass upcasts (``attend``): 16-bit rounding apart
     torch.testing.assert_close(batch.logits[0].float(), logits[0, -1].float(), atol=0.02, rtol=0.02)
 
@@ -345,7 +345,7 @@ def test_a_finished_row_leaves_the_batch_and_is_not_computed_again(model):
         engine.step()
         sizes.append(len(engine.rows))
         if engine.batch is not None:
-            assert engine.batch.cache.k.shape[1] == engine.batch.logits.shape[0] == len(engine.rows)
+            assert engine.batch.cache.batch == engine.batch.logits.shape[0] == len(engine.rows)
     hook.remove()
     assert 2 in sizes  # row 1 left after its stop token, the others went on
     assert calls.count(3) <= full[1].tokens.index(stop) + 1  # the 3-row batch ran only until row 1 stopped
@@ -658,7 +658,7 @@ def test_decoding_three_windows_keeps_the_cache_at_the_window_and_the_training_f
         for request_id, gens in engine.step():
             results[request_id] = gens[0]
         if engine.batch is not None:
-            capacities.add(engine.batch.cache.k.shape[3])
+            capacities.add(engine.batch.cache.capacity)
     assert capacities == {window}  # never more than the window, though rows reach 3 windows past their prompt
     for i, (prompt, config) in enumerate(zip(prompts, configs)):
         got = results[ids[i]]
@@ -674,4 +674,4 @@ def test_a_model_with_some_full_layers_keeps_every_position_and_decodes_as_a_ful
     for prompt, got in zip(PROMPTS, results):
         torch.testing.assert_close(torch.tensor(got.logprobs), training_logprobs(model, prompt, got.tokens),
                                    atol=1e-5, rtol=0)
-    assert prefill(model, PROMPTS, 12).cache.k.shape[3] == len(PROMPTS[0]) + 12
+    assert prefill(model, PROMPTS, 12).cache.capacity == len(PROMPTS[0]) + 12

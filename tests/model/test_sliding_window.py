@@ -14,7 +14,7 @@ import torch
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.config import ModelConfig
 from lmforge.model.hf import hf_config_dict, model_config_from_hf, state_dict_from_hf, state_dict_to_hf
-from lmforge.model.transformer import KVCache, Transformer
+from lmforge.model.transformer import Transformer
 from tests.model.test_hf import randomized
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,7 +51,7 @@ def tokens(length: int = 48, rows: int = 2) -> torch.Tensor:
 
 def cached_logits(model: Transformer, x: torch.Tensor, steps: list[int]) -> torch.Tensor:
     """Logits of ``x`` fed through a KV cache in chunks of ``steps`` tokens, then one token a step."""
-    cache = KVCache.empty(model.cfg, x.shape[0], x.shape[1], torch.float32, "cpu")
+    cache = model.new_kv_cache(x.shape[0], x.shape[1], torch.float32, "cpu")
     out, at = [], 0
     for n in steps + [1] * (x.shape[1] - sum(steps)):
         out.append(model(x[:, at : at + n], kv_cache=cache))
@@ -140,7 +140,7 @@ def test_the_cache_of_a_model_whose_every_layer_slides_is_a_ring_of_the_window()
         return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=64, **kw)
 
     def capacity(c: ModelConfig, max_len: int) -> int:
-        return KVCache.empty(c, 1, max_len, torch.float32, "cpu").k.shape[3]
+        return Transformer(c).new_kv_cache(1, max_len, torch.float32, "cpu").capacity
 
     assert capacity(cfg(sliding_window=8), 48) == 8
     assert capacity(cfg(sliding_window=8), 5) == 5  # never more than it needs
