@@ -20,10 +20,13 @@ every cache is made by ``new_cache``: the storage kind (``KV_CACHE_DTYPES``) pic
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "int4")
 FLOAT_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INT4_GROUP = 64  # values per int4 group along a head's width (transformers' QuantizedCacheConfig q_group_size)
 
 
 def ring_capacity(max_len: int, window: int | None) -> int:
@@ -183,7 +186,97 @@ def written_rows(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.
     return out
 
 
-CACHE_CLASSES: dict[str, type[KVCache]] = {}
+def quantise_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dimension: s = max|x| / 127, q = round(x / s) in [-127, 127]
+    (int8), s (float32, the last dimension kept as 1); |x - q·s| <= s/2. All-zero x: s = 0, q = 0."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantise_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def quantise_int4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group`` consecutive values of the last dimension: per group
+    m = min, s = (max - min) / 15, q = round((x - m) / s) in [0, 15], two per byte (even index in
+    the low nibble); returns (packed uint8 (..., width/2), s, m (float32, (..., width/group)));
+    |x - (m + q·s)| <= s/2."""
+    g = x.float().unflatten(-1, (-1, group))
+    low = g.amin(dim=-1, keepdim=True)
+    scale = (g.amax(dim=-1, keepdim=True) - low) / 15
+    q = torch.round((g - low) / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, 15).to(torch.uint8)
+    q = q.flatten(-2)
+    return q[..., 0::2] | (q[..., 1::2] << 4), scale.squeeze(-1), low.squeeze(-1)
+
+
+def dequantise_int4(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+    g = q.float().unflatten(-1, (scale.shape[-1], -1))
+    return (g * scale[..., None] + low[..., None]).flatten(-2).to(dtype)
+
+
+def int4_group(width: int) -> int:
+    """Values per int4 group of a width: ``INT4_GROUP``, or the greatest divisor of both (a narrow head: itself)."""
+    if width % 2:
+        raise ValueError(f"an int4 KV cache packs two values per byte: a width of {width} is odd")
+    return math.gcd(width, INT4_GROUP)
+
+
+class Int8KVCache(KVCache):
+    """Keys and values in int8, symmetric, one float32 scale per position and head (``quantise_int8``):
+    width + 4 bytes per head and position for each of k and v, against 2·width in bf16. Quantised
+    as each position is written, dequantised to ``dtype`` as attention reads it (every position,
+    the step's own included), so prefill and decoding see the same rounded keys and values. Each
+    element is within half a step (s/2, s = max|x| / 127 of its head) of the model's."""
+
+    @classmethod
+    def layout(cls, widths: tuple[int, int], storage: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
+        return {"k": (widths[0], torch.int8), "k_scale": (1, torch.float32),
+                "v": (widths[1], torch.int8), "v_scale": (1, torch.float32)}
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        (kq, ks), (vq, vs) = quantise_int8(k), quantise_int8(v)
+        return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantise_int8(parts["k"], parts["k_scale"], self.dtype),
+                dequantise_int8(parts["v"], parts["v_scale"], self.dtype))
+
+
+class Int4KVCache(KVCache):
+    """Keys and values in int4, asymmetric, grouped along the head's width (``quantise_int4``: groups
+    of ``INT4_GROUP`` = 64 values, or the whole head when narrower), each group's step and minimum
+    in float32: width/2 + 8·width/group bytes per head and position for each of k and v. This is
+    transformers' quanto ``QuantizedCache`` grouping (axis 0: min/max of each run of
+    ``q_group_size`` values along head_dim) without its full-precision window of recent tokens:
+    every position is quantised as it is written, and read back dequantised to ``dtype`` (KIVI
+    groups keys per channel across tokens instead, which needs such a window). Each element is
+    within half its group's step, s/2 with s = (max - min) / 15."""
+
+    @classmethod
+    def layout(cls, widths: tuple[int, int], storage: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
+        out = {}
+        for name, width in zip(("k", "v"), widths):
+            groups = width // int4_group(width)
+            out |= {name: (width // 2, torch.uint8), f"{name}_scale": (groups, torch.float32),
+                    f"{name}_min": (groups, torch.float32)}
+        return out
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, x in (("k", k), ("v", v)):
+            packed, scale, low = quantise_int4(x, int4_group(x.shape[-1]))
+            out |= {name: packed, f"{name}_scale": scale, f"{name}_min": low}
+        return out
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(dequantise_int4(parts[n], parts[f"{n}_scale"], parts[f"{n}_min"], self.dtype) for n in ("k", "v"))
+
+
+CACHE_CLASSES: dict[str, type[KVCache]] = {"int8": Int8KVCache, "int4": Int4KVCache}
 
 
 def new_cache(kind: str, *, layers: int, batch: int, heads: int, widths: tuple[int, int], max_len: int,
