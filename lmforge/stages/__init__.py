@@ -53,6 +53,8 @@ VERBS = [
          "lmforge.stages.eval"),
     Verb("serve", "serve a checkpoint with OpenAI's HTTP API (chat, completions, streaming) and a chat page",
          "lmforge.stages.serve"),
+    Verb("merge", "merge LoRA adapters or checkpoints: linear, task arithmetic, TIES, DARE (peft's combination types)",
+         "lmforge.stages.merge"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face model folder as an lmforge checkpoint (--help lists the families)",
          "lmforge.stages.import_hf"),
