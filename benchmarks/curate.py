@@ -7,8 +7,8 @@ data/pretrain/*.jsonl cut into pieces of about a page (7,000 characters), single
 
 Signatures, documents/s on one core, 112 permutations (14 buckets x 8):
 - lmforge: ``minhash.signatures`` from the raw text: normalisation, polynomial word
-  hashes (numpy, all words at once), 5-gram shingle hashes, affine permutations
-  ``(a·x + b) mod 2^32`` in uint32.
+  hashes, 5-gram shingle hashes, affine permutations ``(a·x + b) mod 2^32`` in uint32
+  (compiled loops, ``curate.minhash_kernels``).
 - datasketch 2.0 ``MinHash(num_perm=112).update_batch(shingles)`` on the same shingles
   (lmforge's normalised words, 5 at a time, joined with spaces, as UTF-8 bytes), with its
   default hash (SHA-1, 32-bit, ``affine32`` permutations) and with ``xxh64`` +
@@ -19,7 +19,8 @@ Signatures, documents/s on one core, 112 permutations (14 buckets x 8):
 
 End to end: ``lmforge.stages.curate.run`` on recipes/demo/curate.yaml (extraction,
 language ID, filters, exact dedup, MinHash; its own worker count), input documents/s.
-Runs alternate and the best of N is kept. Target: lmforge >= 5x datasketch.
+Runs alternate and the best of N is kept (a first call compiles the kernels before any timing).
+Target: lmforge >= 10x datasketch from text (issue 39).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import xxhash
 from datasketch import MinHash
@@ -125,7 +127,8 @@ def main() -> None:
     raw = MinHashConfig(normalize=False)  # words = str.split() of the already normalised text
     shingles = [shingle_bytes(w) for w in words]
     n_docs, n_bytes = len(texts), sum(len(t.encode("utf-8")) for t in texts)
-    signatures(texts[:5], cfg)  # warm caches (character table, permutations)
+    signatures(texts[:5], cfg)  # warm caches (character table, permutations) and load the compiled kernels
+    signatures(normalised[:5], raw)
 
     sides = {"lmforge": lambda: signatures(texts, cfg), "lmforge signature only": lambda: signatures(normalised, raw)}
     for name, kwargs in PEERS.items():
@@ -154,16 +157,16 @@ def main() -> None:
                     "ratio_from_text": {name: round(ours / rate[name], 3) for name in PEERS},
                     "ratio_signature_only": {name: round(ours_sig / rate[f"{name} signature only"], 3) for name in PEERS}},
         "ratio": round(headline, 3),
-        "target_ratio": 5.0,
+        "target_ratio": 10.0,
         "times_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-        "machine": {**machine(), "numpy": np.__version__},
+        "machine": {**machine(), "numpy": np.__version__, "numba": numba.__version__},
     }
     print(f"{n_docs} documents, {n_bytes / 1e6:.1f} MB, {result['mean_words_per_document']:.0f} words each; one core")
     print(f"{'':34}{'docs/s':>10}{'ratio (text)':>14}{'ratio (sig)':>13}")
     for name, r, from_text, sig_only in rows:
         print(f"{name:34}{r:>10.0f}" + (f"{from_text:>14.2f}{sig_only:>13.2f}" if from_text else ""))
     print(f"{'lmforge signature only':34}{ours_sig:>10.0f}")
-    print(f"headline ratio vs datasketch default, from text: {headline:.2f} (target >= 5)")
+    print(f"headline ratio vs datasketch default, from text: {headline:.2f} (target >= 10)")
 
     if not args.skip_pipeline:
         if Path(args.recipe).is_file():

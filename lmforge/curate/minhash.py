@@ -21,21 +21,21 @@ corpus: ``index_shard`` writes each shard's signatures, one sorted file per buck
 hash ranges that fit ``max_rows_in_memory``) into candidate pairs, then runs one
 union-find over all pairs; ``apply_shard`` keeps each cluster's representative.
 
-Differences from datatrove, all deliberate (most for speed: ~5x datasketch from text on one core,
-see benchmarks/curate.py, where datatrove's formula in numpy was 1.5-1.8x):
+Differences from datatrove, all deliberate (most for speed: benchmarks/curate.py measures
+signatures from text against datasketch on one core; the arithmetic is compiled loops,
+``curate.minhash_kernels``):
 - Words are the normalised text split on whitespace (datatrove uses a language-specific
   word tokenizer, spaCy for English). Punctuation is every Unicode punctuation, symbol and
   control character (datatrove lists about 80 characters).
 - Each word is hashed once and ``n_grams`` consecutive word hashes are combined into the
-  shingle hash with numpy, instead of hashing each joined n-gram string. The default word
-  hash is a polynomial over the word's code points computed for all words of a document
-  in a few numpy passes (``polynomial_word_hashes``); ``hash: xxhash`` or ``sha1`` make one
-  C call per word instead (2-3x slower overall). Signatures differ from datatrove's value
-  by value while estimating the same Jaccard similarity.
+  shingle hash, instead of hashing each joined n-gram string. The default word hash is a
+  polynomial over the word's code points computed in one pass over the document
+  (``polynomial_word_hashes``); ``hash: xxhash`` or ``sha1`` make one C call per word
+  instead (slower). Signatures differ from datatrove's value by value while estimating the
+  same Jaccard similarity.
 - Permutations are affine maps mod 2^32 of the top 32 bits of the 64-bit shingle hash, in
-  uint32 numpy arithmetic (a multiply, an add and a row minimum, ~0.4 ns per shingle and
-  permutation), instead of datatrove's ``(a·h + b) mod (2^61 − 1)`` on uint64 (eight array
-  passes, ~4 ns, 60% of the time). The guarantee P(entry agrees) = s needs each π_i to be a
+  uint32 arithmetic (a multiply, an add and a minimum per shingle and permutation),
+  instead of datatrove's ``(a·h + b) mod (2^61 − 1)`` on uint64. The guarantee P(entry agrees) = s needs each π_i to be a
   bijection of uniformly random hash values, which fmix64-finalised shingle hashes model
   (as datatrove's and datasketch's hashing does); the random (a_i, b_i) then only have to
   make the b·r minima behave as independent, as 2-universal affine families do on inputs
@@ -64,12 +64,9 @@ import xxhash
 
 from lmforge.core.config import option, positive, seed_field
 from lmforge.core.io import atomic_write_npy, atomic_write_text
+from lmforge.curate import minhash_kernels as kernels
 from lmforge.curate.base import PoolMap
 from lmforge.data.documents import Document
-
-_MAX_UINT32 = np.uint32(0xFFFFFFFF)
-_SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2^64
-_ROWS_PER_BLOCK = 512  # shingles permuted per numpy call: a, b and out (112 x 512 x 4 B each) stay in L2
 
 
 @dataclass
@@ -84,7 +81,7 @@ class MinHashConfig:
     seed: int = seed_field(1, help="seeds the permutations (as datatrove's np.random.RandomState(seed))")
     hash: Literal["polynomial", "xxhash", "sha1"] = option(
         "polynomial",
-        help="the 64-bit word hash: polynomial: over the code points, for all words at once with numpy; xxhash, "
+        help="the 64-bit word hash: polynomial: over the code points, one compiled pass per document; xxhash, "
         "sha1 (its first 8 bytes): one call per word, slower",
     )
     normalize: bool = option(
@@ -159,51 +156,18 @@ _ASCII_TABLE = bytes(32 if _char_class(cp) == _SPACE else 48 if _char_class(cp) 
                      for cp in range(128)) + bytes(range(128, 256))
 
 
-def _collapse_numbers(c: np.ndarray, separator: np.ndarray) -> np.ndarray:
-    """datatrove's ``NUMBERS_PATTERN.sub("0", ·)`` where digits are already "0": each match of
-    ``0+([sep]0+)?`` becomes one "0", then separators become spaces; on a code-point array.
-
-    Scanning left to right, a separator between two zero runs ("bridge") joins them when it
-    is the 1st, 3rd, 5th, ... bridge of a chain Z s Z s Z ... (the regex resumes after the
-    second run), so each chain's even-numbered bridges are removed, then repeated zeros.
-    """
-    zero = c == 48
-    has_separator = separator.any()
-    if has_separator:
-        bridge = np.zeros(len(c), dtype=bool)
-        bridge[1:-1] = separator[1:-1] & zero[:-2] & zero[2:]
-        at = np.flatnonzero(bridge)
-        if len(at):
-            nonzero_before = np.cumsum(~zero)  # non-zero characters up to and including each position
-            new_chain = np.ones(len(at), dtype=bool)
-            new_chain[1:] = nonzero_before[at[1:] - 1] != nonzero_before[at[:-1]]  # anything but zeros between
-            chain_start = np.maximum.accumulate(np.where(new_chain, np.arange(len(at)), 0))
-            joined = at[(np.arange(len(at)) - chain_start) % 2 == 0]
-            keep = np.ones(len(c), dtype=bool)
-            keep[joined] = False
-            c, zero, separator = c[keep], zero[keep], separator[keep]
-    if zero.any():
-        keep = np.ones(len(c), dtype=bool)
-        keep[1:] = ~(zero[1:] & zero[:-1])
-        c = c[keep]
-        if has_separator:
-            separator = separator[keep]
-    if has_separator:
-        c[separator] = 32
-    return c
-
-
 def simplified_codes(text: str) -> np.ndarray:
     """The code points of datatrove's ``simplify_text`` before the final whitespace collapse:
     lowercase, numbers -> "0", punctuation, symbols and whitespace -> " ", diacritics stripped
     (NFD, then combining marks dropped). uint8 when the text is ASCII, else uint32.
 
     Pure-ASCII text (most web text) is mapped by one C-speed ``bytes.translate``; other text
-    through a code-point table with numpy. Either way the cost is a few array passes.
+    through a code-point table with numpy; then one compiled pass collapses numbers
+    (``minhash_kernels.collapse_numbers``).
     """
     if text.isascii():
-        c = np.frombuffer(text.encode("ascii").translate(_ASCII_TABLE), dtype=np.uint8).copy()
-        separator = (c == 46) | (c == 44)
+        c = np.frombuffer(text.encode("ascii").translate(_ASCII_TABLE), dtype=np.uint8)
+        return kernels.collapse_numbers(c, 46, 44)  # "." and "," are kept by the table, as decimal separators
     else:
         text = text.lower()
         if not unicodedata.is_normalized("NFD", text):
@@ -219,8 +183,7 @@ def simplified_codes(text: str) -> np.ndarray:
             c[~bmp] = np.array([_replacement(int(x)) for x in astral], dtype=np.uint32)[inverse]
         if (c == _DROP).any():
             c = c[c != _DROP]
-        separator = c == 46
-    return _collapse_numbers(c, separator)
+        return kernels.collapse_numbers(c, 46, 46)  # every decimal separator is "." by now
 
 
 def _codes_text(c: np.ndarray) -> str:
@@ -260,74 +223,16 @@ def word_hashes(words: list[str], hash_fc: str = "xxhash") -> np.ndarray:
     return np.fromiter(map(fn, map(str.encode, words)), dtype=np.uint64, count=len(words))
 
 
-def _fmix64(x: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 64-bit finaliser, an avalanching bijection (in place)."""
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(0xFF51AFD7ED558CCD)
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(0xC4CEB9FE1A85EC53)
-    x ^= x >> np.uint64(33)
-    return x
-
-
-_POLY_BASE = 0x100000001B3  # odd (FNV-1's 64-bit prime), so it is invertible mod 2^64
-_LENGTH_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
-_POLY_CHUNK = 1 << 16  # code points hashed per numpy pass; longer texts are cut at spaces
-
-
-@cache
-def _poly_powers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """B^k and B^−k mod 2^64 for k < n (n a power of two, so the cache holds a few tables)."""
-    tables = []
-    for base in (_POLY_BASE, pow(_POLY_BASE, -1, 1 << 64)):
-        powers = np.full(n, base, dtype=np.uint64)
-        powers[0] = 1
-        tables.append(np.cumprod(powers, out=powers))
-    return tables[0], tables[1]
-
-
-def _polynomial_chunk(c: np.ndarray) -> np.ndarray:
-    n = len(c)
-    spaces = np.flatnonzero(c == 32)
-    bounds = np.empty(len(spaces) + 2, dtype=np.int64)
-    bounds[0], bounds[1:-1], bounds[-1] = -1, spaces, n
-    lengths = np.diff(bounds) - 1
-    is_word = lengths > 0
-    starts, lengths = bounds[:-1][is_word] + 1, lengths[is_word]
-    power, inverse = _poly_powers(1 << max(n, 1).bit_length())
-    prefix = np.zeros(n + 1, dtype=np.uint64)  # prefix[i] = Σ_{k<i} (c_k + 1)·B^k
-    terms = c.astype(np.uint64)
-    terms += np.uint64(1)
-    terms *= power[:n]
-    np.cumsum(terms, out=prefix[1:])
-    h = prefix[starts + lengths]
-    h -= prefix[starts]
-    h *= inverse[starts]  # shifts each word's sum to start at B^0
-    h += lengths.astype(np.uint64) * _LENGTH_MIX
-    return _fmix64(h)
-
-
 def polynomial_word_hashes(codes: np.ndarray) -> np.ndarray:
     """One 64-bit hash per word of a code-point array whose words are separated by runs of 32 (space).
 
-    A word w_0..w_{L−1} hashes to fmix64(Σ_j (w_j + 1)·B^j + L·K mod 2^64), computed for all
-    words at once from prefix sums of (c_k + 1)·B^k (B odd, so B^−start exists mod 2^64),
-    where ``word_hashes`` makes one C call per word. Equal words get equal hashes; distinct
-    words collide only when a polynomial with coefficients below 2^21 in absolute value
-    vanishes mod 2^64 at the fixed base B.
+    A word w_0..w_{L−1} hashes to fmix64(Σ_j (w_j + 1)·B^j + L·K mod 2^64) (B odd, K a fixed odd
+    constant), in one compiled pass over the code points (``minhash_kernels.word_hashes``), where
+    ``word_hashes`` makes one C call per word. Equal words get equal hashes; distinct words
+    collide only when a polynomial with coefficients below 2^21 in absolute value vanishes mod
+    2^64 at the fixed base B.
     """
-    if len(codes) <= _POLY_CHUNK:
-        return _polynomial_chunk(codes)
-    spaces = np.flatnonzero(codes == 32)
-    parts, start = [], 0
-    while start < len(codes):
-        end = start + _POLY_CHUNK
-        if end < len(codes):  # cut at the last space before end, or the first after it (a long word)
-            i = np.searchsorted(spaces, end)
-            end = int(spaces[i - 1]) if i > 0 and spaces[i - 1] > start else int(spaces[i]) if i < len(spaces) else len(codes)
-        parts.append(_polynomial_chunk(codes[start:end]))
-        start = end
-    return np.concatenate(parts)
+    return kernels.word_hashes(codes)
 
 
 def _text_codes(text: str) -> np.ndarray:
@@ -349,15 +254,7 @@ def combine_ngrams(h: np.ndarray, n: int) -> np.ndarray:
 
     Fewer than ``n`` items make one shingle of all of them; none make none.
     """
-    if len(h) == 0:
-        return h
-    n = min(n, len(h))
-    m = len(h) - n + 1
-    acc = h[:m].copy()
-    for j in range(1, n):
-        acc *= _SHINGLE_BASE
-        acc += h[j : j + m]
-    return _fmix64(acc)
+    return kernels.combine_ngrams(np.ascontiguousarray(h, dtype=np.uint64), n)
 
 
 def shingle_hashes(text: str, cfg: MinHashConfig) -> np.ndarray:
@@ -374,41 +271,11 @@ def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a.astype(np.uint32), b.astype(np.uint32)
 
 
-@cache
-def _tiled_permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """a and b repeated along a block's columns, so that numpy's loops run over two contiguous rows."""
-    a, b = permutations(num_perm, seed)
-    return np.repeat(a[:, None], _ROWS_PER_BLOCK, axis=1), np.repeat(b[:, None], _ROWS_PER_BLOCK, axis=1)
-
-
-def permuted(x: np.ndarray, num_perm: int, seed: int, out: np.ndarray | None = None) -> np.ndarray:
-    """π_i(x) = (a_i·x + b_i) mod 2^32 for every permutation (rows) and 32-bit hash x (columns).
-
-    ``x`` holds at most ``_ROWS_PER_BLOCK`` values; uint32 arithmetic wraps, which is the mod.
-    """
-    a, b = _tiled_permutations(num_perm, seed)
-    out = np.empty((num_perm, len(x)), np.uint32) if out is None else out[:, : len(x)]
-    np.multiply(a[:, : len(x)], x, out=out)
-    return np.add(out, b[:, : len(x)], out=out)
-
-
-def _hash32(shingles: np.ndarray) -> np.ndarray:
-    """The top 32 bits of each 64-bit shingle hash (fmix64 output, so every bit is mixed)."""
-    return (np.asarray(shingles, dtype=np.uint64) >> np.uint64(32)).astype(np.uint32)
-
-
-def _min_permuted(x: np.ndarray, cfg: MinHashConfig, out: np.ndarray | None = None) -> np.ndarray:
-    """min over the 32-bit hashes ``x`` of π_i(x), per permutation (uint32, b·r), permuting
-    ``_ROWS_PER_BLOCK`` hashes at a time (in ``out``, when given) so memory stays bounded."""
-    sig = np.full(cfg.num_perm, _MAX_UINT32, dtype=np.uint32)
-    for start in range(0, len(x), _ROWS_PER_BLOCK):
-        np.minimum(sig, permuted(x[start : start + _ROWS_PER_BLOCK], cfg.num_perm, cfg.seed, out).min(axis=1), out=sig)
-    return sig
-
-
 def shingles_signature(shingles: np.ndarray, cfg: MinHashConfig) -> np.ndarray:
-    """The MinHash signature (b·r,) of one set of 64-bit shingle hashes."""
-    return _min_permuted(_hash32(shingles), cfg).astype(np.uint64)
+    """The MinHash signature (b·r,) of one set of 64-bit shingle hashes: for each permutation the
+    smallest π_i(x) = (a_i·x + b_i) mod 2^32 over the shingles' top 32 bits x (uint64 values)."""
+    a, b = permutations(cfg.num_perm, cfg.seed)
+    return kernels.min_permuted(np.ascontiguousarray(shingles, dtype=np.uint64), a, b).astype(np.uint64)
 
 
 def share_a_bucket(sig_a: np.ndarray, sig_b: np.ndarray, cfg: MinHashConfig) -> bool:
@@ -420,38 +287,17 @@ def share_a_bucket(sig_a: np.ndarray, sig_b: np.ndarray, cfg: MinHashConfig) -> 
 def signatures(texts: list[str], cfg: MinHashConfig) -> tuple[np.ndarray, np.ndarray]:
     """MinHash signatures (len(texts), b·r) uint64 (values below 2^32), and which documents have any words.
 
-    Documents are permuted in blocks of about ``_ROWS_PER_BLOCK`` shingles so that numpy's
-    per-call cost is shared by short documents and memory stays bounded for long ones. A
-    document's repeated shingles are not removed: they cannot change a minimum.
+    Each document is one compiled call from its word hashes (shingles, then the permuted minima,
+    ``minhash_kernels.signature_of_word_hashes``). A document's repeated shingles are not
+    removed: they cannot change a minimum.
     """
-    sigs = np.full((len(texts), cfg.num_perm), _MAX_UINT32, dtype=np.uint64)
+    a, b = permutations(cfg.num_perm, cfg.seed)
+    sigs = np.empty((len(texts), cfg.num_perm), dtype=np.uint64)
     has_words = np.zeros(len(texts), dtype=bool)
-    out = np.empty((cfg.num_perm, _ROWS_PER_BLOCK), dtype=np.uint32)
-    pending: list[tuple[int, np.ndarray]] = []
-    pending_rows = 0
-
-    def flush() -> None:
-        nonlocal pending_rows
-        x = np.concatenate([s for _, s in pending])
-        starts = np.cumsum([0] + [len(s) for _, s in pending[:-1]])
-        sigs[[i for i, _ in pending]] = np.minimum.reduceat(permuted(x, cfg.num_perm, cfg.seed, out), starts, axis=1).T
-        pending.clear()
-        pending_rows = 0
-
     for i, text in enumerate(texts):
-        x = _hash32(combine_ngrams(document_word_hashes(text, cfg), cfg.n_grams))
-        if len(x) == 0:
-            continue
-        has_words[i] = True
-        if len(x) > _ROWS_PER_BLOCK:  # a long document on its own, block by block
-            sigs[i] = _min_permuted(x, cfg, out)
-            continue
-        if pending_rows + len(x) > _ROWS_PER_BLOCK:
-            flush()
-        pending.append((i, x))
-        pending_rows += len(x)
-    if pending:
-        flush()
+        h = document_word_hashes(text, cfg)
+        has_words[i] = len(h) > 0
+        sigs[i] = kernels.signature_of_word_hashes(h, cfg.n_grams, a, b)
     return sigs, has_words
 
 
@@ -478,11 +324,7 @@ def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
 
 def _bucket_keys(rows: np.ndarray) -> np.ndarray:
     """A uniform 64-bit key per bucket signature, so a bucket can be split into equal hash ranges."""
-    acc = rows[:, 0].copy()
-    for j in range(1, rows.shape[1]):
-        acc *= _SHINGLE_BASE
-        acc += rows[:, j]
-    return _fmix64(acc)
+    return kernels.row_keys(np.ascontiguousarray(rows, dtype=np.uint64))
 
 
 class MinHashDedup:

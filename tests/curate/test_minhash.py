@@ -16,7 +16,6 @@ from lmforge.curate.minhash import (
     normalize_text,
     normalized_words,
     permutations,
-    permuted,
     polynomial_word_hashes,
     share_a_bucket,
     shingle_hashes,
@@ -52,22 +51,25 @@ def edit_words(words: list[str], rate: float, rng: np.random.Generator) -> list[
     return out
 
 
-def test_permutations_are_affine_bijections_mod_2_32_seeded_by_random_state():
-    """Replaces the check of datatrove's (a·h + b) mod (2^61 − 1) values: the permutations are now
-    x -> (a·x + b) mod 2^32 with a odd (a bijection), drawn from RandomState(seed) as datatrove's are."""
+def test_signature_is_the_minimum_of_affine_bijections_mod_2_32_seeded_by_random_state():
+    """Replaces the check of datatrove's (a·h + b) mod (2^61 − 1) values: entry i of a signature is
+    min over the shingles' top 32 bits x of (a_i·x + b_i) mod 2^32, a_i odd (a bijection), drawn
+    from RandomState(seed) as datatrove's are; computed here with Python's integers."""
     a, b = permutations(112, 1)
     assert a.dtype == b.dtype == np.uint32 and np.all(a % 2 == 1)
     gen = np.random.RandomState(1)
     assert np.array_equal(a, gen.randint(0, 1 << 31, dtype=np.uint64, size=112) * 2 + 1)
     assert np.array_equal(b, gen.randint(0, 1 << 32, dtype=np.uint64, size=112))
     assert not np.array_equal(permutations(112, 2)[0], a)
-    x = np.concatenate([np.random.default_rng(0).integers(0, 2**32, size=500, dtype=np.uint32),
-                        np.array([0, 1, 2**31, 2**32 - 1], dtype=np.uint32)])
-    expected = (a.astype(object)[:, None] * x.astype(object)[None, :] + b.astype(object)[:, None]) % 2**32
-    assert np.array_equal(permuted(x, 112, 1), expected.astype(np.uint32))
-    small = np.arange(1 << 12, dtype=np.uint32) << np.uint32(20)  # distinct inputs stay distinct
-    values = np.concatenate([permuted(small[i : i + 512], 112, 1) for i in range(0, len(small), 512)], axis=1)
-    assert all(len(np.unique(row)) == len(small) for row in values)
+    shingles = np.concatenate([np.random.default_rng(0).integers(0, 2**64, size=500, dtype=np.uint64),
+                               np.array([0, 1 << 32, 2**63, 2**64 - 1], dtype=np.uint64)])
+    x = [int(s) >> 32 for s in shingles]
+    expected = [min((int(ai) * xj + int(bi)) % 2**32 for xj in x) for ai, bi in zip(a, b)]
+    assert shingles_signature(shingles, MinHashConfig()).tolist() == expected
+    for one in shingles[-4:]:  # a single shingle: each entry is its own image, a bijection of x
+        assert shingles_signature(one[None], MinHashConfig()).tolist() == [(int(ai) * (int(one) >> 32) + int(bi)) % 2**32
+                                                                           for ai, bi in zip(a, b)]
+    assert shingles_signature(shingles[:0], MinHashConfig()).tolist() == [2**32 - 1] * 112  # no shingles
 
 
 def test_signature_entries_agree_with_probability_jaccard_and_bands_with_s_to_the_r():
