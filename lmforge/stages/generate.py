@@ -37,6 +37,7 @@ from lmforge.data.chat import chat_prompt_ids, read_sft_records
 from lmforge.data.chatml import IM_END, ExampleError, validate_messages
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import GenerationConfig, generate
+from lmforge.model.kv_cache import KV_CACHE_DTYPE_HELP, KVCacheDtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -59,6 +60,7 @@ class GenerateRecipe:
     )
     seed: int | None = seed_field(0, help="same seed, same prompts -> same completions; null = unseeded")
     dtype: Literal["float32", "bfloat16"] = option("float32", help="the model's weights and compute")
+    kv_cache_dtype: KVCacheDtype = option("auto", help=KV_CACHE_DTYPE_HELP)
     device: str = option("auto", help="auto = cuda when available, else cpu")
     add_bos: bool = option(True, help="prompt = [bos] + encode(text), as documents were in pre-training (chat: always)")
     chat: bool = option(False, help="each prompt is a user turn: ChatML template applied, stop at <|im_end|>")
@@ -150,13 +152,13 @@ def run_generate(recipe: GenerateRecipe) -> list[dict]:
 
     t0 = time.perf_counter()
     try:
-        results = generate(model, prompt_ids, config, tokenizer)
+        results = generate(model, prompt_ids, config, tokenizer, kv_cache_dtype=recipe.kv_cache_dtype)
     except ValueError as exc:  # e.g. prompt + max_new_tokens longer than the model's context
         raise InputError(str(exc)) from exc
     seconds = time.perf_counter() - t0
     n_new = sum(len(r.tokens) for r in results)
-    log.info("generate: %d tokens for %d prompts in %.2fs (%.1f tokens/s, %s, %s) from %s",
-             n_new, len(results), seconds, n_new / seconds, recipe.dtype, model.embed.weight.device, ckpt)
+    log.info("generate: %d tokens for %d prompts in %.2fs (%.1f tokens/s, %s, KV cache %s, %s) from %s", n_new,
+             len(results), seconds, n_new / seconds, recipe.dtype, recipe.kv_cache_dtype, model.embed.weight.device, ckpt)
 
     records = []
     for i, (prompt, r) in enumerate(zip(prompts, results)):

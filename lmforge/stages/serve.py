@@ -36,6 +36,7 @@ from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine
+from lmforge.model.kv_cache import KV_CACHE_DTYPE_HELP, KVCacheDtype
 
 try:
     from lmforge.serve.app import Served, create_app
@@ -61,6 +62,7 @@ class ServeRecipe:
     max_batch: int = positive(16, help="rows decoding together in the engine's batch")
     max_pending: int = positive(64, help="requests held at once (decoding or waiting); one more gets 429")
     dtype: Literal["float32", "bfloat16"] = option("float32", help="the model's weights and compute")
+    kv_cache_dtype: KVCacheDtype = option("auto", help=KV_CACHE_DTYPE_HELP)
     device: str = option("auto", help="auto = cuda when available, else cpu")
     log_level: Literal["warning", "info", "debug"] = option("info", help="the server's log level")
     max_body_bytes: int = in_range(
@@ -115,7 +117,8 @@ def build_served(recipe: ServeRecipe) -> Served:
     model, ckpt = load_model(recipe.checkpoint, device=resolve_device(recipe.device))
     model.to(DTYPES[recipe.dtype]).eval()
     tokenizer = Tokenizer.load(ckpt)
-    worker = EngineWorker(Engine(model, tokenizer, max_batch=recipe.max_batch), max_pending=recipe.max_pending)
+    engine = Engine(model, tokenizer, max_batch=recipe.max_batch, kv_cache_dtype=recipe.kv_cache_dtype)
+    worker = EngineWorker(engine, max_pending=recipe.max_pending)
     return Served(worker, tokenizer, recipe.model_name or recipe.checkpoint, model.cfg.max_seq_len,
                   model.cfg.vocab_size, api_key, recipe.max_body_bytes, recipe.body_timeout_s)
 
@@ -129,8 +132,9 @@ def run_serve(recipe: ServeRecipe) -> None:
         raise InputError(f"cannot listen on {recipe.host}:{recipe.port}: {exc.strerror or exc}") from exc
     url = url_of(sock)
     print(f"lmforge serve: {served.name!r} on {url} (chat page {url}/, API {url}/v1)", flush=True)
-    log.info("serve: max_batch %d, max_pending %d, %s on %s, API key %s", recipe.max_batch, recipe.max_pending,
-             recipe.dtype, served.worker.engine.model.embed.weight.device, "required" if served.api_key else "off")
+    log.info("serve: max_batch %d, max_pending %d, %s (KV cache %s) on %s, API key %s", recipe.max_batch,
+             recipe.max_pending, recipe.dtype, recipe.kv_cache_dtype, served.worker.engine.model.embed.weight.device,
+             "required" if served.api_key else "off")
     # The objects of start-up (torch, the model, the tokenizer: ~350k) out of the cyclic collector's
     # reach: a request that makes many objects (4096 turns) set off full collections over all of them,
     # which held the event loop ~200 ms; frozen, the same request holds it ~20 ms.

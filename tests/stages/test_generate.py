@@ -61,6 +61,19 @@ def test_bfloat16_and_no_bos_run(checkpoint):
     assert record["prompt_tokens"][0] != 0 and len(record["tokens"]) <= 4
 
 
+def test_an_int8_kv_cache_is_chosen_by_kv_cache_dtype_and_a_bad_one_is_one_line_naming_the_key(checkpoint, capsys):
+    def tokens(kind: str) -> list[list[int]]:
+        recipe = GenerateRecipe(checkpoint=str(checkpoint), prompts=["To be, or", "The king"], max_new_tokens=6,
+                                temperature=0.0, kv_cache_dtype=kind)
+        return [r["tokens"] for r in run_generate(recipe)]
+
+    assert tokens("int8") == tokens("auto")  # the random model's greedy margins outlast int8's rounding
+    capsys.readouterr()
+    assert main(["generate", f"checkpoint={checkpoint}", "kv_cache_dtype=int3", "max_new_tokens=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kv_cache_dtype" in err[0] and "int3" in err[0] and "int4" in err[0]
+
+
 def test_missing_checkpoint_exits_2_with_a_clear_message(tmp_path, capsys):
     assert main(["generate", f"checkpoint={tmp_path / 'nope'}", "max_new_tokens=4"]) == 2
     err = capsys.readouterr().err
