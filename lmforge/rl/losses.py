@@ -117,7 +117,8 @@ class PolicyLossConfig:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 cfg: PolicyLossConfig | None = None, *, ref_logp: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None, n_tokens: int | float | torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                n_tokens: int | float | torch.Tensor | None = None,
                 n_sequences: int | float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7), per token, negated:
 
@@ -126,7 +127,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     with separate ε_low/ε_high (DAPO's clip-higher, Yu et al. 2025, arXiv:2503.14476), and for
     A_t < 0 the dual clip (Ye et al. 2020, arXiv:1912.09729) ``L_t = min(L_t, −c·A_t)``, which bounds
     the loss of a token whose ratio has grown large; r_t is ``importance_log_ratio``'s (token or
-    GSPO sequence). With ``cfg.kl_coef`` > 0, β·KL_t(π‖π_ref) is added per token (GRPO's k3,
+    GSPO sequence). With ``weights`` (detached, per token: the rollout correction's w_t,
+    ``rl.correction``) the clipped term is ``w_t · L_t``. With ``cfg.kl_coef`` > 0, β·KL_t(π‖π_ref) is added per token (GRPO's k3,
     ``ref_logp`` required); with ``cfg.entropy_coef`` > 0 and ``entropy`` given (``entropy_from_logits``)
     coef·H is subtracted. Then ``aggregate``. GRPO = this with ``grpo_advantages``; TRL's loss types
     map to aggregations: grpo → seq-mean-token-mean, bnpo → token-mean (local N), dr_grpo →
@@ -145,6 +147,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     per_token = torch.maximum(unclipped, clipped)
     if cfg.dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * cfg.dual_clip), per_token)
+    if weights is not None:
+        per_token = per_token * weights
     metrics: dict[str, torch.Tensor] = {}
     if cfg.kl_coef > 0:
         if ref_logp is None:

@@ -19,8 +19,13 @@ metrics of ``policy_loss`` (clip fractions, approx KL, ratio mean, KL to the ref
 are token sums scaled by ``targets_per_token`` (the step's targets per loss token, from the batch
 source), so they are exact token means over the step in every mode; the rollout batch's own
 figures (``stat_*`` columns: reward mean/std, each reward term, response lengths, the share of
-zero-variance groups) are constants of the batch and logged as they are. ``ratio_max`` and
-``response_length_max`` are maxima (``LossOutput.maxima``).
+zero-variance groups) are constants of the batch and logged as they are. ``ratio_max``,
+``rollout_ratio_max`` and ``response_length_max`` are maxima (``LossOutput.maxima``).
+
+With a rollout correction (``rl.correction``, ``correction``: the recipe's ``rl:``), the batch
+carries the engine's ``rollout_logprobs`` beside ``old_logprobs`` and each token's clipped term is
+weighted by ``rollout_correction_weights``; its figures (``rollout_ratio_mean``/``_max``,
+``rollout_corrected_share``, ``rollout_kl``, ``rollout_weight_mean``) are token means as above.
 
 With a value term (PPO, ``value_coef`` > 0 or ``value_clip``), the model is an
 ``rl.critic.ActorCritic``: one ``logits_and_values`` call gives the log-probs and the values,
@@ -36,12 +41,14 @@ from torch import nn
 
 from lmforge.model.reward import model_inputs
 from lmforge.objectives.base import LossOutput, Objective
+from lmforge.rl.correction import RLConfig, rollout_correction_weights
 from lmforge.rl.losses import PolicyLossConfig, entropy_from_logits, policy_loss, value_loss
 
 STAT_PREFIX = "stat_"  # batch columns holding the rollout batch's figures (one value, repeated per row)
 STAT_MAXIMA = ("response_length_max",)  # of those, the ones logged as a maximum
 TOKEN_METRICS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean",
-                 "kl_ref", "entropy")
+                 "kl_ref", "entropy", "rollout_ratio_mean", "rollout_corrected_share", "rollout_kl",
+                 "rollout_weight_mean")
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -93,8 +100,10 @@ class PolicyObjective(Objective):
     advantages the batch source computes and in ``cfg``); with ``vf_coef`` not None, PPO's
     actor-critic loss (module docstring)."""
 
-    def __init__(self, cfg: PolicyLossConfig, vf_coef: float | None = None, value_clip: float | None = 0.2):
+    def __init__(self, cfg: PolicyLossConfig, vf_coef: float | None = None, value_clip: float | None = 0.2,
+                 correction: RLConfig | None = None):
         self.cfg, self.vf_coef, self.value_clip = cfg, vf_coef, value_clip
+        self.correction = correction if correction is not None and correction.corrects else None
         self.per_token = cfg.aggregation == "token-mean"
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
@@ -118,8 +127,14 @@ class PolicyObjective(Objective):
         with torch.set_grad_enabled(cfg.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = spread(entropy_from_logits(logits), at[:, 1:])
         ref = batch["ref_logprobs"][:, 1:] if "ref_logprobs" in batch else None
+        weights, figures = None, {}
+        if self.correction is not None:
+            weights, figures = rollout_correction_weights(batch["old_logprobs"][:, 1:], batch["rollout_logprobs"][:, 1:],
+                                                          mask, self.correction.rollout_correction,
+                                                          self.correction.rollout_correction_cap)
         loss, metrics = policy_loss(logp, batch["old_logprobs"][:, 1:], batch["advantages"][:, 1:], mask, cfg,
-                                    ref_logp=ref, entropy=entropy, n_tokens=1, n_sequences=1)
+                                    ref_logp=ref, entropy=entropy, weights=weights, n_tokens=1, n_sequences=1)
+        metrics |= figures
         n_tokens = mask.sum()
         n_targets = self.num_targets(batch)
         scale = batch["targets_per_token"][0] if "targets_per_token" in batch else 1.0
@@ -131,7 +146,7 @@ class PolicyObjective(Objective):
             loss = loss + self.vf_coef * v_loss
             sums["value_loss"] = v_loss.detach()  # a sum over the targets, as the loss
             sums["value_clip_frac"] = v_metrics["value_clip_frac"].detach() * n_tokens * scale
-        maxima = {"ratio_max": metrics["ratio_max"].detach()}
+        maxima = {key: metrics[key].detach() for key in ("ratio_max", "rollout_ratio_max") if key in metrics}
         for key, column in batch.items():
             if key.startswith(STAT_PREFIX):
                 name = key[len(STAT_PREFIX):]

@@ -14,9 +14,12 @@ micro-batches per optimizer step; ``RolloutBatches`` answers with a *rollout bat
    every optimizer step has the same number of rows (the loop's ``grad_accum`` is fixed);
 3. score the batch's forwards: the reference's log-probs when there is a reference (GRPO: a KL
    term in the loss; ``kl_coef`` 0: no reference forward at all; PPO: the KL in the reward),
-   the critic's values when there is a critic (PPO), and, in a precision other than fp32, the
-   old log-probs recomputed by the trainer's own forward (so the first ratio is exactly 1 there
-   too; in fp32 the engine's log-probs already are the trainer's, ``tests/rl/test_trainer.py``);
+   the critic's values when there is a critic (PPO), and, when ``rl.old_logprobs`` asks for it
+   (by default in a precision other than fp32, or with a rollout correction), the old log-probs
+   recomputed by the trainer's own forward (so the first ratio is exactly 1 there too; in fp32
+   the engine's log-probs already are the trainer's to 1e-5, ``tests/rl/test_trainer.py``); with
+   a rollout correction (``rl.correction``) the engine's log-probs stay beside them as
+   ``rollout_logprobs``, which the objective's importance weight compares them with;
    then its ``estimate``: GRPO's advantages over the batch (``advantage``: ``grpo``,
    ``dr_grpo``, ``rloo``, ``reinforce_pp``; ``rl.advantages``) or PPO's (``rl.ppo``);
 4. serve its micro-batches to ``updates_per_batch`` (μ) passes over the batch, each pass
@@ -65,6 +68,7 @@ from lmforge.rl.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from lmforge.rl.correction import RLConfig
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import STAT_PREFIX, token_logprobs
 from lmforge.rl.prompts import Prompt
@@ -231,7 +235,9 @@ class GroupAdvantages:
 
 class RolloutBatches:
     """The loop's ``train_batches`` for RL (module docstring). ``reference`` is None without a KL
-    term; ``precision`` the loop's (a forward in another than fp32 recomputes the old log-probs).
+    term; ``precision`` the loop's and ``correction`` the recipe's ``rl:`` (``RLConfig.recomputes``:
+    whether the trainer recomputes the old log-probs; with a rollout correction the batch keeps
+    the engine's as ``rollout_logprobs``).
 
     Under ``parallel`` (a data-parallel torchrun rank) each rank samples, scores and trains its
     share of every rollout batch, whole groups (``prompts_per_step / dp`` prompts), from the one
@@ -251,8 +257,10 @@ class RolloutBatches:
                  precision: str = "fp32", reference: TokenLogprobs | None = None, mask_truncated: bool = False,
                  run_dir: Path | None = None, parallel: ParallelContext | None = None,
                  sampler: Callable[[], nn.Module] | None = None, estimate=None,
-                 critic: TokenLogprobs | None = None):
+                 critic: TokenLogprobs | None = None, correction: RLConfig | None = None):
         cfg.check(rollout)
+        self.correction = correction if correction is not None else RLConfig()
+        self.recompute = self.correction.recomputes(precision)
         self.estimate = estimate if estimate is not None else GroupAdvantages(cfg.advantage)
         if loss.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef {loss.kl_coef} needs a reference policy")
@@ -365,6 +373,8 @@ class RolloutBatches:
         groups, sampled = self.draw_groups()
         rows = minibatch_order([(r, t) for g in groups for r, t in zip(g.rollouts, g.totals)], self.cfg.minibatches)
         batch = rollout_batch([r for r, _ in rows], self.tok.pad_id, [t for _, t in rows], self.mask_truncated)
+        if self.correction.corrects:
+            batch["rollout_logprobs"] = batch["old_logprobs"].clone()  # the engine's: old_logprobs may be recomputed
         slices = self.micro_batch_rows()
         self.add_logprobs(batch, slices)
         columns, figures = self.estimate(batch, self.all_sum)
@@ -373,6 +383,8 @@ class RolloutBatches:
         if self.run_dir is not None and self.cfg.samples_every and step % self.cfg.samples_every == 0:
             self.write_samples(step + 1, sampled, groups)
         keys = ["input_ids", "attention_mask", "loss_mask", "old_logprobs", *columns]
+        if self.correction.corrects:
+            keys.append("rollout_logprobs")
         if self.reference is not None and self.loss.kl_coef > 0:
             keys.append("ref_logprobs")
         per_token_mode = self.loss.aggregation == "token-mean"
@@ -393,14 +405,14 @@ class RolloutBatches:
 
     @torch.no_grad()
     def add_logprobs(self, batch: dict[str, torch.Tensor], slices: list[slice]) -> None:
-        """The reference's log-probs (with a reference), the critic's values (with a critic) and, off
-        fp32, the old log-probs by the trainer's forward: full (B, T) columns, each micro-batch's rows
-        scored at its own width (the width it trains at), 0 off the loss mask."""
+        """The reference's log-probs (with a reference), the critic's values (with a critic) and, when
+        ``self.recompute``, the old log-probs by the trainer's forward: full (B, T) columns, each
+        micro-batch's rows scored at its own width (the width it trains at), 0 off the loss mask."""
         device = self.parallel.device if self.parallel is not None else self.model.embed.weight.device
         scorers = {}
         if self.reference is not None:
             scorers["ref_logprobs"] = self.reference
-        if self.precision != "fp32":
+        if self.recompute:
             scorers["old_logprobs"] = lambda ids, mask, at: _scored(self.model, ids, mask, at)
         if self.critic is not None:
             scorers["values"] = self.critic

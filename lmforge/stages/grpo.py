@@ -43,6 +43,7 @@ from lmforge.core.config import ConfigError, option, positive, seed_field
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.peft.lora import LoraConfig
+from lmforge.rl.correction import RLConfig
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import PolicyObjective
 from lmforge.rl.prompts import read_prompts
@@ -89,6 +90,7 @@ class GRPORecipe:
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     objective: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(kl_coef=0.0))
+    rl: RLConfig = field(default_factory=RLConfig)
     lora: LoraConfig | None = option(None, help="adapters only; the reference is then the model with adapters disabled")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-6, warmup_steps=0, schedule="constant",
                                                                    grad_clip=1.0, eval_every=0, micro_batch_size=8,
@@ -155,11 +157,11 @@ def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> F
         source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.grpo, loss, reward,
                                 cfg.micro_batch_size, precision=cfg.precision, reference=reference,
                                 mask_truncated=recipe.reward.mask_truncated, run_dir=run.run_dir, parallel=parallel,
-                                sampler=sampler)
+                                sampler=sampler, correction=recipe.rl)
         return source, source.grad_accum
 
     return FinetuneStage(
-        "grpo", prompt_reader(recipe), rows=lambda examples, tok: {}, objective=lambda _reference: PolicyObjective(recipe.objective),
+        "grpo", prompt_reader(recipe), rows=lambda examples, tok: {}, objective=lambda _reference: PolicyObjective(recipe.objective, correction=recipe.rl),
         scorer=lambda run, _rows: named_scorer(recipe.score, run.tok, recipe.data.val), batches=batches,
         summary={"advantage": recipe.grpo.advantage, "group_size": recipe.rollout.n,
                  "prompts_per_step": recipe.grpo.prompts_per_step})

@@ -40,6 +40,7 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.peft.lora import LoraConfig
+from lmforge.rl.correction import RLConfig
 from lmforge.rl.critic import ActorCritic, actor_critic
 from lmforge.rl.losses import PolicyLossConfig
 from lmforge.rl.objective import PolicyObjective
@@ -79,6 +80,7 @@ class PPORecipe:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     objective: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(kl_coef=0.0))
+    rl: RLConfig = field(default_factory=RLConfig)
     lora: LoraConfig | None = option(None, help="adapters on the policy only; a separate critic trains whole")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-6, warmup_steps=0, schedule="constant",
                                                                    grad_clip=1.0, eval_every=0, micro_batch_size=8,
@@ -117,12 +119,14 @@ def ppo_stage(recipe: PPORecipe, parallel: ParallelContext | None = None) -> Fin
                                 reward, cfg.micro_batch_size, precision=cfg.precision,
                                 reference=frozen_reference(recipe, run, model, cfg, parallel), mask_truncated=recipe.reward.mask_truncated,
                                 run_dir=run.run_dir, parallel=parallel, sampler=sampler,
-                                estimate=PPOAdvantages(recipe.ppo), critic=lambda ids, mask, at: scored_values(model, ids, mask))
+                                estimate=PPOAdvantages(recipe.ppo), critic=lambda ids, mask, at: scored_values(model, ids, mask),
+                                correction=recipe.rl)
         return source, source.grad_accum
 
     return FinetuneStage(
         "ppo", prompt_reader(recipe), rows=lambda examples, tok: {},
-        objective=lambda _reference: PolicyObjective(recipe.objective, critic.vf_coef, critic.value_clip),
+        objective=lambda _reference: PolicyObjective(recipe.objective, critic.vf_coef, critic.value_clip,
+                                                     correction=recipe.rl),
         scorer=lambda run, _rows: policy_scorer(named_scorer(recipe.score, run.tok, recipe.data.val)), batches=batches,
         head=actor_critic(init),
         summary={"critic": critic.kind, "prompts_per_step": recipe.ppo.prompts_per_step,

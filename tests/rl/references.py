@@ -56,8 +56,10 @@ def load_torchtune_rlhf() -> tuple[types.ModuleType, type]:
 def trl_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                   loss_type: str, beta: float = 0.0, ref_logp: torch.Tensor | None = None, epsilon: float = 0.2,
                   epsilon_high: float | None = None, delta: float | None = None, importance_sampling_level: str = "token",
-                  max_completion_length: int | None = None, num_items_in_batch: int | None = None):
-    """TRL's ``GRPOTrainer._compute_loss`` on these log-probs: (loss, the metrics it logged)."""
+                  max_completion_length: int | None = None, num_items_in_batch: int | None = None,
+                  importance_sampling_ratio: torch.Tensor | None = None):
+    """TRL's ``GRPOTrainer._compute_loss`` on these log-probs: (loss, the metrics it logged). With
+    ``importance_sampling_ratio`` (B, T), the vLLM correction weight TRL multiplies each token's loss by."""
     from trl import GRPOTrainer
 
     B, T = logp.shape
@@ -69,7 +71,9 @@ def trl_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=importance_sampling_level, beta=beta, args=args, loss_type=loss_type,
         epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-        use_vllm=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        use_vllm=importance_sampling_ratio is not None,
+        vllm_importance_sampling_correction=importance_sampling_ratio is not None,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=max_completion_length or T, accelerator=accelerator, _entropy_bonus_enabled=False,
         _metrics=defaultdict(lambda: defaultdict(list)),
     )
@@ -82,5 +86,7 @@ def trl_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     }
     if ref_logp is not None:
         inputs["ref_per_token_logps"] = ref_logp
+    if importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio
     loss = GRPOTrainer._compute_loss(stub, None, inputs)
     return loss, {k: v[-1] for k, v in stub._metrics["train"].items()}
