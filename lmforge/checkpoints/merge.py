@@ -37,7 +37,7 @@ def model_config_difference(a: ModelConfig, b: ModelConfig) -> str | None:
     """The first field (not a dropout) in which two models' configs differ, as ``'d_model' (64 vs 32)``;
     None when their weights mean the same thing."""
     left, right = dataclasses.asdict(a), dataclasses.asdict(b)
-    for key in left.keys() | right.keys():
+    for key in [*left, *(k for k in right if k not in left)]:
         if key not in TRAINING_ONLY and left.get(key) != right.get(key):
             return f"'{key}' ({left.get(key)!r} vs {right.get(key)!r})"
     return None
