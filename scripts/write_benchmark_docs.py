@@ -387,6 +387,36 @@ def render_alignment(r: dict) -> Rendered:
                     f"the SFT model {pct(start['exact_match'])}")
 
 
+def render_rollout_correction(r: dict) -> Rendered:
+    settings = {x["setting"]: x for x in r["settings"]}
+    precision = next(iter(settings.values())).get("precision")
+    lines = [f"`{r['recipe']}` from `{r['checkpoint']}` for {r['steps']} steps per setting ({r['repeats']} "
+             f"round(s), the mean), the trainer in {precision}, the engine in fp32. Seconds of a step (the mean "
+             f"after the first); the mismatch between the trainer's π_old and the engine's log-probs over every "
+             f"step's response tokens (engine: the first step of each rollout batch, where π_θ is π_old); KL: k3 "
+             f"of KL(π_rollout ‖ π_old).", ""]
+    rows = []
+    for x in r["settings"]:
+        t, m = x["time"], x.get("mismatch") or {}
+        em = x.get("exact_match")
+        rows.append([x["setting"], num(x["step_s"]), num(t["rollout"]), num(t["old_logprobs"]), num(t["reference"]),
+                     num(t["forward_backward"]), num(m.get("ratio_mean"), 7), num(m.get("ratio_max"), 5),
+                     pct(m.get("corrected_share")), num(m.get("kl"), 2), num(m.get("kl_max"), 2),
+                     num(x["reward_mean"]), pct(em["after"]) if em else "-"])
+    lines += table(["setting", "step (s)", "rollout (s)", "old log-probs (s)", "reference (s)",
+                    "forward + backward (s)", "ratio mean", "ratio max", "truncated or masked", "KL mean",
+                    "KL max", "reward mean", "exact match after"], rows)
+    base, engine = settings.get("recompute"), settings.get("engine")
+    headline, ratio = "-", "-"
+    if base and engine:
+        share = base["time"]["old_logprobs"] / base["step_s"]
+        lines += ["", f"The separate recompute is {pct(share)} of the default's step; `rl.old_logprobs=engine` "
+                      f"steps take {num(engine['step_s'])} s against {num(base['step_s'])} s "
+                      f"(load average {r['load_before']} before, {r['load_after']} after)."]
+        headline, ratio = f"step {num(engine['step_s'])} s without the recompute", num(engine["step_s"] / base["step_s"])
+    return Rendered(lines, headline, f"with it {num(base['step_s'])} s" if base else "-", ratio)
+
+
 def render_long_context(r: dict) -> Rendered:
     cfg, pk = r["config"], r["config"]["passkey"]
     buckets = [f"{lo}-{hi}" for lo, hi in cfg["buckets"]]
@@ -499,7 +529,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
-    "mup": render_mup, "nanogpt": render_nanogpt,
+    "mup": render_mup, "nanogpt": render_nanogpt, "rollout_correction": render_rollout_correction,
 }
 
 

@@ -208,6 +208,23 @@ def test_alignment_runs_each_method_through_the_cli_and_scores_them_alike(tmp_pa
     assert all(f"| {m} |" in stdout for m in ["SFT (start)", *methods])
 
 
+def test_rollout_correction_runs_the_demo_grpo_recipe_in_each_setting(tmp_path, small_tokenizer_dir):
+    sft = tiny_checkpoint(tmp_path / "sft", small_tokenizer_dir, seed=0)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", make_examples(8, seed=5))
+    out = tmp_path / "rollout_correction.json"
+    stdout = run("rollout_correction.py", "--checkpoint", sft, "--steps", "3", "--settings", "token_truncate", "engine",
+                 "--runs", tmp_path / "runs", "--out", out, "--set", f"data.train=[{prompts}]", "data.val=[]",
+                 "grpo.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4", "train.micro_batch_size=4")
+    result = read_json(out)
+    corrected, engine = result["settings"]
+    assert (corrected["setting"], engine["setting"]) == ("token_truncate", "engine") and corrected["steps"] == 3
+    # step 3 samples a new batch (μ = 2): its recompute is in the mean over the steps after the first
+    assert corrected["time"]["old_logprobs"] > 0 and engine["time"]["old_logprobs"] == 0  # skipped
+    assert positive(corrected["mismatch"]["ratio_max"], engine["mismatch"]["ratio_max"], corrected["step_s"])
+    assert 0 <= corrected["mismatch"]["corrected_share"] <= 1 and corrected["mismatch"]["kl"] >= 0
+    assert "| token_truncate |" in stdout and "| engine |" in stdout
+
+
 def test_curate_signatures_and_pipeline_on_a_small_crawl(tmp_path):
     warc = write_warc(tmp_path / "pages.warc.gz",
                       [html_record(f"https://example.org/{i}", f"Page {i}. " + PROSE["en"] * 3) for i in range(6)])
