@@ -1,0 +1,212 @@
+"""A smaller KV cache, side by side: bytes per token, decode tokens/s and held-out perplexity at
+1024-token contexts for each way of storing the cache (``kv_cache_dtype``: fp32, bf16, int8, int4),
+for grouped-query attention, for a sliding window, and a row for a latent (MLA) cache.
+
+    .venv/bin/python benchmarks/kv_cache.py            # trains its model first (~4 min on 2 CPU cores), then measures
+    .venv/bin/python benchmarks/kv_cache.py --quick    # a smoke run: a tiny model, a few steps (~40 s)
+    .venv/bin/python scripts/write_benchmark_docs.py   # then its table into docs/serving.md
+
+The model is trained here, briefly, on the demo corpus (data/pretrain/: a 2048-token BPE, shards,
+then ``lmforge pretrain recipes/demo/pretrain.yaml`` narrowed to 4 layers of 2 heads of 64 at
+``max_seq_len`` 1024); a finished run under --runs is reused. Each row:
+
+- bytes per token: of one position of one row over every layer, from the cache's tensors
+  (``KVCache.bytes_per_token``: keys, values, and a quantised cache's scales and minima);
+  ``at 1024``: a row's whole cache at 1024 positions (a ring holds only its window);
+- perplexity: exp of the mean next-token NLL over held-out 1024-token windows (the validation
+  split, never trained on), each window one cached forward: every key and value attention reads
+  comes back from the cache, rounded as stored (a query reads the rounded keys of its own step
+  too, so this is what token-by-token decoding would score);
+- decode tokens/s: ``--batch`` rows, a prefill of 1024 - ``--new-tokens`` tokens, then ``--new-tokens``
+  greedy decode steps on the engine's decoding layout, best of ``--repeats``; the model in
+  float32, so only the cache's storage differs between rows. The machine is shared with other
+  work: timings are noisy (the load average before and after is in the JSON).
+
+The GQA row is the same width with one KV head: its bytes are counted from the cache it would
+make; it was not trained here, so it has no perplexity. The sliding-window row is the trained
+model (full attention in training) decoding with a window of ``--window`` positions into a ring:
+bytes per token as bf16, but memory flat past the window. The MLA row (``kind: latent``) is a
+place the multi-head latent attention family fills (issue 33): its cache stores the compressed
+latent and the RoPE key per token; until then its figures are absent and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from record import header, load_average, now, write_result
+
+from lmforge.checkpoints.load import load_model
+from lmforge.data.shards import open_shards
+from lmforge.inference.engine import decode_step, decoding_view, prefill
+from lmforge.model.families import build as build_model
+from lmforge.model.transformer import Transformer
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = "benchmarks/results/kv_cache.json"
+CONTEXT = 1024
+STORAGE = ("fp32", "bf16", "int8", "int4")  # the storage rows, fp32 (the model's dtype here) the reference
+MODEL = ["model.vocab_size=2048", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2", "model.n_layers=4",
+         "model.ffn_hidden=384", f"model.max_seq_len={CONTEXT}"]
+TRAIN = [f"data.seq_len={CONTEXT}", "train.micro_batch_size=4", "train.batch_tokens=4096", "train.max_steps=60",
+         "train.warmup_steps=6", "train.lr=3e-3", "train.eval_every=60", "train.eval_batches=4", "train.log_every=10",
+         "train.checkpoint_every=60", "train.max_minutes=4"]
+QUICK_TRAIN = ["data.seq_len=256", "model.max_seq_len=256", "train.micro_batch_size=2", "train.batch_tokens=null",
+               "train.max_steps=3", "train.warmup_steps=1", "train.eval_every=3", "train.eval_batches=1",
+               "train.log_every=1", "train.checkpoint_every=3", "train.compile=false"]
+
+
+# ---------------------------------------------------------------------------------- the model
+
+
+def lmforge(*argv: str) -> None:
+    subprocess.run([sys.executable, "-m", "lmforge.cli.main", *argv], cwd=REPO, check=True)
+
+
+def trained_model(runs: Path, quick: bool) -> tuple[Path, Path]:
+    """The pretrain run and the prepared data: tokenizer, shards and a short pre-training, each skipped when done."""
+    tokenizer, data, pretrain = runs / "tokenizer", runs / "data", runs / "pretrain"
+    if not (tokenizer / "tokenizer.json").is_file():
+        lmforge("tokenizer", "recipes/demo/tokenizer.yaml", f"run_dir={tokenizer}", "tokenizer.vocab_size=2048",
+                *(["data.paths=[data/pretrain/milton.jsonl]"] if quick else []))
+    if not (data / "manifest.json").is_file():
+        paths = "data/pretrain/milton.jsonl" if quick else "data/pretrain/*.jsonl"
+        lmforge("prepare", "recipes/demo/prepare.yaml", f"run_dir={data}", f"tokenizer={tokenizer}", f"data.paths=[{paths}]")
+    if not (pretrain / "summary.json").is_file():
+        lmforge("pretrain", "recipes/demo/pretrain.yaml", f"run_dir={pretrain}", f"tokenizer={tokenizer}",
+                f"data.datasets=[{{path: {data}, weight: 1.0}}]", *MODEL, *(QUICK_TRAIN if quick else TRAIN))
+    return pretrain, data
+
+
+def heldout_windows(data: Path, n: int, length: int) -> torch.Tensor:
+    """(n, length + 1) consecutive tokens of the validation split, windows side by side from its start."""
+    shards = open_shards(data, "val")
+    tokens = torch.cat([torch.from_numpy(s.tokens[:].astype("int64")) for s in shards])
+    n = min(n, (len(tokens) - 1) // length)
+    return torch.stack([tokens[i * length : i * length + length + 1] for i in range(n)])
+
+
+# ---------------------------------------------------------------------------------- the figures
+
+
+@torch.inference_mode()
+def perplexity(model: Transformer, windows: torch.Tensor, kind: str, batch: int = 4) -> float:
+    """exp(mean next-token NLL) of the windows, each one cached forward into a ``kind`` cache."""
+    total, count = 0.0, 0
+    for rows in windows.split(batch):
+        x, y = rows[:, :-1], rows[:, 1:]
+        cache = model.new_kv_cache(len(rows), x.shape[1], torch.float32, "cpu", kind)
+        logits = model(x, kv_cache=cache)
+        total += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
+        count += y.numel()
+    return math.exp(total / count)
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model: Transformer, kind: str, args: argparse.Namespace) -> float:
+    """Greedy decode steps per second times rows, after a prefill to ``context - new_tokens`` tokens."""
+    net = decoding_view(model)
+    length = model.cfg.max_seq_len - args.new_tokens
+    prompts = torch.randint(3, model.cfg.vocab_size, (args.batch, length), generator=torch.Generator().manual_seed(0))
+    best = math.inf
+    for _ in range(args.repeats):
+        batch = prefill(net, prompts.tolist(), args.new_tokens, kv_cache_dtype=kind)
+        t0 = time.perf_counter()
+        for _ in range(args.new_tokens):
+            decode_step(net, batch.logits.argmax(dim=-1), batch)
+        best = min(best, time.perf_counter() - t0)
+    return args.batch * args.new_tokens / best
+
+
+def cache_figures(model: Transformer, kind: str, context: int) -> dict:
+    cache = model.new_kv_cache(1, context, torch.float32, "cpu", kind)
+    return {"bytes_per_token": cache.bytes_per_token(), "cache_bytes_at_context": cache.nbytes(),
+            "capacity": cache.capacity}
+
+
+def with_config(model: Transformer, **fields) -> Transformer:
+    """The same weights under a config with ``fields`` changed (a window the model was not trained with)."""
+    other = build_model(dataclasses.replace(model.cfg, **fields)).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def rows_of(model: Transformer, windows: torch.Tensor, args: argparse.Namespace) -> list[dict]:
+    context = model.cfg.max_seq_len
+    rows = []
+    for kind in STORAGE:
+        rows.append({"kind": "storage", "name": kind, "kv_cache_dtype": kind, **cache_figures(model, kind, context),
+                     "perplexity": perplexity(model, windows, kind),
+                     "decode_tokens_per_s": decode_tokens_per_s(model, kind, args)})
+    gqa = build_model(dataclasses.replace(model.cfg, n_kv_heads=1))
+    rows.append({"kind": "gqa", "name": f"GQA, {gqa.cfg.n_kv_heads} KV head of {gqa.cfg.n_heads}", "kv_cache_dtype": "bf16",
+                 **cache_figures(gqa, "bf16", context), "perplexity": None, "decode_tokens_per_s": None,
+                 "note": "not trained here: bytes counted from the cache it makes"})
+    window = min(args.window, context)
+    slid = with_config(model, sliding_window=window)
+    rows.append({"kind": "sliding_window", "name": f"sliding window {window}", "kv_cache_dtype": "bf16",
+                 **cache_figures(slid, "bf16", context), "perplexity": perplexity(slid, windows, "bf16"),
+                 "decode_tokens_per_s": decode_tokens_per_s(slid, "bf16", args),
+                 "note": "the full-attention model decoding with a window it was not trained with"})
+    rows.append({"kind": "latent", "name": "MLA latent cache", "kv_cache_dtype": None, "bytes_per_token": None,
+                 "cache_bytes_at_context": None, "capacity": None, "perplexity": None, "decode_tokens_per_s": None,
+                 "note": "to be filled by the multi-head latent attention family (issue 33)"})
+    bf16 = next(r for r in rows if r["name"] == "bf16")["bytes_per_token"]
+    for r in rows:
+        r["bytes_vs_bf16"] = None if r["bytes_per_token"] is None else round(r["bytes_per_token"] / bf16, 4)
+        for key in ("perplexity", "decode_tokens_per_s"):
+            r[key] = None if r[key] is None else round(r[key], 4 if key == "perplexity" else 1)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="runs/kv_cache", help="where the tokenizer, shards and model are made")
+    parser.add_argument("--windows", type=int, default=16, help="held-out windows of the context scored")
+    parser.add_argument("--window", type=int, default=256, help="the sliding-window row's window")
+    parser.add_argument("--batch", type=int, default=4, help="rows decoding together in the speed figure")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decode steps timed after the prefill")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps, a 256-token context")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started, load_before = now(), load_average()
+    runs = Path(args.runs) / ("quick" if args.quick else "")
+    pretrain, data = trained_model(runs, args.quick)
+    model, checkpoint = load_model(str(pretrain), device="cpu")
+    model = model.float().eval()
+    windows = heldout_windows(data, args.windows, model.cfg.max_seq_len)
+    rows = rows_of(model, windows, args)
+    summary = json.loads((pretrain / "summary.json").read_text())
+    cfg = model.cfg
+    result = {
+        **header("kv_cache", "kv_cache.py", argv, started),
+        "model": {"checkpoint": str(checkpoint), "params": cfg.num_params(), "n_layers": cfg.n_layers,
+                  "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+                  "vocab_size": cfg.vocab_size, "steps": summary.get("step"), "val_loss": summary.get("val_loss")},
+        "context": cfg.max_seq_len, "windows": len(windows), "decode": {"batch": args.batch, "new_tokens": args.new_tokens,
+                                                                      "repeats": args.repeats, "threads": args.threads},
+        "load_average": [load_before, load_average()],
+        "figure": "bytes per token of the KV cache, held-out perplexity and decode tokens/s for each way of storing it",
+        "rows": rows,
+    }
+    print(f"{'row':<28} {'bytes/token':>11} {'vs bf16':>7} {'ppl':>9} {'decode tok/s':>12}")
+    for r in rows:
+        print(f"{r['name']:<28} {r['bytes_per_token'] or '-':>11} {r['bytes_vs_bf16'] or '-':>7} "
+              f"{r['perplexity'] or '-':>9} {r['decode_tokens_per_s'] or '-':>12}")
+    write_result(result, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
