@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lmforge.model.families import family_of
-from lmforge.model.transformer import Attention, Transformer, rotation_pair_order
+from lmforge.model.transformer import MLP, Attention, Transformer, rotation_pair_order
 
 
 class PackedLinear(nn.Module):
@@ -72,8 +72,9 @@ def is_plain(model: nn.Module) -> bool:
         return False
     projections = [model.lm_head]
     for block in model.layers.children():
-        projections += [block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo, block.mlp.w1, block.mlp.w2]
-        projections += [block.mlp.w3] if block.mlp.w3 is not None else []
+        projections += [block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo]
+        if isinstance(block.mlp, MLP):  # a routed FFN (model.moe) keeps its experts as they are
+            projections += [block.mlp.w1, block.mlp.w2] + ([block.mlp.w3] if block.mlp.w3 is not None else [])
     return all(type(m) is nn.Linear for m in projections) and all(
         type(p) in (nn.Parameter, torch.Tensor) for p in model.parameters())
 
@@ -102,6 +103,10 @@ def fused_copy(model: Transformer, pack: bool) -> Transformer:
         attn.wq = attn.wk = attn.wv = None
         if attn.q_norm is not None:
             attn.q_norm, attn.k_norm = in_pair_order(attn.q_norm), in_pair_order(attn.k_norm)
+        if not isinstance(mlp, MLP):  # a routed FFN: its router and stacked experts stay as they are
+            if pack:
+                attn.wo = joined_linear([attn.wo], pack)
+            continue
         if mlp.gated:
             mlp.w13 = joined_linear([mlp.w1, mlp.w3], pack)
             mlp.w1 = mlp.w3 = None

@@ -76,7 +76,7 @@ class MoEConfig:
     topk_group: int = positive(1, help="group-limited routing: a token's experts come from its best this many groups, "
                                        "a group scored by the sum of its two best scores (DeepSeek-V3: 4)")
     capacity_factor: float | None = positive(
-        None, help="an expert takes at most capacity_factor * tokens * top-k / n_experts tokens per forward, the "
+        None, help="in training, an expert takes at most capacity_factor * tokens * top-k / n_experts tokens per forward, the "
                    "later ones dropped (their slot adds nothing) and counted; null = dropless")
     aux_loss_coef: float = at_least(0, 0.0, help="α of the Switch/GShard load-balancing loss α·E·Σ f_i·P_i, the mean "
                                                  "over MoE layers added to the training loss (0 = off)")
@@ -245,7 +245,8 @@ class MoE(nn.Module):
     so each expert sees its tokens in order), each expert multiplies its contiguous slice
     (``Experts``), and the outputs, times the routing weights, are added back to their tokens.
     With ``capacity_factor`` an expert keeps its first ⌈cf·N·k/E⌉ assignments and the rest are
-    dropped (counted in ``last_dropped``)."""
+    dropped (counted in ``last_dropped``), in training only: evaluation and decoding are dropless, so a
+    row's logits never depend on which rows share its batch."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, layer: int = 0, ffn_hidden: int | None = None):
         super().__init__()
@@ -269,7 +270,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=E)
         kept_counts, dropped = counts, None
-        if self.cfg.capacity_factor is not None:
+        if self.cfg.capacity_factor is not None and self.training:  # evaluation and decoding stay dropless
             capacity = math.ceil(self.cfg.capacity_factor * N * k / E)
             starts = counts.cumsum(0) - counts
             rank = torch.arange(N * k, device=x.device) - starts[flat[order]]  # place in its expert's queue

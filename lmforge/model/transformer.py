@@ -324,7 +324,7 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
             elif p.ndim == 1:  # norm gains
                 nn.init.ones_(p)
-            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight")):  # residual
                 nn.init.normal_(p, 0.0, hidden_std / math.sqrt(2 * self.cfg.n_layers))
             elif name.startswith("layers."):
                 nn.init.normal_(p, 0.0, hidden_std)

@@ -10,6 +10,7 @@ from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.memory import plan_memory
 from lmforge.distributed.mesh import Layout
 from lmforge.model.families import PRESETS, build, model_config
+from lmforge.model.moe import moe_layers
 from lmforge.scaling.counts import count_parameters, flops_per_token
 from tests.model.test_parity import BASE, VARIANTS
 
@@ -23,6 +24,10 @@ def built_counts(cfg) -> tuple[int, int, int]:
     total = sum(p.numel() for p in unique.values())
     # the weights that take part in matmuls: every nn.Linear's (the head's even when tied)
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    for moe in moe_layers(model):  # a routed FFN's router, and of its experts the k a token goes through
+        experts = moe.experts
+        per_expert = (experts.w1.numel() + experts.w2.numel() + experts.w3.numel()) // moe.cfg.n_experts
+        matmul += moe.router.weight.numel() + moe.cfg.n_experts_per_token * per_expert
     norms = sum(p.numel() for name, p in model.layers.named_parameters() if "norm" in name)
     return total, matmul, norms
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.model.families import gemma, gpt2, llama, olmo2, phi3
+from lmforge.model.families import gemma, gpt2, llama, mixtral, olmo2, phi3
 from lmforge.model.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -18,6 +18,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     olmo2.FAMILY,
     phi3.FAMILY,
     gpt2.FAMILY,
+    mixtral.FAMILY,
 )}
 
 # every family's presets by name, each with its family named
