@@ -59,7 +59,7 @@ MODEL = ["model.vocab_size=2048", "model.d_model=128", "model.n_heads=2", "model
          "model.ffn_hidden=384", f"model.max_seq_len={CONTEXT}"]
 TRAIN = [f"data.seq_len={CONTEXT}", "train.micro_batch_size=4", "train.batch_tokens=4096", "train.max_steps=60",
          "train.warmup_steps=6", "train.lr=3e-3", "train.eval_every=60", "train.eval_batches=4", "train.log_every=10",
-         "train.checkpoint_every=60", "train.max_minutes=4"]
+         "train.checkpoint_every=60", "train.compile=false", "train.max_minutes=8"]
 QUICK_TRAIN = ["data.seq_len=256", "model.max_seq_len=256", "train.micro_batch_size=2", "train.batch_tokens=null",
                "train.max_steps=3", "train.warmup_steps=1", "train.eval_every=3", "train.eval_batches=1",
                "train.log_every=1", "train.checkpoint_every=3", "train.compile=false"]
