@@ -21,7 +21,7 @@ from lmforge.rl.objective import PolicyObjective, token_logprobs
 from lmforge.rl.prompts import Prompt
 from lmforge.rl.rewards import Scores
 from lmforge.rl.rollout import RolloutConfig
-from lmforge.rl.trainer import GRPOConfig, RolloutBatches
+from lmforge.rl.trainer import GRPOConfig, RolloutBatches, reference_policy
 from lmforge.stages.grpo import GRPORecipe
 from tests.rl.references import trl_grpo_loss
 
@@ -222,3 +222,28 @@ def test_a_bad_mode_in_python_is_refused_naming_the_key():
         RLConfig(rollout_correction="tis")
     with pytest.raises(ValueError, match="cap must be > 1"):
         rollout_correction_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "token_mask", 1.0)
+
+
+def test_ppo_batches_and_its_actor_critic_loss_carry_the_correction(small_tokenizer, prompts):
+    from lmforge.model.value import ValueModel
+    from lmforge.rl.critic import ActorCritic
+    from lmforge.rl.ppo import PPOAdvantages, PPOConfig
+    from lmforge.stages.ppo import scored_values
+
+    cfg = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    torch.manual_seed(0)
+    model = ActorCritic(Transformer(cfg), ValueModel(Transformer(cfg)))
+    rl = RLConfig(rollout_correction="sequence_truncate")
+    ppo = PPOConfig(prompts_per_step=3, kl_coef=0.1)
+    source = RolloutBatches(model.backbone, small_tokenizer, prompts, RolloutConfig(n=2, max_new_tokens=10,
+                            stop_token_ids=STOPS, seed=1), ppo, PolicyLossConfig(), LengthReward(), 4,
+                            precision="bf16", estimate=PPOAdvantages(ppo), correction=rl,
+                            reference=reference_policy(model.backbone),
+                            critic=lambda ids, mask, at: scored_values(model, ids, mask))
+    objective = PolicyObjective(PolicyLossConfig(), vf_coef=0.1, correction=rl)
+    for mb in [next(source) for _ in range(source.grad_accum)]:
+        mask = mb["loss_mask"][:, 1:].bool()
+        assert not torch.equal(mb["old_logprobs"][:, 1:][mask], mb["rollout_logprobs"][:, 1:][mask])  # bf16 vs fp32
+        out = objective(model, mb)
+        assert torch.isfinite(out.loss_sum) and {"value_loss", "rollout_kl", "rollout_weight_mean"} <= set(out.metrics)
+        assert float(out.metrics["rollout_kl"]) > 0
