@@ -26,6 +26,10 @@ B_i with √|w_i s_i|, each by the rule above, into one rank-r adapter with scal
 B_i A_j: it is the weighted sum of the updates only for one adapter (peft calls it "a very rough
 approximation"). ``cat`` is exact: A = [w_1 s_1 A_1; w_2 s_2 A_2; ...] and B = [B_1 B_2 ...], of
 rank Σ r_i, so ΔW = Σ_i w_i s_i B_i A_i = Σ_i w_i ΔW_i: task arithmetic of the adapters. The
+``svd`` types (``svd``, ``ties_svd``, ``dare_linear_svd``, ``dare_ties_svd``) apply the rule
+(linear, TIES, DARE) to the whole updates ΔW_i, the papers' task vectors, and keep the rank-k
+truncated SVD of the result, U_k S_k V_kᵀ as B = U_k S_k and A = V_kᵀ (k = ``svd_rank``, else
+the largest r_i): exact when the merged update's rank is at most k. The
 merged adapter is written with ``lora_alpha = scale·r`` (so its scaling is ``scale``, 1 by
 default: peft's) and without rsLoRA (peft keeps the first adapter's ``use_rslora`` with
 ``lora_alpha = r``, which scales an rsLoRA merge by √r).
@@ -53,13 +57,25 @@ from lmforge.peft.lora import LoraConfig
 
 # the rules of ``combine``; ``cat`` is for adapters only (their factors joined, an exact sum)
 RULES = ("linear", "ties", "dare_linear", "dare_ties")
-ADAPTER_METHODS = ("linear", "cat", "ties", "dare_linear", "dare_ties")
+# peft's *_svd types: the rule on the whole updates s_i·B_i A_i, then a truncated SVD back to a rank
+SVD_METHODS = ("svd", "ties_svd", "dare_linear_svd", "dare_ties_svd")
+ADAPTER_METHODS = ("linear", "cat", "ties", "dare_linear", "dare_ties", *SVD_METHODS)
 # which rules read ``density`` (TIES' trim) and ``drop_rate`` (DARE's drop)
 TRIMS = ("ties",)
 DROPS = ("dare_linear", "dare_ties")
 ELECTS = ("ties", "dare_ties")
 
 KeepMask = Callable[[str, int, torch.Tensor, float], torch.Tensor]
+
+
+def rule_of(method: str) -> str | None:
+    """The rule ``combine`` applies for a merge method: ``ties_svd`` -> ``ties``, ``svd`` ->
+    ``linear``, ``task_arithmetic`` -> ``linear``; None for ``cat``, which only joins factors."""
+    if method == "cat":
+        return None
+    if method in ("svd", "task_arithmetic"):
+        return "linear"
+    return method.removesuffix("_svd")
 
 
 def trim_to_density(tensor: torch.Tensor, density: float) -> torch.Tensor:
@@ -140,21 +156,29 @@ class Adapter(NamedTuple):
 
 
 def merge_adapters(adapters: Sequence[Adapter], weights: Sequence[float], method: str, density: float = 1.0,
-                   drop_rate: float = 0.0, seed: int = 0, keep_mask: KeepMask | None = None) -> Adapter:
+                   drop_rate: float = 0.0, seed: int = 0, keep_mask: KeepMask | None = None,
+                   svd_rank: int | None = None) -> Adapter:
     """The adapters merged by ``method`` as ``add_weighted_adapter(..., combination_type=method)``
     merges them (peft's density is ``density`` for ties, 1 − ``drop_rate`` for DARE): a rank-r adapter
-    (rank Σ r_i for ``cat``) with scaling 1. Factors are combined in float32 and returned in the
-    first adapter's dtype. Every adapter must wrap the same modules, with one rank except for ``cat``."""
+    (rank Σ r_i for ``cat``, ``svd_rank`` or the largest r_i for the svd types) with scaling 1.
+    Factors are combined in float32 and returned in the first adapter's dtype. Every adapter must
+    wrap the same modules, with one rank except for ``cat`` and the svd types."""
     if method not in ADAPTER_METHODS:
         raise ValueError(f"adapter merge method {method!r} is unknown; choose one of {', '.join(ADAPTER_METHODS)}")
     if len(adapters) == 1:
         method = "linear"  # as peft: one adapter is only ever scaled
     keep_mask = keep_mask or seeded_keep_mask(seed)
+    rank = svd_rank or max(a.r for a in adapters)
     merged = {}
     for module in adapters[0].factors:
         pairs = [a.factors[module] for a in adapters]
         dtype = pairs[0][0].dtype
-        if method == "cat":
+        if method in SVD_METHODS:
+            deltas = [(B.float() @ A.float()) * a.scaling for (A, B), a in zip(pairs, adapters)]  # peft's get_delta_weight
+            delta = combine(deltas, weights, rule_of(method), density, drop_rate, keep_mask, f"{module}.delta")
+            U, S, Vh = torch.linalg.svd(delta, full_matrices=True)
+            A, B = Vh[:rank, :], U[:, :rank] @ torch.diag(S[:rank])
+        elif method == "cat":
             A = torch.cat([w * a.scaling * A.float() for (A, _), w, a in zip(pairs, weights, adapters)], dim=0)
             B = torch.cat([B.float() for _, B in pairs], dim=1)
         else:
@@ -164,7 +188,7 @@ def merge_adapters(adapters: Sequence[Adapter], weights: Sequence[float], method
             A = combine([A.float() for A, _ in pairs], weights_A, method, density, drop_rate, keep_mask, f"{module}.lora_A")
             B = combine([B.float() for _, B in pairs], root, method, density, drop_rate, keep_mask, f"{module}.lora_B")
         merged[module] = (A.to(dtype), B.to(dtype))
-    r = sum(a.r for a in adapters) if method == "cat" else adapters[0].r
+    r = sum(a.r for a in adapters) if method == "cat" else rank if method in SVD_METHODS else adapters[0].r
     return Adapter(r=r, scaling=1.0, factors=merged)
 
 

@@ -14,7 +14,9 @@ checkpoints, task vectors are tau_i = theta_i - base:
 
 Adapters merge as peft's add_weighted_adapter merges them with the combination type of the same
 name: linear, ties, dare_linear and dare_ties combine the A and B factors (weights
-+-sqrt(|w_i s_i|)), cat joins them (rank sum r_i, exactly sum_i w_i s_i B_i A_i); the result is a
++-sqrt(|w_i s_i|)), cat joins them (rank sum r_i, exactly sum_i w_i s_i B_i A_i), and svd,
+ties_svd, dare_linear_svd and dare_ties_svd merge the whole updates s_i B_i A_i by linear, TIES or
+DARE and keep their truncated SVD of rank svd_rank (default: the largest r_i); the result is a
 PEFT adapter folder (output=adapter) or, with `base` (the lmforge checkpoint the adapters were
 trained on) and output=checkpoint, that checkpoint with the merged update added. A checkpoint
 written by merge holds checksums as every checkpoint does, so eval, generate, serve and export
@@ -63,17 +65,20 @@ from lmforge.peft.adapters import ADAPTER_CONFIG, PEFT_PREFIX
 from lmforge.peft.merge import (
     ADAPTER_METHODS,
     DROPS,
+    SVD_METHODS,
     TRIMS,
     Adapter,
     delta_weights,
     merge_adapters,
     read_adapter,
+    rule_of,
     write_adapter_files,
 )
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cat")
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cat", *SVD_METHODS)
 MERGE_RECORD = "merge.json"
-NEEDS_TWO = ("linear", "cat", "ties", "dare_ties")  # one input has nothing to average or to elect a sign with
+# one input has nothing to average, join or elect a sign with
+NEEDS_TWO = ("linear", "cat", "ties", "dare_ties", *SVD_METHODS)
 
 
 @dataclass
@@ -84,9 +89,11 @@ class MergeInput:
 
 @dataclass
 class MergeRecipe:
-    method: Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cat"] = option(
+    method: Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cat", "svd", "ties_svd",
+                    "dare_linear_svd", "dare_ties_svd"] = option(
         "linear", help="linear | task_arithmetic | ties | dare_linear | dare_ties (checkpoints); linear | cat | ties | "
-        "dare_linear | dare_ties (adapters, peft's add_weighted_adapter combination types)")
+        "dare_linear | dare_ties | svd | ties_svd | dare_linear_svd | dare_ties_svd (adapters: peft's "
+        "add_weighted_adapter combination types)")
     inputs: list[MergeInput] = option(
         default_factory=list, help="the models to merge, each {path, weight}: all adapter folders or all checkpoints")
     base: str | None = option(None, help="checkpoints: the model the task vectors are taken from (every method but "
@@ -100,6 +107,7 @@ class MergeRecipe:
                                    "those of largest magnitude (1 keeps all)")
     drop_rate: float = unit_interval(0.0, high_open=True, help="dare_*: p, the probability of dropping each entry of a "
                                      "task vector; the kept are scaled by 1/(1-p) (peft's density is 1-p)")
+    svd_rank: int | None = positive(None, help="*svd (adapters): the merged adapter's rank; None: the largest input rank")
     seed: int = seed_field(0, help="dare_*: the seed of the drop masks (each tensor's drawn from the seed and its name)")
     run_dir: str = option("runs/merge", help="the folder to write (an earlier merge there is replaced)")
 
@@ -143,10 +151,12 @@ def check_recipe(recipe: MergeRecipe) -> None:
         raise ConfigError("inputs: no inputs; give the folders to merge (inputs: [{path: ...}, ...] or on the command line)")
     if method in NEEDS_TWO and n < 2:
         raise ConfigError(f"inputs: {method} merges at least 2 inputs, got {n}")
-    if recipe.density != 1.0 and method not in TRIMS:
-        raise ConfigError(f"density: only ties trims by magnitude; {method} would ignore density={recipe.density}")
-    if recipe.drop_rate != 0.0 and method not in DROPS:
-        raise ConfigError(f"drop_rate: only dare_linear and dare_ties drop; {method} would ignore drop_rate={recipe.drop_rate}")
+    if recipe.density != 1.0 and rule_of(method) not in TRIMS:
+        raise ConfigError(f"density: only ties and ties_svd trim by magnitude; {method} would ignore density={recipe.density}")
+    if recipe.drop_rate != 0.0 and rule_of(method) not in DROPS:
+        raise ConfigError(f"drop_rate: only the dare_* methods drop; {method} would ignore drop_rate={recipe.drop_rate}")
+    if recipe.svd_rank is not None and method not in SVD_METHODS:
+        raise ConfigError(f"svd_rank: only the *svd methods reduce to a rank; {method} would ignore svd_rank={recipe.svd_rank}")
 
 
 def run_merge(recipe: MergeRecipe) -> dict:
@@ -176,7 +186,7 @@ def record(recipe: MergeRecipe, kind: str, output: str, paths: list[Path], base:
     return {"method": recipe.method, "kind": kind, "output": output,
             "inputs": [{"path": str(p.resolve()), "weight": item.weight} for p, item in zip(paths, recipe.inputs)],
             "base": str(base.resolve()) if base is not None else None, "scale": recipe.scale,
-            "density": recipe.density, "drop_rate": recipe.drop_rate, "seed": recipe.seed,
+            "density": recipe.density, "drop_rate": recipe.drop_rate, "seed": recipe.seed, "svd_rank": recipe.svd_rank,
             "run_dir": recipe.run_dir, **extra}
 
 
@@ -186,8 +196,8 @@ def record(recipe: MergeRecipe, kind: str, output: str, paths: list[Path], base:
 def merge_checkpoint_inputs(recipe: MergeRecipe, out: Path) -> dict:
     method = recipe.method
     if method not in CHECKPOINT_METHODS:
-        raise ConfigError("method: cat joins LoRA adapters' factors; checkpoints sum their task vectors with "
-                          "method=task_arithmetic")
+        raise ConfigError(f"method: {method} merges LoRA adapters' factors or updates; checkpoints merge by "
+                          f"{', '.join(CHECKPOINT_METHODS)} (the sum of their task vectors: task_arithmetic)")
     if recipe.output == "adapter":
         raise ConfigError("output: checkpoints merge into a checkpoint; output=adapter is for adapter inputs")
     if method == "linear" and recipe.base is not None:
@@ -270,10 +280,15 @@ def merge_adapter_inputs(recipe: MergeRecipe, out: Path) -> dict:
     read = [read_adapter(d, f"inputs[{i}].path") for i, d in enumerate(dirs)]
     configs, adapters = [c for c, _ in read], [a for _, a in read]
     check_adapters_agree(dirs, configs, adapters, method)
+    if method in SVD_METHODS and recipe.svd_rank is not None:
+        module, (A, B) = min(adapters[0].factors.items(), key=lambda kv: min(kv[1][0].shape[1], kv[1][1].shape[0]))
+        if recipe.svd_rank > min(A.shape[1], B.shape[0]):
+            raise ConfigError(f"svd_rank: {recipe.svd_rank} exceeds the rank {min(A.shape[1], B.shape[0])} of an update "
+                              f"of {module.removeprefix(PEFT_PREFIX)} ({B.shape[0]} x {A.shape[1]})")
     base_dir = checkpoint(recipe.base, "base") if output == "checkpoint" else None
     check_output_dir(out, [*dirs, *([base_dir] if base_dir else [])])
     merged = merge_adapters(adapters, [item.weight for item in recipe.inputs], method, recipe.density,
-                            recipe.drop_rate, recipe.seed)
+                            recipe.drop_rate, recipe.seed, svd_rank=recipe.svd_rank)
     result = record(recipe, "adapter", output, dirs, base_dir, r=merged.r)
     if output == "adapter":
         write_output(out, lambda tmp: write_adapter_files(tmp, merged, configs[0], recipe.scale), result)
@@ -297,9 +312,9 @@ def check_adapters_agree(dirs: list[Path], configs: list[dict], adapters: list[A
             odd = sorted(set(adapter.factors) ^ set(first.factors))[0].removeprefix(PEFT_PREFIX)
             raise InputError(f"{key}: {d} adapts other modules than inputs[0] (e.g. {odd}): merged adapters must "
                              "target the same modules")
-        if method != "cat" and adapter.r != first.r:
+        if method not in ("cat", *SVD_METHODS) and adapter.r != first.r:
             raise InputError(f"{key}: {d} has rank r={adapter.r}, inputs[0] r={first.r}: {method} needs one rank (cat "
-                             "joins adapters of any ranks)")
+                             "and the *svd methods merge adapters of any ranks)")
         for module, (A, B) in adapter.factors.items():
             A0, B0 = first.factors[module]
             if A.shape[1] != A0.shape[1] or B.shape[0] != B0.shape[0]:

@@ -158,37 +158,47 @@ class MaskRecorder:
         self.draws.append(out)
         return out
 
-    def keep_mask(self, modules: list[str], n_inputs: int):
-        """peft's draw order: each module in turn, its A factors (input by input), then its B factors."""
-        order = [(f"{m}.lora_{f}", i) for m in modules for f in "AB" for i in range(n_inputs)]
+    def keep_mask(self, modules: list[str], n_inputs: int, svd: bool):
+        """peft's draw order: each module in turn, its A factors (input by input), then its B factors;
+        for the svd types each module's updates s_i B_i A_i, input by input."""
+        parts = ["delta"] if svd else ["lora_A", "lora_B"]
+        order = [(f"{m}.{part}", i) for m in modules for part in parts for i in range(n_inputs)]
         assert len(order) == len(self.draws)
         table = dict(zip(order, self.draws))
         return lambda name, index, tensor, p: table[(name, index)]
 
 
-@pytest.mark.parametrize("combination", ["linear", "cat", "ties", "dare_linear", "dare_ties"])
+@pytest.mark.parametrize("combination", ["linear", "cat", "ties", "dare_linear", "dare_ties", "svd", "ties_svd",
+                                         "dare_linear_svd", "dare_ties_svd"])
 def test_adapter_merge_matches_peft_add_weighted_adapter(adapters, combination, monkeypatch, tmp_path):
-    names = ["a", "c"] if combination == "cat" else ["a", "b"]  # cat joins adapters of any ranks
+    svd = combination.endswith("svd")
+    names = ["a", "c"] if combination == "cat" or svd else ["a", "b"]  # cat and svd merge adapters of any ranks
     weights = [0.6, -0.9]
     density, drop = 0.5, 0.4
+    rule = combination.removesuffix("_svd")
     kwargs = {"ties": {"density": density}, "dare_linear": {"density": 1 - drop}, "dare_ties": {"density": 1 - drop}}
+    kwargs = {**kwargs.get(rule, {}), **({"svd_rank": 3} if svd else {})}
     recorder = MaskRecorder()
     monkeypatch.setattr(torch, "bernoulli", recorder)
     torch.manual_seed(11)
-    theirs = peft_merge(adapters, names, weights, combination, **kwargs.get(combination, {}))
+    theirs = peft_merge(adapters, names, weights, combination, **kwargs)
     monkeypatch.setattr(torch, "bernoulli", recorder.real)
     expected = merged_factors(theirs)
 
     read = [read_adapter(adapters[n]) for n in names]
-    keep = recorder.keep_mask(list(expected), len(names)) if combination.startswith("dare") else None
-    ours = merge_adapters([a for _, a in read], weights, combination, density=density if combination == "ties" else 1.0,
-                          drop_rate=drop if combination.startswith("dare") else 0.0, keep_mask=keep)
-    assert ours.r == (6 if combination == "cat" else 4) and ours.scaling == 1.0
+    keep = recorder.keep_mask(list(expected), len(names), svd) if rule.startswith("dare") else None
+    ours = merge_adapters([a for _, a in read], weights, combination, density=density if rule == "ties" else 1.0,
+                          drop_rate=drop if rule.startswith("dare") else 0.0, keep_mask=keep, svd_rank=kwargs.get("svd_rank"))
+    assert ours.r == {"cat": 6}.get(combination, 3 if svd else 4) and ours.scaling == 1.0
     assert set(ours.factors) == set(expected)
     for module, (A, B) in expected.items():
-        # the same float32 operations as peft (sums of two terms in the same order): within 1e-6
-        torch.testing.assert_close(ours.factors[module][0], A, rtol=0, atol=1e-6)
-        torch.testing.assert_close(ours.factors[module][1], B, rtol=0, atol=1e-6)
+        # the same float32 operations as peft (sums of two terms in the same order): within 1e-6; the SVD
+        # of the same matrix by the same LAPACK call: its rank-3 product to float32 rounding of |ΔW| < 10
+        if svd:
+            torch.testing.assert_close(ours.factors[module][1] @ ours.factors[module][0], B @ A, rtol=0, atol=1e-5)
+        else:
+            torch.testing.assert_close(ours.factors[module][0], A, rtol=0, atol=1e-6)
+            torch.testing.assert_close(ours.factors[module][1], B, rtol=0, atol=1e-6)
 
     # the merged folder, loaded by peft, computes what peft's own merged adapter computes
     out = tmp_path / "merged"
@@ -204,14 +214,16 @@ def test_adapter_merge_matches_peft_add_weighted_adapter(adapters, combination, 
         assert (loaded(x).logits - base_logits).abs().max() > 1e-3  # the merged adapter changes the model
 
 
-def test_cat_is_the_exact_weighted_sum_of_the_updates_and_linear_is_not(adapters):
+def test_cat_and_a_full_rank_svd_are_the_exact_weighted_sum_of_the_updates_and_linear_is_not(adapters):
     (_, a), (_, b) = read_adapter(adapters["a"]), read_adapter(adapters["b"])
     w = [0.5, 0.5]
     exact = {m: w[0] * a.scaling * (B @ A) + w[1] * b.scaling * (b.factors[m][1] @ b.factors[m][0])
              for m, (A, B) in a.factors.items()}
     cat, linear = merge_adapters([a, b], w, "cat"), merge_adapters([a, b], w, "linear")
+    svd = merge_adapters([a, b], w, "svd", svd_rank=8)  # the sum has rank <= 4 + 4: its rank-8 SVD is exact
     for m, delta in exact.items():
         torch.testing.assert_close(cat.factors[m][1] @ cat.factors[m][0], delta, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(svd.factors[m][1] @ svd.factors[m][0], delta, rtol=0, atol=1e-5)
         # linear holds the cross terms B_a A_b and B_b A_a: far from the sum
         assert (linear.factors[m][1] @ linear.factors[m][0] - delta).abs().max() > 1e-2
 

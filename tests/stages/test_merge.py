@@ -184,7 +184,10 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_nothing_written(runs, a
     refused([a, b, "--method", "dare_ties", "--base", base, "drop_rate=1"], capsys, out, "'drop_rate' = 1: must be in [0, 1)")
     refused([a, "--method", "ties", "--base", base], capsys, out, "inputs: ties merges at least 2 inputs, got 1")
     refused([a, b, "--method", "ties"], capsys, out, "base: ties merges task vectors")
-    refused([a, b, "density=0.5"], capsys, out, "density: only ties trims")
+    refused([a, b, "density=0.5"], capsys, out, "density: only ties and ties_svd trim by magnitude")
+    refused([a, b, "--method", "svd"], capsys, out, "method: svd merges LoRA adapters' factors or updates")
+    refused([str(adapter_runs["a"]), str(adapter_runs["b"]), "--method", "svd", "svd_rank=40"], capsys, out,
+            "svd_rank: 40 exceeds the rank 32 of an update")
     refused([a, b, "--weights", "1"], capsys, out, "--weights: 1 weights for 2 inputs")
     wide = fine_tuned(tmp_path / "wide", runs["base"], small_tokenizer_dir, d_model=64, ffn_hidden=128)
     refused([a, str(wide)], capsys, out, "'d_model' (32 vs 64): only checkpoints of one model shape and family merge")
