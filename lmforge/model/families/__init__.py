@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.model.families import gemma, gpt2, llama, mixtral, olmo2, phi3
+from lmforge.model.families import deepseek_v3, gemma, gpt2, llama, mixtral, olmo2, phi3
 from lmforge.model.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -19,6 +19,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     phi3.FAMILY,
     gpt2.FAMILY,
     mixtral.FAMILY,
+    deepseek_v3.FAMILY,
 )}
 
 # every family's presets by name, each with its family named

@@ -1,0 +1,101 @@
+"""DeepSeek-V3's config: the shared fields, multi-head latent attention's own (transformers'
+``DeepseekV3Config`` names), and the shared fields its blocks hold at one value refused at any other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from lmforge.core.config import option, positive
+from lmforge.model.config import LayerCounts, ModelConfig
+
+_FULL_ATTENTION = "DeepseekV3ForCausalLM attends to every position"
+
+
+@dataclass
+class DeepseekV3Config(ModelConfig):
+    """DeepSeek-V3 (DeepSeek-AI 2024): pre-norm RMSNorm blocks whose attention is multi-head latent
+    attention (``model.mla``: keys and values compressed into ``kv_lora_rank`` per token, queries
+    optionally into ``q_lora_rank``, a decoupled RoPE key of ``qk_rope_head_dim`` shared by the
+    heads) and whose MLP is SwiGLU. ``head_dim`` is the RoPE part of a head (``qk_rope_head_dim``,
+    as transformers sets it) and every head has its own keys and values (``n_kv_heads = n_heads``).
+    The shared fields it computes at one value only are ``FIXED_FIELDS``."""
+
+    family: str = option("deepseek_v3", help="the model family (lmforge.model.families): its blocks, counts, HF mapping; "
+                         "a preset sets it")
+    norm_eps: float = positive(1e-6, help="the epsilon added to the variance in the blocks' and the final norm "
+                               "(the compressed q's and kv's norms use 1e-6, as DeepSeek's)")
+    q_lora_rank: int | None = positive(None, help="width of the compressed query (DeepSeek-V3: 1536); "
+                                       "None = one query projection from d_model (DeepSeek-V2-Lite)")
+    kv_lora_rank: int = positive(64, help="width of the latent that keys and values are compressed into "
+                                 "(DeepSeek-V3: 512); what the cache holds per token and layer, with the RoPE key")
+    qk_nope_head_dim: int = positive(32, help="each head's query/key width without RoPE, read from the latent "
+                                     "(DeepSeek-V3: 128)")
+    qk_rope_head_dim: int = positive(16, help="the decoupled RoPE key's width, one for every head, and each query "
+                                     "head's rotated part (DeepSeek-V3: 64)")
+    v_head_dim: int = positive(32, help="each head's value width (DeepSeek-V3: 128)")
+    rope_interleave: bool = option(True, help="RoPE rotates interleaved pairs (x0, x1), (x2, x3)... of the rotated "
+                                   "part, as DeepSeek's weights expect; false = the halves (x_i, x_(i+d/2)), as Llama")
+
+    # shared fields DeepSeek-V3's blocks compute at one value only: field -> (the value, why); another is refused
+    FIXED_FIELDS: ClassVar[dict[str, tuple[Any, str]]] = {
+        "norm": ("rmsnorm", "DeepSeek-V3's norms are RMSNorm"),
+        "ffn": ("swiglu", "DeepSeek-V3's MLP is SwiGLU"),
+        "positions": ("rope", "DeepSeek-V3 rotates the decoupled RoPE part of q and k"),
+        "qk_norm": (False, "multi-head latent attention normalises the compressed q and kv instead"),
+        "mlp_bias": (False, "DeepSeek-V3's MLP has no biases"),
+        "sliding_window": (None, _FULL_ATTENTION),
+        "layer_types": (None, _FULL_ATTENTION),
+    }
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.qk_rope_head_dim
+        super().__post_init__()
+        for name, (value, why) in self.FIXED_FIELDS.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is not supported by family {self.family!r}: {why}; "
+                                 f"set it to {value!r}")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ValueError(f"head_dim = {self.head_dim} is not supported by family {self.family!r}: it is the RoPE part "
+                             f"of a head, qk_rope_head_dim = {self.qk_rope_head_dim}; leave head_dim unset")
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(f"n_kv_heads = {self.n_kv_heads} is not supported by family {self.family!r}: multi-head latent "
+                             f"attention gives each of the n_heads = {self.n_heads} heads its own keys and values; leave "
+                             "n_kv_heads unset")
+        if self.qkv_bias != self.out_bias:
+            raise ValueError(f"qkv_bias = {self.qkv_bias} with out_bias = {self.out_bias} is not supported by family "
+                             f"{self.family!r}: DeepSeek's attention_bias puts biases on the compressing projections and "
+                             "the output projection together; set both alike")
+        for key in ("kv_lora_rank", "q_lora_rank"):
+            rank = getattr(self, key)
+            if rank is not None and rank > self.d_model:
+                raise ValueError(f"{key} = {rank} is larger than d_model = {self.d_model}: the latent compresses a "
+                                 f"token's d_model-wide state; set {key} to at most {self.d_model}")
+        if self.mup.base_head_dim is not None:
+            raise ValueError(f"mup.base_head_dim is not supported by family {self.family!r}: its scores' scale is over "
+                             "qk_nope_head_dim + qk_rope_head_dim, not head_dim; leave it unset (base_width applies)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query or key head's width: qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def layer_counts(self, layer: int) -> LayerCounts:
+        """A DeepSeek-V3 block (``model.mla.MLA`` and a SwiGLU MLP): the query projection (or its compressing
+        and expanding pair), the joint latent + RoPE-key projection, the latent's up-projection into per-head
+        keys and values, the output projection; the biases of ``qkv_bias`` on the compressing projections and
+        of ``out_bias`` on the output; the latent norms and the block's two norms."""
+        d, h, r, q_rank, f = self.d_model, self.n_heads, self.kv_lora_rank, self.q_lora_rank, self.ffn_hidden
+        query = d * h * self.qk_head_dim if q_rank is None else d * q_rank + q_rank * h * self.qk_head_dim
+        weights = query + d * (r + self.qk_rope_head_dim) + r * h * (self.qk_nope_head_dim + self.v_head_dim) \
+            + h * self.v_head_dim * d + 3 * d * f
+        biases = ((q_rank or 0) + r + self.qk_rope_head_dim) * self.qkv_bias + d * self.out_bias
+        norms = 2 * d + r + (q_rank or 0)
+        return LayerCounts(matrices=weights + biases, norms=norms, matmul=weights)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N for the matmuls, plus attention's scores (qk_head_dim wide) and
+        weighted values (v_head_dim wide) over the sequence, 6·L·H·(qk_head_dim + v_head_dim)·T (PaLM's
+        12·L·H·Dh·T when the two widths are equal; the latents expanded, as training computes)."""
+        return 6 * self.matmul_params() + 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
