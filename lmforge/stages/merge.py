@@ -406,5 +406,15 @@ def write_output(out: Path, write, result: dict) -> None:
         files(tmp)
 
 
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report: what was merged, how, and where the result is."""
+    inputs = ", ".join(f"`{i['path']}` ({i['weight']:g})" for i in res.get("inputs", []))
+    knobs = {k: res[k] for k in ("scale", "density", "drop_rate", "seed", "svd_rank") if res.get(k) is not None}
+    lines = [f"- {res.get('method')} of {len(res.get('inputs', []))} {res.get('kind')}s (weights in brackets): {inputs}",
+             f"- into the {res.get('output')} `{stage_dir}`" + (f", over the base `{res['base']}`" if res.get("base") else ""),
+             f"- {', '.join(f'{k} {v}' for k, v in knobs.items())}"]
+    return lines
+
+
 RECIPE = MergeRecipe
 run = run_merge

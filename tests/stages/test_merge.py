@@ -217,3 +217,20 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_nothing_written(runs, a
     assert main(["merge", a, b, "--out", str(tmp_path / "notes")]) == 2
     assert "is not an earlier merge" in capsys.readouterr().err
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+def test_a_lifecycle_stage_merges_once_and_skips_when_complete(runs, tmp_path):
+    from lmforge.core.config import load_config
+    from lmforge.stages.lifecycle import LifecycleRecipe, run_lifecycle
+
+    (tmp_path / "merge.yaml").write_text(
+        f"method: ties\nbase: {runs['base']}\ndensity: 0.5\ninputs:\n  - path: {runs['a']}\n  - path: {runs['b']}\n"
+        f"run_dir: {tmp_path / 'life' / 'merged'}\n")
+    (tmp_path / "life.yaml").write_text(f"run_dir: {tmp_path / 'life'}\nstages:\n  - verb: merge\n    recipe: "
+                                        f"{tmp_path / 'merge.yaml'}\n")
+    recipe = load_config(LifecycleRecipe, tmp_path / "life.yaml")
+    first = run_lifecycle(recipe)
+    assert first[0]["status"] == "ran" and load_model(tmp_path / "life" / "merged")[0] is not None
+    assert run_lifecycle(recipe)[0]["status"] == "skipped"
+    report = (tmp_path / "life" / "report.md").read_text()
+    assert "ties of 2 checkpoints" in report and "density 0.5" in report
