@@ -10,19 +10,23 @@ For inputs θ_i with weights w_i and, where the method has one, a base θ_b and 
 - ``ties``, ``dare_linear``, ``dare_ties``: θ = θ_b + λ·τ, τ the rule's merge of τ_i = θ_i − θ_b
 
 Every tensor is combined in float32 and stored in the first input's dtype; tensors that are not
-floating point must be equal in every input.
+floating point must be equal in every input. Inputs with a ``model.safetensors`` are read one
+tensor at a time (``weights_view``), so a merge holds the merged model and one tensor per input,
+not every input whole; a distributed (DCP) checkpoint is read whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lmforge.checkpoints.files import WEIGHTS, write_checksums, write_model_config
+from lmforge.checkpoints.load import check_finite_checkpoint, read_checkpoint_weights
 from lmforge.core.io import InputError
 from lmforge.data.chat import add_chat_template
 from lmforge.model.config import ModelConfig
@@ -43,8 +47,48 @@ def model_config_difference(a: ModelConfig, b: ModelConfig) -> str | None:
     return None
 
 
-def merge_states(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], method: str,
-                 base: dict[str, torch.Tensor] | None = None, scale: float = 1.0, density: float = 1.0,
+class SafetensorsWeights(Mapping):
+    """A checkpoint's ``model.safetensors`` as a read-only mapping of name to tensor, each tensor
+    read when it is looked up (memory-mapped), with its shape and dtype known without reading it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = safe_open(str(path), framework="pt")
+        self._keys = list(self._file.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._keys:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(name).get_shape())
+
+
+def weights_view(directory: Path) -> Mapping[str, torch.Tensor]:
+    """A checkpoint's weights to merge: ``model.safetensors`` read tensor by tensor (its weights checked
+    finite first, one tensor at a time), or a distributed checkpoint's gathered whole."""
+    if (directory / WEIGHTS).is_file():
+        check_finite_checkpoint(directory)
+        try:
+            return SafetensorsWeights(directory / WEIGHTS)
+        except Exception as exc:  # safetensors raises its own error types for truncated files
+            raise InputError(f"{directory / WEIGHTS}: cannot read weights: {exc}") from exc
+    return read_checkpoint_weights(directory)
+
+
+def tensor_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    return weights.shape(name) if isinstance(weights, SafetensorsWeights) else tuple(weights[name].shape)
+
+
+def merge_states(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], method: str,
+                 base: Mapping[str, torch.Tensor] | None = None, scale: float = 1.0, density: float = 1.0,
                  drop_rate: float = 0.0, seed: int = 0, keep_mask: KeepMask | None = None) -> dict[str, torch.Tensor]:
     """The inputs' weights merged by ``method`` (the module's docstring gives each equation); every
     state must have the same names and shapes, and ``base`` too where the method reads one."""
@@ -55,9 +99,12 @@ def merge_states(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[fl
     keep_mask = keep_mask or seeded_keep_mask(seed)
     rule = "linear" if method == "task_arithmetic" else method
     merged = {}
-    for name, first in states[0].items():
+    for name in states[0]:
         tensors = [state[name] for state in states]
+        first = tensors[0]
         if not first.is_floating_point():
+            if any(not torch.equal(first, t) for t in tensors[1:]):
+                raise InputError(f"{name}: not floating point, and not the same in every input: it cannot be averaged")
             merged[name] = first
             continue
         x = [t.float() for t in tensors]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -45,6 +46,8 @@ from lmforge.checkpoints.merge import (
     add_deltas,
     merge_states,
     model_config_difference,
+    tensor_shape,
+    weights_view,
     write_checkpoint_files,
 )
 from lmforge.core.config import (
@@ -219,9 +222,9 @@ def merge_checkpoint_inputs(recipe: MergeRecipe, out: Path) -> dict:
             raise InputError(f"{key}: {d / MODEL_CONFIG} differs from {dirs[0] / MODEL_CONFIG} in {diff}: only checkpoints "
                              "of one model shape and family merge")
         check_same_tokenizer(dirs[0], d, key)
-    states = [read_checkpoint_weights(d) for d in dirs]
-    base_state = read_checkpoint_weights(base_dir) if base_dir else None
-    for (key, d), state in zip(named[1:], [*states[1:], *([base_state] if base_state else [])]):
+    states = [weights_view(d) for d in dirs]
+    base_state = weights_view(base_dir) if base_dir else None
+    for (key, d), state in zip(named[1:], [*states[1:], *([base_state] if base_state is not None else [])]):
         check_same_tensors(states[0], state, key, d)
     if method == "linear" and sum(item.weight for item in recipe.inputs) == 0:
         raise ConfigError("inputs: linear divides by the sum of the weights, which is 0")
@@ -249,16 +252,16 @@ def check_same_tokenizer(first: Path, other: Path, key: str) -> None:
         raise InputError(f"{key}: {b} differs from {a}: the checkpoints' embeddings index other vocabularies")
 
 
-def check_same_tensors(first: dict[str, torch.Tensor], other: dict[str, torch.Tensor], key: str, where: Path) -> None:
+def check_same_tensors(first: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], key: str,
+                       where: Path) -> None:
+    """The same tensor names and shapes as inputs[0] (shapes read without reading the tensors)."""
     if set(first) != set(other):
         extra = sorted(set(first) ^ set(other))
         raise InputError(f"{key}: {where / WEIGHTS} holds other tensors than inputs[0] (e.g. {extra[0]})")
-    for name, t in first.items():
-        if t.shape != other[name].shape:
-            raise InputError(f"{key}: {where / WEIGHTS}: {name} has shape {tuple(other[name].shape)}, inputs[0]'s "
-                             f"{tuple(t.shape)}")
-        if not t.is_floating_point() and not torch.equal(t, other[name]):
-            raise InputError(f"{key}: {where / WEIGHTS}: {name} (not floating point) differs from inputs[0]'s")
+    for name in first:
+        if tensor_shape(first, name) != tensor_shape(other, name):
+            raise InputError(f"{key}: {where / WEIGHTS}: {name} has shape {tensor_shape(other, name)}, inputs[0]'s "
+                             f"{tensor_shape(first, name)}")
 
 
 # --------------------------------------------------------------------------- adapters
