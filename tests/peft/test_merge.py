@@ -249,3 +249,39 @@ def test_read_adapter_returns_the_saved_factors(adapters):
     assert (adapter.r, adapter.scaling) == (4, 3.0) and config["lora_alpha"] == 12.0
     assert all(k.startswith(PEFT_PREFIX) for k in adapter.factors)
     assert len(adapter.factors) == 6  # q_proj, v_proj, down_proj in 2 layers
+
+
+def test_rslora_adapters_merge_to_the_exact_sum_where_peft_scales_the_merge_by_sqrt_r(adapters, tmp_path):
+    """peft's merged adapter keeps the first adapter's use_rslora with lora_alpha = r, so its scaling is
+    r/√r = √r, not 1: the same factors, an update √r times too large. Ours is written without rsLoRA."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(adapters["hf"], attn_implementation="eager")
+    cfg = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+    folders = []
+    for name, seed in (("rs1", 1), ("rs2", 2)):
+        m = Transformer(cfg)
+        lora = LoraConfig(r=4, alpha=8.0, use_rslora=True, target_modules=["attn.wq"])
+        apply_lora(m, lora)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in lora_modules(m).values():
+                module.lora_B.weight.copy_(0.3 * torch.randn(module.lora_B.weight.shape, generator=g))
+        folders.append(save_adapter(m, lora, tmp_path / name, base_model_name_or_path=str(adapters["hf"])))
+    model = peft.PeftModel.from_pretrained(base, folders[0], adapter_name="rs1")
+    model.load_adapter(folders[1], adapter_name="rs2")
+    model.add_weighted_adapter(["rs1", "rs2"], [1.0, 1.0], "merged", combination_type="cat")
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.scaling["merged"] == pytest.approx(8 ** 0.5)  # peft's: √(r_1 + r_2)
+
+    read = [read_adapter(f) for f in folders]
+    assert read[0][1].scaling == pytest.approx(8 / 2)  # α/√r
+    ours = merge_adapters([a for _, a in read], [1.0, 1.0], "cat")
+    module = f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj"
+    torch.testing.assert_close(ours.factors[module][0], layer.lora_A["merged"].weight.detach(), rtol=0, atol=1e-6)
+    exact = sum(a.scaling * a.factors[module][1] @ a.factors[module][0] for _, a in read)
+    torch.testing.assert_close(ours.scaling * ours.factors[module][1] @ ours.factors[module][0], exact, rtol=0, atol=1e-5)
+    out = tmp_path / "merged"
+    out.mkdir()
+    write_adapter_files(out, ours, read[0][0], scale=1.0)
+    written = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(adapters["hf"], attn_implementation="eager"), out)
+    assert written.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == 1.0
