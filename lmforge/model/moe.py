@@ -204,7 +204,7 @@ class Experts(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         d, f = self.w1.shape[2], self.w1.shape[1]
         aligned = (d * dtype.itemsize) % 16 == 0 and (f * dtype.itemsize) % 16 == 0  # the kernel's stride rule
-        if aligned and grouped_mm_works(x.device, dtype):
+        if x.device.type == "cuda" and aligned and grouped_mm_works(x.device, dtype):
             return self.grouped(x.to(dtype), counts, dtype)
         return self.looped(x, counts)
 
@@ -409,7 +409,8 @@ class LoadTracker:
         self.dropped = dropped if self.dropped is None else self.dropped + dropped
 
     @torch.no_grad()
-    def finish_step(self) -> None:
+    def finish_step(self, update_bias: bool = True) -> None:
+        """The step's loads over every rank; the bias nudged (``update_bias``: the optimizer step was taken)."""
         if self.load is None:
             return
         both = self.all_reduce(torch.cat((self.load, self.dropped[:, None]), dim=1))
@@ -417,7 +418,7 @@ class LoadTracker:
         self.step_load = load
         for m, layer_load in zip(self.layers, load):
             rate, bias = m.cfg.bias_update_rate, m.router.expert_bias
-            if rate and bias is not None:
+            if rate and bias is not None and update_bias:
                 bias.add_(rate * torch.sign(layer_load.mean() - layer_load).to(bias.dtype))
         self.load = self.dropped = None
 

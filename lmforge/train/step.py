@@ -13,6 +13,14 @@ accumulating k micro-batches gives the same update as one batch k times larger. 
 loss or gradient norm is not finite never reaches the weights (``StepResult.skipped``).
 A step asked to (``measure_noise``) also reports the squared norm of its first micro-batch's
 gradient beside the whole step's, for the gradient noise scale (``train.noise_scale``).
+
+A mixture-of-experts model (``model.moe``) adds its auxiliary losses to each micro-batch's loss,
+weighted by the micro-batch's share of the step's targets: the gradient is that of the
+target-weighted mean over the global batch of each micro-batch's auxiliary loss (each itself a
+mean over its tokens and MoE layers), so accumulation and data parallelism leave it unchanged,
+and the logged ``moe/<loss>`` is that mean. The step's expert loads, summed over micro-batches
+and data-parallel ranks, nudge the aux-loss-free selection bias after the optimizer step
+(``model.moe.LoadTracker``) and go into the step's metrics. Evaluation adds nothing.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.core.config import ConfigError
 from lmforge.distributed.clip import clip_grad_norm_, total_grad_norm
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
+from lmforge.model import moe
 from lmforge.objectives.base import Objective
 from lmforge.train.evaluate import evaluate
 from lmforge.train.forward import autocast_context, local_value, loss_context, to_device
@@ -73,6 +83,7 @@ class StepRunner:
         self.device = self.run_device()
         self.scaler = self.loss_scaler() if precision == "fp16" else None
         self.forward_loss = compile_objective(objective) if compile else objective
+        self.moe = moe.LoadTracker(model, self.sum_over_ranks)  # empty (false) for a model without experts
 
     # what differs between a process and a rank of a distributed run
     dp = 1  # data-parallel ranks the step's batch is spread over
@@ -134,8 +145,10 @@ class StepRunner:
         elif apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.moe:
+            self.moe.finish_step(update_bias=apply)  # after the step, so the bias moves once per update
         noise = NoiseSample(small[0][0], n_targets, small[0][1], float(grad_norm) ** 2) if small else None
-        metrics = {k: v / n_targets for k, v in metric_sums.items()} | maxima
+        metrics = {k: v / n_targets for k, v in metric_sums.items()} | maxima | self.moe.metrics()
         return StepResult(loss, grad_norm, n_targets, metrics, skipped, noise, backward_s)
 
     def first_batch_gradient(self, first_batch, n_targets: int) -> tuple[int, float]:
@@ -158,13 +171,23 @@ class StepRunner:
         metric_sums: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(micro_batches):
+            if self.moe:
+                moe.clear(self.model)
             with self.loss_layout():
                 with autocast_context(self.device, self.precision):
                     out = self.forward_loss(self.model, to_device(batch, self.device))
                 loss = out.loss_sum / n_targets
-                scaled = loss * self.dp  # FSDP averages gradients over the data-parallel ranks: a sum
+                aux = moe.aux_losses(self.model) if self.moe else {}
+                share = self.objective.num_targets(batch) / n_targets  # this micro-batch's share of the step's targets
+                total = loss + sum(aux.values()) * share if aux else loss
+                scaled = total * self.dp  # FSDP averages gradients over the data-parallel ranks: a sum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_total += local_value(loss.detach()).float()
+            for name, value in aux.items():  # summed per target, as the objective's metrics (run_step divides)
+                value = value.detach().float() * (share * n_targets)
+                metric_sums[f"moe/{name}"] = metric_sums.get(f"moe/{name}", 0.0) + value
+            if self.moe:
+                self.moe.add()
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + local_value(value.detach()).float()
             for name, value in out.maxima.items():
@@ -227,6 +250,12 @@ class PipelineStepRunner(DataParallelStepRunner):
                  grad_clip: float, parallel: ParallelContext, pipeline: PipelineRunner):
         self.pipeline = pipeline
         super().__init__(model, objective, optimizer, precision, grad_clip, parallel)
+        balanced = [m for m in self.moe.layers if m.cfg.aux_loss_coef or m.cfg.seq_aux_loss_coef or m.cfg.z_loss_coef
+                    or m.cfg.bias_update_rate]
+        if balanced:
+            raise ConfigError("pipeline parallelism does not support model.moe's balancing (aux_loss_coef, "
+                              "seq_aux_loss_coef, z_loss_coef, bias_update_rate): the schedule runs each stage's "
+                              "backward without the step runner's auxiliary losses; set them to 0 or parallel.pp = 1")
 
     def backward(self, micro_batches: list, first_gradient: Callable[[tuple[int, float]], None] | None = None
                  ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
