@@ -62,6 +62,10 @@ def test_linear_of_two_checkpoints_is_their_mean_and_a_checkpoint_every_verb_rea
     assert (out / "tokenizer.json").read_bytes() == (runs["a"] / "tokenizer.json").read_bytes()
     run_export(ExportRecipe(checkpoint=str(out), run_dir=str(tmp_path / "hf")))  # export reads it
     assert (tmp_path / "hf" / "config.json").is_file()
+    repo = Path(__file__).resolve().parents[2]
+    assert main(["eval", str(out), "--tasks", str(repo / "data/eval/demo_choices.yaml"), "--limit", "2",
+                 "--out", str(tmp_path / "eval")]) == 0  # and eval scores it
+    assert (tmp_path / "eval" / "results.json").is_file()
     # weights 3 and 1: (3a + b)/4
     assert main(["merge", str(runs["a"]), str(runs["b"]), "--weights", "3", "1", "--out", str(out)]) == 0
     merged = weights(out)
