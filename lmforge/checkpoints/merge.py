@@ -7,7 +7,7 @@ For inputs θ_i with weights w_i and, where the method has one, a base θ_b and 
 
 - ``linear``:           θ = Σ_i w_i θ_i / Σ_i w_i  (a weighted average; weights 1: the mean)
 - ``task_arithmetic``:  θ = θ_b + λ Σ_i w_i (θ_i − θ_b)  (Ilharco et al. 2023)
-- ``ties``, ``dare_linear``, ``dare_ties``: θ = θ_b + λ·τ, τ the rule's merge of τ_i = θ_i − θ_b
+- ``ties``, ``dare_linear``, ``dare_ties``, ``magnitude_prune``: θ = θ_b + λ·τ, τ the rule's merge of τ_i = θ_i − θ_b
 
 Every tensor is combined in float32 and stored in the first input's dtype; tensors that are not
 floating point must be equal in every input. Inputs with a ``model.safetensors`` are read one
@@ -32,7 +32,7 @@ from lmforge.data.chat import add_chat_template
 from lmforge.model.config import ModelConfig
 from lmforge.peft.merge import KeepMask, combine, seeded_keep_mask
 
-CHECKPOINT_METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties")
+CHECKPOINT_METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 # what may differ between the configs of checkpoints that merge: training-only settings
 TRAINING_ONLY = ("embed_dropout", "attn_dropout", "resid_dropout", "preset")
 

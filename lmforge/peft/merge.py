@@ -11,23 +11,24 @@ turns the inputs' τ_i and weights w_i into one merged τ (``combine``):
 - ``dare_linear`` / ``dare_ties`` (Yu et al. 2024): drop each entry of τ_i with probability p and
   rescale the kept ones, τ̃_i = m_i ⊙ τ_i / (1 − p) with m_i ~ Bernoulli(1 − p), then the linear
   sum or TIES' sign election and disjoint mean (without the trim) of the τ̃_i
+- ``magnitude_prune``: TIES' trim without the election, τ = Σ_i w_i τ̂_i
 
 These are peft's ``utils/merge_utils.py`` functions (``task_arithmetic``, ``ties``,
-``dare_linear``, ``dare_ties``) term for term: the sign is elected from the unweighted values and
+``dare_linear``, ``dare_ties``, ``magnitude_prune``) term for term: the sign is elected from the unweighted values and
 the weights enter the disjoint mean; the divisor is the count of agreeing inputs (mergekit's
 ``normalize`` divides by the sum of their weights instead: the same for weights of 1).
 
 **How adapters merge** (``merge_adapters``), exactly as ``LoraModel.add_weighted_adapter`` for its
 combination types of the same names. An adapter's update is ΔW_i = s_i·B_i A_i (s_i = α/r, or α/√r
-with rsLoRA). peft's ``linear``, ``ties``, ``dare_linear`` and ``dare_ties`` do *not* combine the
-ΔW_i: they combine the factors, the A_i with weights ±√|w_i s_i| (the sign of w_i s_i) and the
+with rsLoRA). peft's ``linear``, ``ties``, ``dare_linear``, ``dare_ties`` and ``magnitude_prune`` do
+*not* combine the ΔW_i: they combine the factors, the A_i with weights ±√|w_i s_i| (the sign of w_i s_i) and the
 B_i with √|w_i s_i|, each by the rule above, into one rank-r adapter with scaling 1. For
 ``linear`` that is ΔW = (Σ_i √|w_i s_i| B_i)(Σ_i ±√|w_i s_i| A_i), which holds the cross terms
 B_i A_j: it is the weighted sum of the updates only for one adapter (peft calls it "a very rough
 approximation"). ``cat`` is exact: A = [w_1 s_1 A_1; w_2 s_2 A_2; ...] and B = [B_1 B_2 ...], of
 rank Σ r_i, so ΔW = Σ_i w_i s_i B_i A_i = Σ_i w_i ΔW_i: task arithmetic of the adapters. The
-``svd`` types (``svd``, ``ties_svd``, ``dare_linear_svd``, ``dare_ties_svd``) apply the rule
-(linear, TIES, DARE) to the whole updates ΔW_i, the papers' task vectors, and keep the rank-k
+``svd`` types (``svd``, ``ties_svd``, ``dare_linear_svd``, ``dare_ties_svd``,
+``magnitude_prune_svd``) apply the rule to the whole updates ΔW_i, the papers' task vectors, and keep the rank-k
 truncated SVD of the result, U_k S_k V_kᵀ as B = U_k S_k and A = V_kᵀ (k = ``svd_rank``, else
 the largest r_i): exact when the merged update's rank is at most k. The
 merged adapter is written with ``lora_alpha = scale·r`` (so its scaling is ``scale``, 1 by
@@ -56,12 +57,12 @@ from lmforge.peft.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, 
 from lmforge.peft.lora import LoraConfig
 
 # the rules of ``combine``; ``cat`` is for adapters only (their factors joined, an exact sum)
-RULES = ("linear", "ties", "dare_linear", "dare_ties")
+RULES = ("linear", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 # peft's *_svd types: the rule on the whole updates s_i·B_i A_i, then a truncated SVD back to a rank
-SVD_METHODS = ("svd", "ties_svd", "dare_linear_svd", "dare_ties_svd")
-ADAPTER_METHODS = ("linear", "cat", "ties", "dare_linear", "dare_ties", *SVD_METHODS)
+SVD_METHODS = ("svd", "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd")
+ADAPTER_METHODS = ("linear", "cat", "ties", "dare_linear", "dare_ties", "magnitude_prune", *SVD_METHODS)
 # which rules read ``density`` (TIES' trim) and ``drop_rate`` (DARE's drop)
-TRIMS = ("ties",)
+TRIMS = ("ties", "magnitude_prune")
 DROPS = ("dare_linear", "dare_ties")
 ELECTS = ("ties", "dare_ties")
 

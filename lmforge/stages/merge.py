@@ -11,12 +11,13 @@ checkpoints, task vectors are tau_i = theta_i - base:
   ties              base + scale * disjoint mean of the tau_i trimmed to `density`, agreeing with the elected sign
   dare_linear       base + scale * sum_i w_i m_i*tau_i/(1-p)             m_i ~ Bernoulli(1-p), p = drop_rate
   dare_ties         base + scale * TIES' sign election and disjoint mean of the m_i*tau_i/(1-p)
+  magnitude_prune   base + scale * sum_i w_i tau_i trimmed to `density` (TIES without the election)
 
 Adapters merge as peft's add_weighted_adapter merges them with the combination type of the same
-name: linear, ties, dare_linear and dare_ties combine the A and B factors (weights
-+-sqrt(|w_i s_i|)), cat joins them (rank sum r_i, exactly sum_i w_i s_i B_i A_i), and svd,
-ties_svd, dare_linear_svd and dare_ties_svd merge the whole updates s_i B_i A_i by linear, TIES or
-DARE and keep their truncated SVD of rank svd_rank (default: the largest r_i); the result is a
+name: linear, ties, dare_linear, dare_ties and magnitude_prune combine the A and B factors (weights
++-sqrt(|w_i s_i|)), cat joins them (rank sum r_i, exactly sum_i w_i s_i B_i A_i), and the svd
+types (svd, ties_svd, ...) merge the whole updates s_i B_i A_i by the same rules and keep their
+truncated SVD of rank svd_rank (default: the largest r_i); the result is a
 PEFT adapter folder (output=adapter) or, with `base` (the lmforge checkpoint the adapters were
 trained on) and output=checkpoint, that checkpoint with the merged update added. A checkpoint
 written by merge holds checksums as every checkpoint does, so eval, generate, serve and export
@@ -78,7 +79,7 @@ from lmforge.peft.merge import (
     write_adapter_files,
 )
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cat", *SVD_METHODS)
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "magnitude_prune", "cat", *SVD_METHODS)
 MERGE_RECORD = "merge.json"
 # one input has nothing to average, join or elect a sign with
 NEEDS_TWO = ("linear", "cat", "ties", "dare_ties", *SVD_METHODS)
@@ -92,11 +93,11 @@ class MergeInput:
 
 @dataclass
 class MergeRecipe:
-    method: Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "cat", "svd", "ties_svd",
-                    "dare_linear_svd", "dare_ties_svd"] = option(
-        "linear", help="linear | task_arithmetic | ties | dare_linear | dare_ties (checkpoints); linear | cat | ties | "
-        "dare_linear | dare_ties | svd | ties_svd | dare_linear_svd | dare_ties_svd (adapters: peft's "
-        "add_weighted_adapter combination types)")
+    method: Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "magnitude_prune", "cat", "svd",
+                    "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd"] = option(
+        "linear", help="linear | task_arithmetic | ties | dare_linear | dare_ties | magnitude_prune (checkpoints); "
+        "linear | cat | ties | dare_linear | dare_ties | magnitude_prune and svd | ties_svd | dare_linear_svd | "
+        "dare_ties_svd | magnitude_prune_svd (adapters: peft's add_weighted_adapter combination types)")
     inputs: list[MergeInput] = option(
         default_factory=list, help="the models to merge, each {path, weight}: all adapter folders or all checkpoints")
     base: str | None = option(None, help="checkpoints: the model the task vectors are taken from (every method but "
@@ -106,7 +107,7 @@ class MergeRecipe:
         "adds the merged update to base")
     scale: float = positive(1.0, help="λ: the merged task vector's scale (mergekit's lambda; a merged adapter's "
                             "lora_alpha is scale·r)")
-    density: float = unit_interval(1.0, low_open=True, help="ties: the fraction of each task vector's entries kept, "
+    density: float = unit_interval(1.0, low_open=True, help="ties, magnitude_prune: the fraction of each task vector's entries kept, "
                                    "those of largest magnitude (1 keeps all)")
     drop_rate: float = unit_interval(0.0, high_open=True, help="dare_*: p, the probability of dropping each entry of a "
                                      "task vector; the kept are scaled by 1/(1-p) (peft's density is 1-p)")
@@ -155,7 +156,8 @@ def check_recipe(recipe: MergeRecipe) -> None:
     if method in NEEDS_TWO and n < 2:
         raise ConfigError(f"inputs: {method} merges at least 2 inputs, got {n}")
     if recipe.density != 1.0 and rule_of(method) not in TRIMS:
-        raise ConfigError(f"density: only ties and ties_svd trim by magnitude; {method} would ignore density={recipe.density}")
+        raise ConfigError(f"density: only ties and magnitude_prune (and their svd types) trim by magnitude; {method} "
+                          f"would ignore density={recipe.density}")
     if recipe.drop_rate != 0.0 and rule_of(method) not in DROPS:
         raise ConfigError(f"drop_rate: only the dare_* methods drop; {method} would ignore drop_rate={recipe.drop_rate}")
     if recipe.svd_rank is not None and method not in SVD_METHODS:

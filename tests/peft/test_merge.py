@@ -55,7 +55,7 @@ def test_trim_sign_election_and_disjoint_mean_are_peft_merge_utils():
     torch.testing.assert_close(disjoint_mean(stacked, agree), merge_utils.disjoint_merge(stacked, agree), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rule", ["linear", "ties", "dare_linear", "dare_ties"])
+@pytest.mark.parametrize("rule", ["linear", "ties", "dare_linear", "dare_ties", "magnitude_prune"])
 def test_combine_is_peft_merge_utils_rule_for_rule(rule):
     tvs, weights = task_vectors(), [0.7, -0.4, 1.3]
     density, drop = 0.4, 0.3
@@ -65,6 +65,7 @@ def test_combine_is_peft_merge_utils_rule_for_rule(rule):
         "ties": lambda: merge_utils.ties(tvs, torch.tensor(weights), density),
         "dare_linear": lambda: merge_utils.dare_linear(tvs, torch.tensor(weights), 1 - drop),
         "dare_ties": lambda: merge_utils.dare_ties(tvs, torch.tensor(weights), 1 - drop),
+        "magnitude_prune": lambda: merge_utils.magnitude_prune(tvs, torch.tensor(weights), density),
     }[rule]()
     torch.manual_seed(5)  # the same masks: one Bernoulli draw per tensor, in input order
     ours = combine(tvs, weights, rule, density=density, drop_rate=drop, keep_mask=global_keep_mask)
@@ -168,15 +169,16 @@ class MaskRecorder:
         return lambda name, index, tensor, p: table[(name, index)]
 
 
-@pytest.mark.parametrize("combination", ["linear", "cat", "ties", "dare_linear", "dare_ties", "svd", "ties_svd",
-                                         "dare_linear_svd", "dare_ties_svd"])
+@pytest.mark.parametrize("combination", ["linear", "cat", "ties", "dare_linear", "dare_ties", "magnitude_prune", "svd",
+                                         "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude_prune_svd"])
 def test_adapter_merge_matches_peft_add_weighted_adapter(adapters, combination, monkeypatch, tmp_path):
     svd = combination.endswith("svd")
     names = ["a", "c"] if combination == "cat" or svd else ["a", "b"]  # cat and svd merge adapters of any ranks
     weights = [0.6, -0.9]
     density, drop = 0.5, 0.4
     rule = combination.removesuffix("_svd")
-    kwargs = {"ties": {"density": density}, "dare_linear": {"density": 1 - drop}, "dare_ties": {"density": 1 - drop}}
+    kwargs = {"ties": {"density": density}, "magnitude_prune": {"density": density}, "dare_linear": {"density": 1 - drop},
+              "dare_ties": {"density": 1 - drop}}
     kwargs = {**kwargs.get(rule, {}), **({"svd_rank": 3} if svd else {})}
     recorder = MaskRecorder()
     monkeypatch.setattr(torch, "bernoulli", recorder)
@@ -187,7 +189,7 @@ def test_adapter_merge_matches_peft_add_weighted_adapter(adapters, combination, 
 
     read = [read_adapter(adapters[n]) for n in names]
     keep = recorder.keep_mask(list(expected), len(names), svd) if rule.startswith("dare") else None
-    ours = merge_adapters([a for _, a in read], weights, combination, density=density if rule == "ties" else 1.0,
+    ours = merge_adapters([a for _, a in read], weights, combination, density=density if rule in ("ties", "magnitude_prune") else 1.0,
                           drop_rate=drop if rule.startswith("dare") else 0.0, keep_mask=keep, svd_rank=kwargs.get("svd_rank"))
     assert ours.r == {"cat": 6}.get(combination, 3 if svd else 4) and ours.scaling == 1.0
     assert set(ours.factors) == set(expected)

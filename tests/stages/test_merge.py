@@ -109,7 +109,7 @@ def test_ties_with_density_1_and_agreeing_signs_is_linear_and_trims_otherwise(ru
     assert moved.sum().item() == int(0.25 * moved.numel())
 
 
-def test_dare_is_seeded_and_with_no_drop_is_task_arithmetic(runs, tmp_path):
+def test_dare_is_seeded_and_with_no_drop_is_task_arithmetic_as_is_magnitude_prune_keeping_all(runs, tmp_path):
     def dare(out: str, *extra: str) -> Path:
         assert main(["merge", str(runs["a"]), str(runs["b"]), "--method", "dare_linear", "--base", str(runs["base"]),
                      "--out", str(tmp_path / out), *extra]) == 0
@@ -122,6 +122,11 @@ def test_dare_is_seeded_and_with_no_drop_is_task_arithmetic(runs, tmp_path):
     assert main(["merge", str(runs["a"]), str(runs["b"]), "--method", "task_arithmetic", "--base", str(runs["base"]),
                  "--out", str(tmp_path / "ta")]) == 0
     for k, v in weights(dare("p0")).items():
+        torch.testing.assert_close(v, weights(tmp_path / "ta")[k], rtol=0, atol=0)
+    # magnitude_prune keeps everything at density 1: task arithmetic again
+    assert main(["merge", str(runs["a"]), str(runs["b"]), "--method", "magnitude_prune", "--base", str(runs["base"]),
+                 "--out", str(tmp_path / "mp")]) == 0
+    for k, v in weights(tmp_path / "mp").items():
         torch.testing.assert_close(v, weights(tmp_path / "ta")[k], rtol=0, atol=0)
 
 
@@ -188,7 +193,7 @@ def test_bad_input_is_one_line_naming_the_key_exit_2_and_nothing_written(runs, a
     refused([a, b, "--method", "dare_ties", "--base", base, "drop_rate=1"], capsys, out, "'drop_rate' = 1: must be in [0, 1)")
     refused([a, "--method", "ties", "--base", base], capsys, out, "inputs: ties merges at least 2 inputs, got 1")
     refused([a, b, "--method", "ties"], capsys, out, "base: ties merges task vectors")
-    refused([a, b, "density=0.5"], capsys, out, "density: only ties and ties_svd trim by magnitude")
+    refused([a, b, "density=0.5"], capsys, out, "density: only ties and magnitude_prune (and their svd types) trim")
     refused([a, b, "--method", "svd"], capsys, out, "method: svd merges LoRA adapters' factors or updates")
     refused([str(adapter_runs["a"]), str(adapter_runs["b"]), "--method", "svd", "svd_rank=40"], capsys, out,
             "svd_rank: 40 exceeds the rank 32 of an update")
