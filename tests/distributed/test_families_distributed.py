@@ -29,10 +29,13 @@ FAMILIES = {
     "olmo2": {"model.family": "olmo2"},
     "phi3": {"model.family": "phi3", "model.sliding_window": 16},
     # multi-head latent attention: the compressing projections replicated, whole heads of q and the latent's
-    # up-projection on each rank
+    # up-projection on each rank (every layer dense: TP refuses routed layers); then with DeepSeek's routed layer
     "deepseek_v3": {"model.family": "deepseek_v3", "model.n_kv_heads": "null", "model.q_lora_rank": 16,
                     "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8,
-                    "model.v_head_dim": 8},
+                    "model.v_head_dim": 8, "model.moe.first_dense_layers": 2},
+    "deepseek_v3_moe": {"model.family": "deepseek_v3", "model.n_kv_heads": "null", "model.kv_lora_rank": 16,
+                        "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
+                        "model.moe.expert_ffn_hidden": 16},
 }
 # name -> the parallel layouts it trains under (OLMo 2's whole-projection QK-norm refuses TP)
 LAYOUTS = {
@@ -43,6 +46,7 @@ LAYOUTS = {
     "phi3": {"fsdp": {"parallel.dp_shard": 2}, "tp_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True}},
     "deepseek_v3": {"fsdp": {"parallel.dp_shard": 2}, "tp": {"parallel.tp": 2, "parallel.loss_parallel": False},
                     "tp_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True}},
+    "deepseek_v3_moe": {"fsdp": {"parallel.dp_shard": 2}},
 }
 
 

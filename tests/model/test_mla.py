@@ -17,7 +17,8 @@ from tests.model.test_hf_fields import randomize_
 from tests.model.test_parity import tolerance
 
 MLA_SHAPE = dict(family="deepseek_v3", vocab_size=300, d_model=64, n_layers=2, n_heads=4, ffn_hidden=96, max_seq_len=64,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                 moe={"first_dense_layers": 2})  # dense: the forms' equality is the attention's alone
 FORMS = {
     "q-lora": dict(q_lora_rank=24, qkv_bias=True, out_bias=True),
     "no-q-lora-halves": dict(rope_interleave=False),

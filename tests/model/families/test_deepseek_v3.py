@@ -11,11 +11,12 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
@@ -31,15 +32,26 @@ from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
 from lmforge.stages.import_hf import ImportRecipe, run_import
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.train.metrics import read_metrics
+from tests.model.families.test_mixtral import hf_in_memory
 from tests.model.test_hf_fields import INERT_SAMPLES, logits, randomize_
 from tests.train.conftest import shards_dir, tiny_pretrain_overrides  # noqa: F401  (shards_dir: a fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: the reference these tests compare against)
 
-_MLA = dict(family="deepseek_v3", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+# every layer dense: the attention variants are compared in 16 bits too (a routed layer's top-k is not)
+_MLA = dict(family="deepseek_v3", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            moe={"first_dense_layers": 4})
+# DeepSeek-V3's routed FFN on layers 1-3: sigmoid scores, the best 2 of 4 groups, one shared expert, scaled weights
+_ROUTED = dict(n_experts=8, n_experts_per_token=2, expert_ffn_hidden=32, n_group=4, topk_group=2, n_shared_experts=1,
+               routed_scaling_factor=2.5, first_dense_layers=1)
 # test_parity.py's BASE (4 layers, width 64, 4 heads, vocabulary 256) with these fields
 PARITY_VARIANTS = {
+    "deepseek_v3:moe": dict(_MLA, q_lora_rank=24, moe=_ROUTED),
+    # every expert chosen (so 16-bit routes agree), unnormalised and unscaled, no shared expert, no dense layer
+    "deepseek_v3:moe-every-expert": dict(_MLA, moe=dict(n_experts=4, n_experts_per_token=4, expert_ffn_hidden=16,
+                                                        norm_topk_prob=False, routed_scaling_factor=1.0,
+                                                        n_shared_experts=0, first_dense_layers=0)),
     "deepseek_v3:q-lora-biases": dict(_MLA, q_lora_rank=24, qkv_bias=True, out_bias=True, norm_eps=1e-5),
     "deepseek_v3:halves-tied": dict(_MLA, rope_interleave=False, tie_embeddings=True),
     "deepseek_v3:mup": dict(_MLA, mup={"base_width": 16}),  # µP's readout multiplier, folded into the final norm
@@ -56,13 +68,16 @@ PARITY_VARIANTS = {
     "deepseek_v3:longrope": dict(_MLA, rope_scaling="longrope", rope_factor=4.0, rope_original_max_seq_len=2,
                                  rope_short_factor=[1.0, 1.5, 2.0, 2.5], rope_long_factor=[1.0, 3.0, 5.0, 7.0]),
 }
+PARITY_HF_IN_MEMORY = {"deepseek_v3": hf_in_memory}  # the per-expert export as transformers 5 fuses it on loading
+PARITY_FLOAT32_ONLY = {"deepseek_v3:moe": "top-k routing flips on a 16-bit rounding of a near tie (test_mixtral.py)"}
 PARITY_NOT_ARITHMETIC = {"deepseek_v3": {
     "head_dim": "always qk_rope_head_dim (refused at any other value), which the variants vary",
     "n_kv_heads": "always n_heads (refused at any other value): every head reads its own keys and values",
 }}
 
 SMALL = dict(family="deepseek_v3", vocab_size=300, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=64,
-             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe={"first_dense_layers": 2})
+ROUTED = dict(n_experts=8, n_experts_per_token=2, expert_ffn_hidden=16, n_group=2, topk_group=1, first_dense_layers=1)
 
 
 def small(**fields) -> DeepseekV3Config:
@@ -142,13 +157,51 @@ def test_tensor_parallelism_splits_whole_heads():
     assert {n for n, role in plan.items() if role == "colwise"} == {"attn.wq_b", "attn.wkv_b", "mlp.w1", "mlp.w3"}
     assert {n for n, role in plan.items() if role == "rowwise"} == {"attn.wo", "mlp.w2"}
     assert "attn.wq" in build(small()).tp_plan(build(small()).layers[0])
+    routed = build(small(moe=ROUTED))
+    with pytest.raises(ConfigError, match=r"^tensor parallelism does not support model family 'deepseek_v3' with routed "
+                                          r"layers: .*set parallel.tp = 1"):
+        routed.tp_plan(routed.layers[0])
+
+
+def test_the_routed_layers_follow_first_dense_layers_with_deepseeks_routing():
+    model = build(small(moe=ROUTED))
+    assert type(model.layers[0].mlp).__name__ == "MLP" and type(model.layers[1].mlp).__name__ == "MoE"
+    moe = model.layers[1].mlp.cfg
+    assert (moe.scores, moe.norm_topk_prob, moe.routed_scaling_factor, moe.n_shared_experts, moe.selection_bias) == \
+        ("sigmoid", True, 2.5, 1, True)  # the family's defaults beneath the keys given
+    assert model.layers[1].mlp.router.expert_bias.shape == (8,)
+    cfg = small(moe=ROUTED)
+    # a token's matmuls: attention, the router, the shared expert and 2 of the 8 experts
+    attention = cfg.layer_counts(0).matmul - 3 * 64 * 128
+    assert cfg.layer_counts(1).matmul == attention + 8 * 64 + 3 * 64 * 16 + 2 * 3 * 64 * 16
+    assert cfg.layer_counts(1).matrices == attention + 8 * 64 + 3 * 64 * 16 + 8 * 3 * 64 * 16
+
+
+@pytest.mark.parametrize("moe, named", [
+    (dict(scores="softmax"), "model.moe.scores = 'softmax' is not supported by family 'deepseek_v3'"),
+    (dict(sparse_step=2), "model.moe.sparse_step = 2 is not supported by family 'deepseek_v3'"),
+    (dict(n_experts_per_token=9), "model.moe.n_experts_per_token = 9 must be at most model.moe.n_experts = 8"),
+])
+def test_a_routing_deepseek_v3_does_not_compute_is_refused_in_one_line(moe, named):
+    with pytest.raises(ValueError) as info:
+        small(moe=moe)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_deepseek_v3_preset_has_its_671b_parameters_and_37b_active():
+    cfg = DeepseekV3Config.from_preset("deepseek-v3")
+    counts = cfg.param_counts()
+    assert round(counts.total() / 1e9) == 671  # the technical report's 671B (its MTP module's 14B apart)
+    active = sum(layer.matmul for layer in counts.layers) + counts.embedding + counts.head_matmul
+    assert round(active / 1e9) == 38  # 37.55B: the report's "37B activated for each token"
+    assert cfg.sparse_layers() == (False,) * 3 + (True,) * 58
 
 
 # --------------------------------------------------------------------------- config.json keys
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=12, first_k_dense_replace=4, n_routed_experts=8, moe_intermediate_size=16, n_group=2,
+            v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=16, n_group=2,
             topk_group=1, num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=None, eos_token_id=None)
 KEYS = HF_CONFIG_KEYS["deepseek_v3"]
 # key -> (what else the pair of configs sets, the value away from the default)
@@ -177,7 +230,15 @@ VARIANTS: dict[str, tuple[dict, object]] = {
     "rope_theta": ({}, 300.0),
     "attention_bias": ({"q_lora_rank": 24}, True),
     "attention_dropout": ({}, 0.1),
-    "first_k_dense_replace": ({}, 1),
+    "first_k_dense_replace": ({}, 2),
+    "moe_intermediate_size": ({}, 8),
+    "n_shared_experts": ({}, 2),
+    "n_routed_experts": ({}, 4),
+    "routed_scaling_factor": ({}, 1.0),
+    "n_group": ({}, 4),
+    "topk_group": ({}, 2),
+    "num_experts_per_tok": ({}, 3),
+    "norm_topk_prob": ({}, False),
     "quantization_config": ({}, {"quant_method": "bitsandbytes", "load_in_4bit": True}),
     "pruned_heads": ({}, {"0": [1]}),
     "auto_map": ({}, {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}),
@@ -278,8 +339,7 @@ def test_inert_keys_change_neither_the_model_config_nor_transformers_logits(tmp_
     plain_json = json.loads((tmp_path / "plain" / "config.json").read_text())
     plain_cfg = model_config_from_hf(plain_json)
     reference = logits(from_folder(tmp_path / "plain"))
-    samples = {**INERT_SAMPLES, "n_routed_experts": 4, "moe_intermediate_size": 8, "routed_scaling_factor": 1.0,
-               "norm_topk_prob": False, "qk_head_dim": 40}
+    samples = {**INERT_SAMPLES, "qk_head_dim": 40, "num_nextn_predict_layers": 2}
     checked = []
     for key in sorted(k for k, spec in KEYS.items() if spec.kind == INERT):
         sample = samples.get(key, "lmforge-test")
@@ -289,7 +349,7 @@ def test_inert_keys_change_neither_the_model_config_nor_transformers_logits(tmp_
             (tmp_path / "plain" / "config.json").write_text(json.dumps({**plain_json, key: sample}))
             assert (logits(from_folder(tmp_path / "plain")) - reference).abs().max().item() == 0.0, key
             checked.append(key)
-    assert len(checked) >= 10 and {"n_routed_experts", "qk_head_dim"} <= set(checked)
+    assert len(checked) >= 10 and {"qk_head_dim", "num_nextn_predict_layers"} <= set(checked)
 
 
 def test_a_key_lmforge_does_not_know_is_refused_naming_it():
@@ -318,7 +378,8 @@ def test_mscale_all_dim_lmforge_cannot_scale_the_scores_by_is_refused(rope):
     dict(q_lora_rank=24, attention_bias=True, tie_word_embeddings=True, rope_interleave=False),
     dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
                           "mscale_all_dim": 0.707, "rope_theta": 1e4}),
-], ids=["plain", "q-lora-biases-tied-halves", "yarn-mscale"])
+    dict(n_shared_experts=0, first_k_dense_replace=0, norm_topk_prob=False),  # transformers' 0-wide shared experts
+], ids=["plain", "q-lora-biases-tied-halves", "yarn-mscale", "every-layer-routed-no-shared-expert"])
 def test_cli_import_then_export_round_trips_transformers_model_and_logits(tmp_path, fields):
     theirs = build_folder(tmp_path / "hf", fields, {})
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
@@ -333,6 +394,46 @@ def test_cli_import_then_export_round_trips_transformers_model_and_logits(tmp_pa
     assert (logits(again) - expected).abs().max().item() <= 1e-5
     original, written = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
     assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
+
+
+def test_the_selection_bias_imports_and_exports_with_the_routing_it_changes(tmp_path):
+    theirs = build_folder(tmp_path / "hf", {}, {})
+    with torch.no_grad():
+        theirs.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, 8))
+    theirs.save_pretrained(tmp_path / "hf")
+    theirs = from_folder(tmp_path / "hf")
+    unbiased = logits(theirs)
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    ours, _ = load_model(tmp_path / "ckpt")
+    assert torch.equal(ours.layers[1].mlp.router.expert_bias, torch.linspace(-0.5, 0.5, 8))
+    assert (logits(ours) - unbiased).abs().max().item() <= 1e-5
+    with torch.no_grad():
+        ours.layers[1].mlp.router.expert_bias.zero_()
+    assert (logits(ours) - unbiased).abs().max().item() > 1e-3  # the bias chooses other experts
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    bias = load_file(str(tmp_path / "out" / "model.safetensors"))["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(bias, torch.linspace(-0.5, 0.5, 8))
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda w: w.pop("model.layers.1.mlp.experts.5.up_proj.weight"),
+     r"layer 1's experts \(model.layers.1.mlp.experts.\d+.up_proj.weight and the others\): expert 5 missing"),
+    (lambda w: w.update({"model.layers.1.mlp.experts.2.down_proj.weight": torch.zeros(64, 8)}),
+     r"model.layers.1.mlp.experts.2.down_proj.weight has shape \(64, 8\), unlike model.layers.1.mlp.experts.0"),
+    (lambda w: w.update({f"model.layers.1.mlp.experts.{e}.gate_proj.weight": torch.zeros(8, 64) for e in range(8)}),
+     r"weights do not match the model config: wrong shapes \['layers.1.mlp.experts.w1 \(8, 8, 64\)"),
+], ids=["missing", "one-mis-shaped", "all-mis-shaped"])
+def test_a_folder_whose_expert_tensors_are_missing_or_mis_shaped_is_one_line_naming_it_exit_2(tmp_path, capsys, change,
+                                                                                              named):
+    build_folder(tmp_path / "hf", {}, {})
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    change(weights)
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(named, err) and f"{tmp_path / 'hf'}" in err and "\n" not in err, err
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_a_folder_whose_latent_projection_is_mis_shaped_is_one_line_naming_it(tmp_path):

@@ -8,6 +8,20 @@ from typing import Any, ClassVar
 
 from lmforge.core.config import option, positive
 from lmforge.model.config import LayerCounts, ModelConfig
+from lmforge.model.moe import MoEConfig
+
+# DeepSeek-V3's routing (sigmoid scores, normalised top-k times 2.5, one shared expert, the selection bias
+# transformers calls e_score_correction_bias) over 8 experts after one dense layer: the family's model.moe
+DEEPSEEK_MOE = dict(n_experts=8, n_experts_per_token=2, scores="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                    n_shared_experts=1, selection_bias=True, first_dense_layers=1)
+
+
+def deepseek_moe(value: MoEConfig | dict | None = None) -> MoEConfig:
+    """The family's ``moe`` section: ``DEEPSEEK_MOE`` under the keys a mapping gives (a recipe's, a
+    checkpoint's model_config.json)."""
+    if isinstance(value, MoEConfig):
+        return value
+    return MoEConfig(**{**DEEPSEEK_MOE, **(value or {})})
 
 _FULL_ATTENTION = "DeepseekV3ForCausalLM attends to every position"
 
@@ -17,7 +31,9 @@ class DeepseekV3Config(ModelConfig):
     """DeepSeek-V3 (DeepSeek-AI 2024): pre-norm RMSNorm blocks whose attention is multi-head latent
     attention (``model.mla``: keys and values compressed into ``kv_lora_rank`` per token, queries
     optionally into ``q_lora_rank``, a decoupled RoPE key of ``qk_rope_head_dim`` shared by the
-    heads) and whose MLP is SwiGLU. ``head_dim`` is the RoPE part of a head (``qk_rope_head_dim``,
+    heads) and whose FFN is a SwiGLU MLP on the first ``moe.first_dense_layers`` layers and the routed
+    FFN of ``lmforge.model.moe`` (sigmoid scores, group-limited routing, shared experts, the selection
+    bias) on the others. ``head_dim`` is the RoPE part of a head (``qk_rope_head_dim``,
     as transformers sets it) and every head has its own keys and values (``n_kv_heads = n_heads``).
     The shared fields it computes at one value only are ``FIXED_FIELDS``."""
 
@@ -36,6 +52,9 @@ class DeepseekV3Config(ModelConfig):
     v_head_dim: int = positive(32, help="each head's value width (DeepSeek-V3: 128)")
     rope_interleave: bool = option(True, help="RoPE rotates interleaved pairs (x0, x1), (x2, x3)... of the rotated "
                                    "part, as DeepSeek's weights expect; false = the halves (x_i, x_(i+d/2)), as Llama")
+    moe: MoEConfig = option(default_factory=deepseek_moe, help="the routed FFN of the layers from "
+                            "moe.first_dense_layers on (first_k_dense_replace; n_layers or more: every layer dense): "
+                            "experts, top-k, routing and balancing (model.moe.n_experts, ...)")
 
     # shared fields DeepSeek-V3's blocks compute at one value only: field -> (the value, why); another is refused
     FIXED_FIELDS: ClassVar[dict[str, tuple[Any, str]]] = {
@@ -49,6 +68,7 @@ class DeepseekV3Config(ModelConfig):
     }
 
     def __post_init__(self) -> None:
+        self.moe = deepseek_moe(self.moe)
         if self.head_dim is None:
             self.head_dim = self.qk_rope_head_dim
         super().__post_init__()
@@ -72,9 +92,19 @@ class DeepseekV3Config(ModelConfig):
             if rank is not None and rank > self.d_model:
                 raise ValueError(f"{key} = {rank} is larger than d_model = {self.d_model}: the latent compresses a "
                                  f"token's d_model-wide state; set {key} to at most {self.d_model}")
+        moe = self.moe
+        routing = [f"model.moe.{k} = {getattr(moe, k)!r}" for k, plain in (("scores", "sigmoid"), ("sparse_step", 1),
+                   ("dense_layers", None)) if getattr(moe, k) != plain]
+        if routing:
+            raise ValueError(f"{routing[0]} is not supported by family {self.family!r}: DeepSeek-V3 routes by sigmoid "
+                             "scores on every layer from first_dense_layers (first_k_dense_replace) on")
         if self.mup.base_head_dim is not None:
             raise ValueError(f"mup.base_head_dim is not supported by family {self.family!r}: its scores' scale is over "
                              "qk_nope_head_dim + qk_rope_head_dim, not head_dim; leave it unset (base_width applies)")
+
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its FFN is the routed one (layers from ``moe.first_dense_layers`` on)."""
+        return self.moe.sparse_layers(self.n_layers)
 
     @property
     def qk_head_dim(self) -> int:
@@ -82,17 +112,26 @@ class DeepseekV3Config(ModelConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def layer_counts(self, layer: int) -> LayerCounts:
-        """A DeepSeek-V3 block (``model.mla.MLA`` and a SwiGLU MLP): the query projection (or its compressing
+        """A DeepSeek-V3 block (``model.mla.MLA`` and a SwiGLU MLP or the routed FFN): the query projection (or its compressing
         and expanding pair), the joint latent + RoPE-key projection, the latent's up-projection into per-head
         keys and values, the output projection; the biases of ``qkv_bias`` on the compressing projections and
-        of ``out_bias`` on the output; the latent norms and the block's two norms."""
+        of ``out_bias`` on the output; the latent norms and the block's two norms; on a routed layer the
+        router, the shared experts and every expert in place of the MLP (``matmul``: the active weights)."""
         d, h, r, q_rank, f = self.d_model, self.n_heads, self.kv_lora_rank, self.q_lora_rank, self.ffn_hidden
         query = d * h * self.qk_head_dim if q_rank is None else d * q_rank + q_rank * h * self.qk_head_dim
         weights = query + d * (r + self.qk_rope_head_dim) + r * h * (self.qk_nope_head_dim + self.v_head_dim) \
             + h * self.v_head_dim * d + 3 * d * f
         biases = ((q_rank or 0) + r + self.qk_rope_head_dim) * self.qkv_bias + d * self.out_bias
         norms = 2 * d + r + (q_rank or 0)
-        return LayerCounts(matrices=weights + biases, norms=norms, matmul=weights)
+        if not self.sparse_layers()[layer]:
+            return LayerCounts(matrices=weights + biases, norms=norms, matmul=weights)
+        # a routed layer: the router (E·d) and the shared experts (3·d·n_shared·f) every token uses, and
+        # every expert's three matrices (3·E·d·f) of which a token's matmuls use its k
+        moe, expert = self.moe, 3 * d * self.moe.width(f)
+        attention = weights - 3 * d * f
+        always = d * moe.n_experts + moe.n_shared_experts * expert
+        return LayerCounts(matrices=attention + always + moe.n_experts * expert + biases, norms=norms,
+                           matmul=attention + always + moe.n_experts_per_token * expert)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6N for the matmuls, plus attention's scores (qk_head_dim wide) and

@@ -3,7 +3,10 @@
 Its attention is the same multi-head latent attention with the same layout (queries per head as
 [no-RoPE part ; RoPE part], the joint latent + RoPE-key projection, per-head [key ; value] rows of
 the up-projection) and rotates the interleaved pairs of ``rope_interleave`` as lmforge's pair order
-does, so weights map one to one by name. Every ``config.json`` key of the class is classified in
+does, so attention's weights map one to one by name. A routed layer's experts are our stacked matrices'
+slices: export writes them per expert (``mlp.experts.<e>.gate_proj.weight``, what ``save_pretrained`` and the
+Hub hold), import reads that layout or transformers 5's fused one; a missing or mis-shaped expert tensor is
+one line naming it. Every ``config.json`` key of the class is classified in
 ``CONFIG_KEYS`` (honoured, refused unless at a value lmforge computes, or inert);
 tests/model/families/test_deepseek_v3.py holds the table against transformers.
 """
@@ -11,7 +14,10 @@ tests/model/families/test_deepseek_v3.py holds the table against transformers.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
+
+import torch
 
 from lmforge.core.io import InputError
 from lmforge.model.families.deepseek_v3.config import DeepseekV3Config
@@ -45,17 +51,95 @@ _LAYER_KEYS = {  # ours -> HF, per layer
     "attn.wo.weight": "self_attn.o_proj.weight",
     "attn.wo.bias": "self_attn.o_proj.bias",
     **{f"mlp.{ours}.weight": f"mlp.{theirs}_proj.weight" for ours, theirs in (("w1", "gate"), ("w3", "up"), ("w2", "down"))},
+    # a routed layer's router, its selection bias and its shared experts
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    **{f"mlp.shared.{ours}.weight": f"mlp.shared_experts.{theirs}_proj.weight"
+       for ours, theirs in (("w1", "gate"), ("w3", "up"), ("w2", "down"))},
 }
 NAMES = WeightNames("DeepseekV3ForCausalLM", _LAYER_KEYS)
-to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf
+to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf  # the stacked experts have no one HF name: KeyError
 
-state_dict_to_hf, state_dict_from_hf = NAMES.state_to_hf, NAMES.state_from_hf
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # ours -> the class's, per expert
+_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
+    """Our weights under the class's names, each expert's matrices apart (the layout ``save_pretrained``
+    writes and the Hub's checkpoints hold) and every routed layer with its ``e_score_correction_bias`` (zeros
+    where the model keeps no selection bias, and 0-wide shared experts where it has none: the class always has
+    both); a tied output matrix is left out."""
+    out = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
+            for e, matrix in enumerate(v.unbind(0)):
+                out[f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERT_NAMES[parts[4]]}.weight"] = matrix.contiguous()
+        else:
+            out[NAMES.to_hf(k)] = v
+        if k.endswith("mlp.router.weight"):  # what the class holds on every routed layer, whatever the model lacks
+            layer = f"model.layers.{parts[1]}.mlp"
+            if f"layers.{parts[1]}.mlp.router.expert_bias" not in state:
+                out[f"{layer}.gate.e_score_correction_bias"] = torch.zeros(v.shape[0], dtype=torch.float32)
+            if f"layers.{parts[1]}.mlp.shared.w1.weight" not in state:  # no shared expert: the class's are 0 wide
+                d = v.shape[1]
+                out |= {f"{layer}.shared_experts.gate_proj.weight": v.new_zeros(0, d),
+                        f"{layer}.shared_experts.up_proj.weight": v.new_zeros(0, d),
+                        f"{layer}.shared_experts.down_proj.weight": v.new_zeros(d, 0)}
+    if cfg.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
+    """The class's weights under our names: per-expert matrices (or transformers 5's fused ``gate_up_proj`` /
+    ``down_proj``) stacked by expert; ``KeyError`` naming an expert tensor that is missing or mis-shaped."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+    ours = {theirs: mine for mine, theirs in _EXPERT_NAMES.items()}
+    for k, v in state.items():
+        if k.endswith("rotary_emb.inv_freq") or (".shared_experts." in k and v.numel() == 0):
+            continue  # a buffer of older files; the 0-wide shared experts of n_shared_experts = 0
+        if m := _PER_EXPERT.fullmatch(k):
+            experts.setdefault((m[1], ours[m[3]]), {})[int(m[2])] = (k, v)
+        elif m := _FUSED.fullmatch(k):
+            if m[2] == "down_proj":
+                out[f"layers.{m[1]}.mlp.experts.w2"] = v
+            else:  # (E, 2f, d): each expert's gate rows, then its up rows
+                if v.ndim != 3 or v.shape[1] % 2:
+                    raise KeyError(f"{k} has shape {tuple(v.shape)}; expected (experts, 2 * moe_intermediate_size, "
+                                   "hidden_size)")
+                out[f"layers.{m[1]}.mlp.experts.w1"], out[f"layers.{m[1]}.mlp.experts.w3"] = v.chunk(2, dim=1)
+        else:
+            out[NAMES.from_hf(k)] = v
+    for (layer, name), by_expert in experts.items():
+        out[f"layers.{layer}.mlp.experts.{name}"] = _stack(by_expert, cfg.moe.n_experts, layer)
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
+
+
+def _stack(by_expert: dict[int, tuple[str, torch.Tensor]], n_experts: int, layer: str) -> torch.Tensor:
+    """One matrix kind of a layer's experts, (E, out, in); ``KeyError`` for an expert missing, past the
+    config's count, or of another shape than the first."""
+    missing = [e for e in range(n_experts) if e not in by_expert]
+    extra = sorted(e for e in by_expert if e >= n_experts)
+    if missing or extra:
+        named = by_expert[next(iter(by_expert))][0]
+        problem = f"expert {missing[0]} missing" if missing else f"expert {extra[0]} past n_routed_experts = {n_experts}"
+        raise KeyError(f"layer {layer}'s experts ({named} and the others): {problem}")
+    first_name, first = by_expert[0]
+    for name, t in by_expert.values():
+        if t.shape != first.shape:
+            raise KeyError(f"{name} has shape {tuple(t.shape)}, unlike {first_name}'s {tuple(first.shape)}")
+    return torch.stack([by_expert[e][1] for e in range(n_experts)])
 
 
 def hf_config_dict(cfg: DeepseekV3Config, dtype: str = "float32", **extra: Any) -> dict:
     """A ``config.json`` for ``DeepseekV3ForCausalLM``, which computes every ``DeepseekV3Config`` (its refusals
-    keep the config to what the class expresses): every layer dense (``first_k_dense_replace`` = the layers),
-    no multi-token prediction module. Token ids are unset unless ``extra`` gives them (the class's defaults,
+    keep the config to what the class expresses): the routed FFN from ``first_k_dense_replace`` on, no
+    multi-token prediction module. Token ids are unset unless ``extra`` gives them (the class's defaults,
     bos 0 and eos 1, belong to DeepSeek's own tokenizer)."""
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -72,7 +156,15 @@ def hf_config_dict(cfg: DeepseekV3Config, dtype: str = "float32", **extra: Any) 
         "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "v_head_dim": cfg.v_head_dim,
         "rope_interleave": cfg.rope_interleave,
-        "first_k_dense_replace": cfg.n_layers,
+        "first_k_dense_replace": min(cfg.moe.first_dense_layers, cfg.n_layers),
+        "n_routed_experts": cfg.moe.n_experts,
+        "num_experts_per_tok": cfg.moe.n_experts_per_token,
+        "moe_intermediate_size": cfg.moe.width(cfg.ffn_hidden),
+        "n_shared_experts": cfg.moe.n_shared_experts,
+        "n_group": cfg.moe.n_group,
+        "topk_group": cfg.moe.topk_group,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
+        "routed_scaling_factor": cfg.moe.routed_scaling_factor,
         "num_nextn_predict_layers": 0,
         "hidden_act": "silu",
         "max_position_embeddings": hf_max_position_embeddings(cfg),
@@ -92,11 +184,7 @@ def hf_config_dict(cfg: DeepseekV3Config, dtype: str = "float32", **extra: Any) 
     }
 
 
-def _all_dense(value: Any, config: dict) -> bool:
-    return value is None or (isinstance(value, int) and value >= config.get("num_hidden_layers", 61))
-
-
-_MOE_ONLY = HFKey(INERT, "read by the mixture-of-experts layers only, and first_k_dense_replace makes every layer dense")
+_MOE = HFKey(HONOURED, "the routed FFN of the layers from first_k_dense_replace on (model.moe)")
 # every config.json key lmforge knows for DeepseekV3ForCausalLM; any other key is refused (lmforge does not know what it does)
 CONFIG_KEYS: dict[str, dict[str, HFKey]] = {"deepseek_v3": {
     **COMMON_KEYS,
@@ -112,11 +200,8 @@ CONFIG_KEYS: dict[str, dict[str, HFKey]] = {"deepseek_v3": {
     "num_key_value_heads": refused("multi-head latent attention gives every query head its own keys and values; "
                                    "transformers' eager attention computes only num_key_value_heads = num_attention_heads",
                                    lambda v, c: v is None or v == c.get("num_attention_heads")),
-    "first_k_dense_replace": refused("the layers from first_k_dense_replace on are mixtures of experts, which "
-                                     "lmforge's DeepSeek-V3 does not build yet; it imports models whose every layer is dense",
-                                     _all_dense),
-    **dict.fromkeys("moe_intermediate_size n_shared_experts n_routed_experts routed_scaling_factor n_group topk_group "
-                    "num_experts_per_tok norm_topk_prob".split(), _MOE_ONLY),
+    **dict.fromkeys("first_k_dense_replace moe_intermediate_size n_shared_experts n_routed_experts routed_scaling_factor "
+                    "n_group topk_group num_experts_per_tok norm_topk_prob".split(), _MOE),
     "output_router_logits": HFKey(INERT, "an output option (the routers' logits returned)"),
     **dict.fromkeys(("num_nextn_predict_layers", "num_mtp_layers"),  # the second: the class's alias of the first
                     HFKey(INERT, "multi-token prediction modules: DeepseekV3ForCausalLM's forward does not run them")),
@@ -141,7 +226,8 @@ def _check_mscale(config: dict, where: str) -> None:
 
 
 def model_config_from_hf(config: dict, where: str = "config.json") -> DeepseekV3Config:
-    """The ``DeepseekV3Config`` of a DeepSeek-V3 ``config.json`` whose every layer is dense: plain RoPE or any
+    """The ``DeepseekV3Config`` of a DeepSeek-V3 ``config.json``, its routed FFN with the selection bias the
+    class always holds (``moe.selection_bias``, read from ``e_score_correction_bias``): plain RoPE or any
     scaling type transformers' ``ROPE_INIT_FUNCTIONS`` offer over the ``qk_rope_head_dim`` part; a key the
     table refuses at its value, or does not know, is an ``InputError``."""
     model_type, archs = config.get("model_type"), config.get("architectures") or []
@@ -156,11 +242,19 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> DeepseekV3
         # transformers' dynamic NTK has no end past max_position_embeddings; lmforge's context ends factor times it
         max_seq_len = max(max_seq_len, math.floor(rope["rope_factor"] * max_seq_len))
     attention_bias = bool(config.get("attention_bias", False))
+    n_layers = config.get("num_hidden_layers", 61)
+    moe = dict(n_experts=config.get("n_routed_experts", 256), n_experts_per_token=config.get("num_experts_per_tok", 8),
+               expert_ffn_hidden=config.get("moe_intermediate_size", 2048), scores="sigmoid",
+               norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+               routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5)),
+               n_shared_experts=config.get("n_shared_experts", 1), n_group=config.get("n_group", 8),
+               topk_group=config.get("topk_group", 4), selection_bias=True,
+               first_dense_layers=min(config.get("first_k_dense_replace", 3), n_layers))
     try:
         return DeepseekV3Config(
             vocab_size=config.get("vocab_size", 129280),
             d_model=config.get("hidden_size", 7168),
-            n_layers=config.get("num_hidden_layers", 61),
+            n_layers=n_layers,
             n_heads=config.get("num_attention_heads", 128),
             ffn_hidden=config.get("intermediate_size", 18432),
             norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -177,6 +271,7 @@ def model_config_from_hf(config: dict, where: str = "config.json") -> DeepseekV3
             out_bias=attention_bias,
             attn_dropout=float(config.get("attention_dropout") or 0.0),
             init_std=config.get("initializer_range", 0.02),
+            moe=moe,
         )
     except (TypeError, ValueError) as exc:
         raise InputError(f"{where}: {exc}") from exc
