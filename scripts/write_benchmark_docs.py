@@ -532,6 +532,35 @@ def render_kv_cache(r: dict) -> Rendered:
                     f"int8 {num(int8.get('perplexity'), 5)}, int4 {num(int4.get('perplexity'), 5)}")
 
 
+MOE_RUNS = {"dense": "dense", "moe": "MoE, aux-loss-free bias", "moe_unbalanced": "MoE, no balancing"}
+
+
+def render_moe(r: dict) -> Rendered:
+    s = r["summary"]
+    rows = []
+    for x in r["runs"]:
+        load = x.get("final_load")
+        share = (f"{num(sum(v['load_min'] for v in load.values()) / len(load), 3)} / "
+                 f"{num(sum(v['load_max'] for v in load.values()) / len(load), 3)}") if load else "-"
+        rows.append([MOE_RUNS.get(x["name"], x["name"]), num(x["val_loss"], 4), num(x["tokens_per_s"]),
+                     mb(x["memory_bytes"]), num(x["params"]), num(x["active_matmul_params"]), num(x["flops_per_token"]),
+                     share])
+    loads = [v for x in r["runs"] for v in x.get("load_average", [])]
+    lines = [f"{r['steps']} steps of `{r['recipe']}` per model on the same tokens ({num(r['runs'][0]['tokens'])}): "
+             f"{r['experts']} experts, {r['top_k']} per token, against the dense SwiGLU of their active width; "
+             f"validation loss at the last step, median tokens/s after the first step, the loop's peak memory. Expert "
+             f"shares of the last step's assignments, mean over the MoE layers (even: 1/{r['experts']} = "
+             f"{num(1 / r['experts'], 3)}). The machine's load average (1 min) around the runs: {span(loads, 2)}.", ""]
+    lines += table(["model", "validation loss", "tokens/s", "peak memory (MB)", "parameters", "active matmul weights",
+                    "FLOPs/token", "least / most loaded expert"], rows)
+    lines += ["", f"The {s['winner']} model reaches the lower validation loss (MoE minus dense: "
+              f"{num(s['val_loss_moe_minus_dense'], 3)}) at {num(s['tokens_per_s_moe_over_dense'], 3)}x the dense "
+              "model's tokens/s."]
+    return Rendered(lines, f"MoE - dense val loss {num(s['val_loss_moe_minus_dense'], 3)}",
+                    f"dense {num(next(x['val_loss'] for x in r['runs'] if x['name'] == 'dense'), 4)}",
+                    f"{num(s['tokens_per_s_moe_over_dense'], 3)}x tokens/s")
+
+
 def grid_moves(steps: int) -> str:
     """How far a best rate moved along the grid, in words: "stays", "moves 1 step down"."""
     if steps == 0:
@@ -553,7 +582,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
-    "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "rollout_correction": render_rollout_correction,
+    "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "rollout_correction": render_rollout_correction,
 }
 
 
