@@ -16,7 +16,9 @@ then ``lmforge pretrain recipes/demo/pretrain.yaml`` narrowed to 4 layers of 2 h
 - perplexity: exp of the mean next-token NLL over held-out 1024-token windows (the validation
   split, never trained on), each window one cached forward: every key and value attention reads
   comes back from the cache, rounded as stored (a query reads the rounded keys of its own step
-  too, so this is what token-by-token decoding would score);
+  too, so this is what token-by-token decoding would score); beside it, how far each row's
+  predictions are from the fp32 cache's on the same windows: the mean KL divergence (nats per
+  prediction) and the largest change of a log-probability;
 - decode tokens/s: ``--batch`` rows, a prefill of 1024 - ``--new-tokens`` tokens, then ``--new-tokens``
   greedy decode steps on the engine's decoding layout, best of ``--repeats``; the model in
   float32, so only the cache's storage differs between rows. The machine is shared with other
@@ -25,9 +27,11 @@ then ``lmforge pretrain recipes/demo/pretrain.yaml`` narrowed to 4 layers of 2 h
 The GQA row is the same width with one KV head: its bytes are counted from the cache it would
 make; it was not trained here, so it has no perplexity. The sliding-window row is the trained
 model (full attention in training) decoding with a window of ``--window`` positions into a ring:
-bytes per token as bf16, but memory flat past the window. The MLA row (``kind: latent``) is a
-place the multi-head latent attention family fills (issue 33): its cache stores the compressed
-latent and the RoPE key per token; until then its figures are absent and the table says so.
+bytes per token as bf16, but memory flat past the window. The MLA row (``kind: latent``) is
+multi-head latent attention of the same width (the ``deepseek_v3`` family, every layer dense; a
+latent of d_model/4 and a RoPE key of head_dim/4 per layer, DeepSeek-V2-Lite's latent ratio), whose
+cache stores only those two per token and decodes in the absorbed form; it is not trained here, so
+it has no perplexity, and its decode speed is measured on its random weights.
 """
 
 from __future__ import annotations
@@ -42,13 +46,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from record import header, load_average, now, write_result
 
 from lmforge.checkpoints.load import load_model
 from lmforge.data.shards import open_shards
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.families import build as build_model
+from lmforge.model.families import model_config
 from lmforge.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,9 +61,9 @@ CONTEXT = 1024
 STORAGE = ("fp32", "bf16", "int8", "int4")  # the storage rows, fp32 (the model's dtype here) the reference
 MODEL = ["model.vocab_size=2048", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2", "model.n_layers=4",
          "model.ffn_hidden=384", f"model.max_seq_len={CONTEXT}"]
-TRAIN = [f"data.seq_len={CONTEXT}", "train.micro_batch_size=4", "train.batch_tokens=4096", "train.max_steps=60",
-         "train.warmup_steps=6", "train.lr=3e-3", "train.eval_every=60", "train.eval_batches=4", "train.log_every=10",
-         "train.checkpoint_every=60", "train.compile=false", "train.max_minutes=8"]
+TRAIN = [f"data.seq_len={CONTEXT}", "train.micro_batch_size=1", "train.batch_tokens=1024", "train.max_steps=240",
+         "train.warmup_steps=10", "train.lr=3e-3", "train.eval_every=240", "train.eval_batches=16", "train.log_every=20",
+         "train.checkpoint_every=240", "train.compile=false", "train.max_minutes=8"]
 QUICK_TRAIN = ["data.seq_len=256", "model.max_seq_len=256", "train.micro_batch_size=2", "train.batch_tokens=null",
                "train.max_steps=3", "train.warmup_steps=1", "train.eval_every=3", "train.eval_batches=1",
                "train.log_every=1", "train.checkpoint_every=3", "train.compile=false"]
@@ -99,16 +103,26 @@ def heldout_windows(data: Path, n: int, length: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def perplexity(model: Transformer, windows: torch.Tensor, kind: str, batch: int = 4) -> float:
-    """exp(mean next-token NLL) of the windows, each one cached forward into a ``kind`` cache."""
-    total, count = 0.0, 0
+def window_logprobs(model: Transformer, windows: torch.Tensor, kind: str, batch: int = 4) -> torch.Tensor:
+    """(N, length, vocab) float32 next-token log-probabilities of the windows (N, length + 1), each
+    window one cached forward into a ``kind`` cache."""
+    out = []
     for rows in windows.split(batch):
-        x, y = rows[:, :-1], rows[:, 1:]
+        x = rows[:, :-1]
         cache = model.new_kv_cache(len(rows), x.shape[1], torch.float32, "cpu", kind)
-        logits = model(x, kv_cache=cache)
-        total += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
-        count += y.numel()
-    return math.exp(total / count)
+        out.append(torch.log_softmax(model(x, kv_cache=cache).float(), dim=-1))
+    return torch.cat(out)
+
+
+def perplexity(logprobs: torch.Tensor, windows: torch.Tensor) -> float:
+    """exp(mean next-token NLL) of the windows' targets under ``logprobs``."""
+    return math.exp(-float(logprobs.gather(-1, windows[:, 1:, None]).mean()))
+
+
+def divergence(logprobs: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(reference || this) in nats per prediction, and the largest |log-probability| change."""
+    kl = (reference.exp() * (reference - logprobs)).sum(dim=-1).mean()
+    return float(kl), float((reference - logprobs).abs().max())
 
 
 @torch.inference_mode()
@@ -140,31 +154,54 @@ def with_config(model: Transformer, **fields) -> Transformer:
     return other
 
 
+def latent_model(cfg) -> Transformer:
+    """Multi-head latent attention of ``cfg``'s width and depth (family ``deepseek_v3``, every layer dense): a
+    latent of d_model/4 and a RoPE key of head_dim/4 per layer, heads of head_dim for queries, keys and values."""
+    rope = max(2, cfg.head_dim // 4 // 2 * 2)
+    return build_model(model_config(dict(
+        family="deepseek_v3", vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+        ffn_hidden=cfg.ffn_hidden, max_seq_len=cfg.max_seq_len, kv_lora_rank=cfg.d_model // 4, qk_rope_head_dim=rope,
+        qk_nope_head_dim=cfg.head_dim - rope, v_head_dim=cfg.head_dim, moe={"first_dense_layers": cfg.n_layers}))).eval()
+
+
+def scored(model: Transformer, windows: torch.Tensor, kind: str, reference: torch.Tensor | None) -> dict:
+    """Perplexity of the windows over a ``kind`` cache, and how far its predictions are from ``reference``'s."""
+    logprobs = window_logprobs(model, windows, kind)
+    kl, worst = divergence(logprobs, reference) if reference is not None else (0.0, 0.0)
+    return {"perplexity": perplexity(logprobs, windows), "kl_to_fp32": kl, "max_logprob_change": worst}
+
+
+NOT_SCORED = {"perplexity": None, "kl_to_fp32": None, "max_logprob_change": None, "decode_tokens_per_s": None}
+
+
 def rows_of(model: Transformer, windows: torch.Tensor, args: argparse.Namespace) -> list[dict]:
     context = model.cfg.max_seq_len
+    reference = window_logprobs(model, windows, "fp32")
     rows = []
     for kind in STORAGE:
         rows.append({"kind": "storage", "name": kind, "kv_cache_dtype": kind, **cache_figures(model, kind, context),
-                     "perplexity": perplexity(model, windows, kind),
+                     **scored(model, windows, kind, reference),
                      "decode_tokens_per_s": decode_tokens_per_s(model, kind, args)})
     gqa = build_model(dataclasses.replace(model.cfg, n_kv_heads=1))
     rows.append({"kind": "gqa", "name": f"GQA, {gqa.cfg.n_kv_heads} KV head of {gqa.cfg.n_heads}", "kv_cache_dtype": "bf16",
-                 **cache_figures(gqa, "bf16", context), "perplexity": None, "decode_tokens_per_s": None,
+                 **cache_figures(gqa, "bf16", context), **NOT_SCORED,
                  "note": "not trained here: bytes counted from the cache it makes"})
     window = min(args.window, context)
     slid = with_config(model, sliding_window=window)
     rows.append({"kind": "sliding_window", "name": f"sliding window {window}", "kv_cache_dtype": "bf16",
-                 **cache_figures(slid, "bf16", context), "perplexity": perplexity(slid, windows, "bf16"),
+                 **cache_figures(slid, "bf16", context), **scored(slid, windows, "bf16", reference),
                  "decode_tokens_per_s": decode_tokens_per_s(slid, "bf16", args),
                  "note": "the full-attention model decoding with a window it was not trained with"})
-    rows.append({"kind": "latent", "name": "MLA latent cache", "kv_cache_dtype": None, "bytes_per_token": None,
-                 "cache_bytes_at_context": None, "capacity": None, "perplexity": None, "decode_tokens_per_s": None,
-                 "note": "to be filled by the multi-head latent attention family (issue 33)"})
+    mla = latent_model(model.cfg)
+    rows.append({"kind": "latent", "name": "MLA latent cache", "kv_cache_dtype": "bf16", **cache_figures(mla, "bf16", context),
+                 **NOT_SCORED, "decode_tokens_per_s": decode_tokens_per_s(mla, "bf16", args),
+                 "note": f"latent {mla.cfg.kv_lora_rank} + RoPE key {mla.cfg.qk_rope_head_dim} per layer; not trained "
+                         "here: no perplexity, speed on random weights"})
     bf16 = next(r for r in rows if r["name"] == "bf16")["bytes_per_token"]
     for r in rows:
         r["bytes_vs_bf16"] = None if r["bytes_per_token"] is None else round(r["bytes_per_token"] / bf16, 4)
-        for key in ("perplexity", "decode_tokens_per_s"):
-            r[key] = None if r[key] is None else round(r[key], 4 if key == "perplexity" else 1)
+        for key, digits in (("perplexity", 4), ("decode_tokens_per_s", 1), ("kl_to_fp32", 8), ("max_logprob_change", 5)):
+            r[key] = None if r[key] is None else round(r[key], digits)
     return rows
 
 
@@ -201,10 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         "figure": "bytes per token of the KV cache, held-out perplexity and decode tokens/s for each way of storing it",
         "rows": rows,
     }
-    print(f"{'row':<28} {'bytes/token':>11} {'vs bf16':>7} {'ppl':>9} {'decode tok/s':>12}")
+    print(f"{'row':<28} {'bytes/token':>11} {'vs bf16':>7} {'ppl':>9} {'KL to fp32':>10} {'decode tok/s':>12}")
     for r in rows:
         print(f"{r['name']:<28} {r['bytes_per_token'] or '-':>11} {r['bytes_vs_bf16'] or '-':>7} "
-              f"{r['perplexity'] or '-':>9} {r['decode_tokens_per_s'] or '-':>12}")
+              f"{r['perplexity'] or '-':>9} {r['kl_to_fp32'] if r['kl_to_fp32'] is not None else '-':>10} "
+              f"{r['decode_tokens_per_s'] or '-':>12}")
     write_result(result, Path(args.out))
 
 

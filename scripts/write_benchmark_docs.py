@@ -516,15 +516,18 @@ def render_kv_cache(r: dict) -> Rendered:
         ring = f" (a ring of {x['capacity']})" if x["capacity"] is not None and x["capacity"] < r["context"] else ""
         rows.append([x["name"], f"`{x['kv_cache_dtype']}`" if x["kv_cache_dtype"] else "-", num(x["bytes_per_token"]),
                      num(x["bytes_vs_bf16"]), "-" if at is None else f"{at / 2**10:,.0f}{ring}",
-                     num(x["perplexity"], 5), num(x["decode_tokens_per_s"]), x.get("note", "")])
+                     num(x["perplexity"], 5), num(x.get("kl_to_fp32"), 2), num(x.get("max_logprob_change"), 2),
+                     num(x["decode_tokens_per_s"]), x.get("note", "")])
     lines = [f"A {m['n_layers']}-layer model of {m['n_heads']} heads of {m['head_dim']} ({num(m['params'])} parameters, "
              f"vocabulary {m['vocab_size']}) trained {m['steps']} steps at {r['context']} tokens on the demo corpus "
              f"(validation loss {num(m['val_loss'], 4)}); perplexity of {r['windows']} held-out windows of {r['context']} "
-             f"tokens, every key and value read back from the cache; decode: {d['batch']} rows, {d['new_tokens']} steps "
+             f"tokens, every key and value read back from the cache, and how far each row's predictions are from the "
+             f"fp32 cache's on them (mean KL, nats per prediction; the largest change of a log-probability); "
+             f"decode: {d['batch']} rows, {d['new_tokens']} steps "
              f"after a prefill to {r['context'] - d['new_tokens']}, best of {d['repeats']}, {d['threads']} threads, "
              f"the model in float32 (load average {span(r['load_average'], 2)}: a shared machine, timings are noisy).", ""]
     lines += table(["cache", "kv_cache_dtype", "bytes/token", "vs bf16", f"KiB at {r['context']}", "perplexity",
-                    "decode tok/s", "note"], rows)
+                    "KL to fp32", "max Δ log p", "decode tok/s", "note"], rows)
     by = {x["name"]: x for x in r["rows"]}
     int8, int4, ref = by.get("int8", {}), by.get("int4", {}), by.get("fp32", {})
     return Rendered(lines, f"int8 {num(int8.get('bytes_vs_bf16'))}x, int4 {num(int4.get('bytes_vs_bf16'))}x bf16's bytes",
