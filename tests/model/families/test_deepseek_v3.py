@@ -484,3 +484,26 @@ def test_lora_on_the_latent_projections_merges_into_the_same_logits_and_names_tr
     theirs.load_state_dict(state_dict_to_hf(model.state_dict(), cfg))
     torch.testing.assert_close(logits(theirs), adapted, atol=1e-5, rtol=0)
     assert to_hf_name("layers.1.attn.wkv_a.weight", "deepseek_v3") == "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+
+
+def test_a_saved_adapter_on_the_latent_projections_loads_in_peft_with_identical_logits(tmp_path):
+    import peft
+
+    from lmforge.checkpoints.files import write_checksums, write_model_files
+    from lmforge.core.io import atomic_directory
+    from lmforge.peft.adapters import save_adapter
+    from tests.peft.test_lora import randomize_adapters_
+
+    model = random_model(small(q_lora_rank=24, moe=ROUTED))  # a routed layer: its experts keep no adapter
+    with atomic_directory(tmp_path / "ckpt") as tmp:
+        write_model_files(tmp, model, None)
+        write_checksums(tmp)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    lora_cfg = LoraConfig(r=4, alpha=8, target_modules=["attn.wq_a", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo"])
+    apply_lora(model, lora_cfg)
+    randomize_adapters_(model)
+    save_adapter(model, lora_cfg, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "hf"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+    theirs = peft.PeftModel.from_pretrained(from_folder(tmp_path / "hf"), tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits(theirs), logits(model), atol=1e-5, rtol=0)
