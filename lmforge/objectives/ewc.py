@@ -39,7 +39,7 @@ rank must give P the same weight. Evaluation (no gradient) scores the inner loss
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +50,13 @@ from safetensors.torch import save
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lmforge.checkpoints.files import load_model_config
+from lmforge.checkpoints.load import resolve_checkpoint
 from lmforge.core.config import at_least, option
 from lmforge.core.io import InputError, atomic_write_bytes
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.model import families
+from lmforge.model.config import ModelConfig
 from lmforge.objectives.base import LossOutput, Objective
 from lmforge.peft.lora import LoraLinear, lora_modules
 
@@ -90,9 +94,15 @@ def online_fisher(stored: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
 
 
 def fisher_path(path: str | Path) -> Path:
-    """The Fisher file ``path`` names: itself, or ``fisher.safetensors`` in a checkpoint directory."""
+    """The Fisher file ``path`` names: itself, or ``fisher.safetensors`` in a folder: the folder's own, else
+    that of the checkpoint the folder resolves to (a run directory's newest, a fine-tuning run's final/)."""
     path = Path(path)
-    return path / FISHER_FILE if path.is_dir() else path
+    if not path.is_dir() or (path / FISHER_FILE).is_file():
+        return path / FISHER_FILE if path.is_dir() else path
+    try:
+        return resolve_checkpoint(path, verify=False) / FISHER_FILE
+    except InputError:
+        return path / FISHER_FILE
 
 
 def write_fisher(path: str | Path, fisher: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor],
@@ -100,8 +110,10 @@ def write_fisher(path: str | Path, fisher: dict[str, torch.Tensor], anchor: dict
     """F and θ* (float32, by parameter name) and ``metadata`` into one safetensors file, atomically."""
     if fisher.keys() != anchor.keys():
         raise ValueError("the Fisher and the anchor must name the same tensors")
-    tensors = {f"fisher/{k}": v.detach().float().contiguous().cpu() for k, v in fisher.items()}
-    tensors |= {f"anchor/{k}": v.detach().float().contiguous().cpu() for k, v in anchor.items()}
+    def stored(t: torch.Tensor) -> torch.Tensor:  # a copy: safetensors refuses two names for one storage
+        return t.detach().to("cpu", torch.float32, copy=True).contiguous()
+
+    tensors = {f"fisher/{k}": stored(v) for k, v in fisher.items()} | {f"anchor/{k}": stored(v) for k, v in anchor.items()}
     path = Path(path)
     atomic_write_bytes(path, save(tensors, metadata={"format": FISHER_FORMAT, **{k: str(v) for k, v in metadata.items()}}))
     return path
@@ -256,5 +268,13 @@ def check_ewc(cfg: EWCConfig | None, shapes: Callable[[], dict[str, tuple[int, .
     check_fisher_shapes(shapes(), fisher, fisher_path(cfg.fisher))
 
 
-def named_shapes(tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
-    return {checkpoint_name(n): tuple(t.shape) for n, t in tensors}
+def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The parameters' shapes by name of the model ``cfg`` builds (on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = families.build(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """``model_shapes`` of the checkpoint at ``path`` (a checkpoint or run directory), from its config."""
+    return model_shapes(load_model_config(resolve_checkpoint(path, verify=False)))

@@ -55,6 +55,8 @@ VERBS = [
          "lmforge.stages.serve"),
     Verb("merge", "merge LoRA adapters or checkpoints: linear, task arithmetic, TIES, DARE (peft's combination types)",
          "lmforge.stages.merge"),
+    Verb("fisher", "the diagonal Fisher of a checkpoint on a dataset, for EWC (or folded into a stored one: EWC++)",
+         "lmforge.stages.fisher"),
     Verb("export", "export a checkpoint as a Hugging Face model folder", "lmforge.stages.export"),
     Verb("import", "import a Hugging Face model folder as an lmforge checkpoint (--help lists the families)",
          "lmforge.stages.import_hf"),

@@ -46,6 +46,7 @@ from lmforge.distributed.mesh import (
 )
 from lmforge.distributed.parallelize import reshard
 from lmforge.model.transformer import Transformer
+from lmforge.objectives.ewc import check_ewc, checkpoint_shapes, ewc_objective
 from lmforge.objectives.reference import Reference, precompute_logprobs
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
@@ -188,7 +189,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         reference = references.policy_reference(model)
     if stage.reference_columns is not None and stage.precompute_reference:
         precompute_reference(model, [train_rows, val_rows], stage.reference_columns, cfg, device, parallel, stage.name)
-    objective = stage.objective(reference)
+    objective = ewc_objective(stage.objective(reference), getattr(recipe, "ewc", None), model, parallel)
     val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
     if val_batches:
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
@@ -291,6 +292,7 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     Under ``parallel`` every rank reads all examples and loads the whole base, rank 0 alone
     writes the run directory and chooses the precision for all."""
     check_data_paths(recipe, stage)
+    check_ewc(getattr(recipe, "ewc", None), lambda: checkpoint_shapes(recipe.checkpoint))  # before anything is written
     device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
     check_finetune_memory(recipe, device, parallel)
     logging_rank = parallel is None or parallel.is_logging_rank

@@ -60,6 +60,7 @@ from lmforge.model.transformer import Transformer
 from lmforge.objectives.base import Objective
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.objectives.denoising import DenoisingObjective
+from lmforge.objectives.ewc import EWCConfig, check_ewc, ewc_objective, model_shapes
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.loop import TrainConfig, ValidationSet, accumulation_steps, precision_line, run_precision, train
 from lmforge.train.metrics import is_domain_loss, loss_curve_lines
@@ -91,6 +92,8 @@ class PretrainRecipe:
     data: LoaderConfig = field(default_factory=LoaderConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
+                                   "`lmforge fisher` on the init checkpoint (docs/continual-learning.md)")
 
 
 def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
@@ -258,6 +261,10 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
 
     noise = pretrain_noise(recipe, tok, layout.pp)
     init = init_checkpoint(recipe)
+    if recipe.ewc is not None and layout.pp > 1:
+        raise ConfigError(f"ewc: the penalty is added by the objective, which a pipeline's schedule does not call "
+                          f"(parallel.pp={layout.pp}); set parallel.pp=1")
+    check_ewc(recipe.ewc, lambda: model_shapes(recipe.model))
 
     if layout.world_size > 1:
         if recipe.train.eval_tasks:
@@ -313,7 +320,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp, noise)
     summary = train(
         model=model,
-        objective=pretrain_objective(recipe, token_bytes),
+        objective=ewc_objective(pretrain_objective(recipe, token_bytes), recipe.ewc, model, ctx),
         train_batches=loader if noise is None else NoisedLoader(loader, noise),
         cfg=cfg,
         run_dir=run_dir,

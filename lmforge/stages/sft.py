@@ -30,6 +30,7 @@ from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.objectives.ewc import EWCConfig
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
@@ -68,6 +69,8 @@ class SFTRecipe:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     objective: SFTObjectiveConfig = field(default_factory=SFTObjectiveConfig)
     lora: LoraConfig | None = option(None, help="set to fine-tune adapters only (use_dora for DoRA)")
+    ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
+                                   "`lmforge fisher` (docs/continual-learning.md)")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
     score: ScoreConfig = option(default_factory=ScoreConfig, help="scored before and after training (none by default)")
     parallel: ParallelConfig = option(
