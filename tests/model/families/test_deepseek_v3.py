@@ -446,16 +446,25 @@ def test_a_folder_whose_latent_projection_is_mis_shaped_is_one_line_naming_it(tm
 # --------------------------------------------------------------------------- training, LoRA
 
 
-def test_pretraining_a_deepseek_v3_lowers_the_loss(tmp_path, shards_dir, small_tokenizer_dir):  # noqa: F811
+def test_pretraining_a_deepseek_v3_with_its_balancing_lowers_the_loss_and_moves_the_bias(tmp_path, shards_dir,  # noqa: F811
+                                                                                         small_tokenizer_dir):
+    """Layer 1 routed (the family's default first_dense_layers = 1) with DeepSeek-V3's balancing: the
+    aux-loss-free bias (γ = 1e-3) and the sequence-wise loss (α = 1e-4), through the one loop."""
     recipe = load_config(PretrainRecipe, None, tiny_pretrain_overrides(
         tmp_path / "run", shards_dir, small_tokenizer_dir, **{
             "model.family": "deepseek_v3", "model.n_kv_heads": "null", "model.q_lora_rank": 16, "model.kv_lora_rank": 16,
-            "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8, "train.lr": 1e-2}))
+            "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 8,
+            "model.moe.expert_ffn_hidden": 16, "model.moe.bias_update_rate": 1e-3, "model.moe.seq_aux_loss_coef": 1e-4,
+            "train.lr": 1e-2}))
     run_pretrain(recipe)
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    losses = [r["loss"] for r in records]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.2, losses
+    assert all("moe/seq_balance" in r and "moe/layer1/entropy" in r for r in records)
     model, _ = load_model(tmp_path / "run")
     assert type(model) is DeepseekV3 and model.cfg.family == "deepseek_v3"
+    bias = model.layers[1].mlp.router.expert_bias
+    assert bias.abs().max() > 0 and torch.allclose(bias.abs(), torch.full_like(bias, 1e-3) * (bias.abs() / 1e-3).round())
 
 
 @torch.no_grad()
