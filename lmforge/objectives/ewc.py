@@ -48,7 +48,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lmforge.checkpoints.files import load_model_config
 from lmforge.checkpoints.load import resolve_checkpoint
@@ -162,18 +162,35 @@ def checkpoint_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter (its gradient lands on the shard), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter whole on every rank; in the backward each rank's gradient of it is summed
+    into the shards (reduce-scatter), as every rank's rows of a product used all of it."""
+    if not isinstance(t, DTensor):
+        return t
+    partial = [Partial() if isinstance(p, Shard) else Replicate() for p in t.placements]
+    return t.full_tensor(grad_placements=partial)
+
+
 def adapted_weight(layer: LoraLinear) -> torch.Tensor:
-    """The weight a LoRA/DoRA layer computes with, differentiable in its adapters: W + s·BA, or
-    (m/n)(W + s·BA) with DoRA's row norm n held constant (DoRA §4.3, as the layer's forward)."""
-    weight = layer.base_weight() + layer.delta_weight()
+    """This rank's rows of the weight a LoRA/DoRA layer computes with, differentiable in its adapters:
+    W + s·BA, or (m/n)(W + s·BA) with DoRA's row norm n held constant (DoRA §4.3, as the layer's forward).
+    Under FSDP W, B and m are split by rows alike and A is gathered."""
+    weight = local(layer.base_weight()) + layer.scaling * (local(layer.lora_B.weight) @ gathered(layer.lora_A.weight))
     if layer.lora_magnitude_vector is not None:
-        weight = (layer.lora_magnitude_vector / layer.weight_norm()).view(-1, 1) * weight
+        norm = torch.linalg.norm(weight.detach(), dim=1)
+        weight = (local(layer.lora_magnitude_vector) / norm).view(-1, 1) * weight
     return weight
 
 
 def trained_tensors(model: nn.Module) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
-    """Checkpoint name -> (θ as a function of the trained parameters, the tensor whose layout F takes):
-    each trainable parameter, and for each LoRA layer its adapted weight (in place of its adapters)."""
+    """Checkpoint name -> (this rank's part of θ as a function of the trained parameters, the tensor
+    whose layout F and θ* take): each trainable parameter, and for each LoRA layer its adapted weight
+    (in place of its adapters)."""
     out: dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]] = {}
     layers = lora_modules(model)
     inside = tuple(f"{name}." for name in layers)
@@ -181,32 +198,57 @@ def trained_tensors(model: nn.Module) -> dict[str, tuple[Callable[[], torch.Tens
         out[checkpoint_name(f"{name}.weight")] = (lambda layer=layer: adapted_weight(layer), layer.base.weight)
     for name, p in model.named_parameters():
         if p.requires_grad and not name.startswith(inside):
-            out[checkpoint_name(name)] = (lambda p=p: p, p)
+            out[checkpoint_name(name)] = (lambda p=p: local(p), p)
     return out
 
 
-def placed_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``value`` on ``like``'s device, dtype and, for a DTensor, its mesh and placements (each rank its shard)."""
+def local_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``value`` laid out as ``like``: for a DTensor ``like`` its shard (as FSDP and
+    TP split: ``torch.chunk``), else ``value`` on its device and dtype."""
     if isinstance(like, DTensor):
-        return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
+        return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements).to_local()
     return value.to(like.device, like.dtype)
 
 
+def shard_group(like: torch.Tensor) -> tuple | None:
+    """What this rank's partial sums are summed over: the mesh dims ``like`` is sharded on (None: not a DTensor)."""
+    if not isinstance(like, DTensor):
+        return None
+    return like.device_mesh, tuple(isinstance(p, Shard) for p in like.placements)
+
+
 class EWCPenalty:
-    """P(θ) = (λ/2) · Σ_i F_i (θ_i − θ*_i)² of a prepared model (LoRA, FSDP), computed when called."""
+    """P(θ) = (λ/2) · Σ_i F_i (θ_i − θ*_i)² of a prepared model (LoRA, FSDP), computed when called.
+
+    Each rank computes the penalty of its own shards against its shards of F and θ*; the value is
+    their sum over the shards (replicas counted once), and the gradient is each rank's own term's,
+    on its own shards: ``local + (total - local).detach()``. Autograd through the collectives
+    would hand FSDP a gradient laid out as the reduction left it, not as the shard it accumulates."""
 
     def __init__(self, model: nn.Module, fisher: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor],
-                 lam: float, where: Path):
+                 lam: float, where: Path | str):
         tensors = trained_tensors(model)
-        check_fisher_shapes({n: tuple(like.shape) for n, (_, like) in tensors.items()}, fisher, where)
+        check_fisher_shapes({n: tuple(like.shape) for n, (_, like) in tensors.items()}, fisher, Path(where))
         self.lam = lam
-        self.values = [value for value, _ in tensors.values()]
-        self.fisher = [placed_like(fisher[n], like) for n, (_, like) in tensors.items()]
-        self.anchor = [placed_like(anchor[n], like) for n, (_, like) in tensors.items()]
+        self.terms = [(value, local_like(fisher[n], like), local_like(anchor[n], like), shard_group(like))
+                      for n, (value, like) in tensors.items()]
 
     def __call__(self) -> torch.Tensor:
-        total = ewc_penalty([value() for value in self.values], self.fisher, self.anchor, self.lam)
-        return total.full_tensor() if isinstance(total, DTensor) else total
+        groups: dict[tuple | None, list[torch.Tensor]] = {}
+        for value, fisher, anchor, group in self.terms:
+            groups.setdefault(group, []).append(ewc_penalty([value()], [fisher], [anchor], self.lam))
+        local = sum(sum(parts) for parts in groups.values())
+        total = sum(summed_over_shards(sum(parts).detach(), group) for group, parts in groups.items())
+        return local + (total - local.detach())
+
+
+def summed_over_shards(partial: torch.Tensor, group: tuple | None) -> torch.Tensor:
+    """A rank's partial sum summed over the mesh dims its tensors are sharded on (not over replicas)."""
+    if group is None:
+        return partial
+    mesh, sharded = group
+    placements = [Partial() if s else Replicate() for s in sharded]
+    return DTensor.from_local(partial, mesh, placements, run_check=False).full_tensor()
 
 
 class EWCObjective(Objective):
