@@ -32,6 +32,7 @@ from lmforge.data.preference import pair_rows, read_preference_pairs
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.dpo import PreferenceLossConfig, PreferenceObjective
+from lmforge.objectives.ewc import EWCConfig
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.finetune import FinetuneStage, PreferenceDataConfig, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, combined, named_scorer, preference_scorer
@@ -53,6 +54,8 @@ class DPORecipe:
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     objective: PreferenceLossConfig = option(default_factory=PreferenceLossConfig, help="loss, beta, ...")
     lora: LoraConfig | None = option(None, help="adapters only; the reference is then the model with adapters disabled")
+    ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
+                                   "`lmforge fisher` (docs/continual-learning.md)")
     precompute_reference: bool = option(
         True, help="reference log-probs in one pass before training (no reference in memory after)"
     )

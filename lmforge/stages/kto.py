@@ -31,6 +31,7 @@ from lmforge.data.documents import SkipLog
 from lmforge.data.preference import pair_rows, read_preference_pairs, read_unpaired_examples, unpaired_rows
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.objectives.ewc import EWCConfig
 from lmforge.objectives.kto import KTOLossConfig, KTOObjective, weight_balance_warning
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.dpo import report
@@ -52,6 +53,8 @@ class KTORecipe:
         default_factory=list, help="held-out prompt/chosen/rejected pairs, scored before and after"
     )
     lora: LoraConfig | None = option(None, help="adapters only; the reference is then the model with adapters disabled")
+    ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
+                                   "`lmforge fisher` (docs/continual-learning.md)")
     precompute_reference: bool = option(True, help="reference log-probs in one pass before training")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=5e-6, warmup_steps=10, eval_every=50,
                                                                    micro_batch_size=8))

@@ -125,7 +125,7 @@ def test_with_lora_the_penalty_is_on_the_merged_weight_and_reaches_the_adapters(
 
 def test_a_fisher_of_another_models_shapes_is_refused_naming_the_file(tmp_path):
     small, other = tiny(vocab=32), tiny(vocab=48)
-    path = write_fisher(tmp_path / "fisher.safetensors", *random_fisher(other), {"labels": "true"})
+    path = write_fisher(tmp_path / "fisher.safetensors", *random_fisher(other), {"labels": "sampled"})
     with pytest.raises(InputError, match=r"ewc.fisher: .*fisher.safetensors holds embed.weight of shape \(48, 16\)"):
         ewc_objective(CausalLMObjective(), EWCConfig(fisher=str(path), lambda_=1.0), small)
     with pytest.raises(InputError, match="ewc.fisher: .*does not exist"):
@@ -185,7 +185,7 @@ def test_empirical_fisher_equals_a_per_sequence_brute_force_loop():
 
 def test_true_fisher_uses_labels_sampled_from_the_model_and_equals_the_brute_force_loop():
     model, seqs = tiny(), sequences(4, 8, 32)
-    got, _, _ = diagonal_fisher(model, seqs, labels="true", seed=7)
+    got, _, _ = diagonal_fisher(model, seqs, labels="sampled", seed=7)
     generator = torch.Generator().manual_seed(7)
 
     def sampled(i, ids, targets):  # the same draws, in the same order: ŷ_t ~ p(·|x_≤t) on trained positions
@@ -204,7 +204,7 @@ def test_true_fisher_uses_labels_sampled_from_the_model_and_equals_the_brute_for
 
 
 def max_tokens_respected(model, seqs) -> bool:
-    _, tokens, count = diagonal_fisher(model, seqs, labels="true", max_tokens=10)
+    _, tokens, count = diagonal_fisher(model, seqs, labels="sampled", max_tokens=10)
     return (tokens, count) == (14, 2)  # 7 targets a sequence: the second reaches 10
 
 
@@ -238,3 +238,22 @@ def test_exact_fisher_is_the_enumerated_expectation_for_every_parameter():
                     expected[n] += prob * g[n].square()
     for n in expected:
         torch.testing.assert_close(got[n], expected[n] / tokens, rtol=1e-10, atol=1e-14)
+
+
+def test_with_dora_the_penalty_is_on_the_weight_the_layer_computes_with():
+    model = tiny()
+    fisher, anchor = random_fisher(model)
+    apply_lora(model, LoraConfig(r=2, alpha=4.0, target_modules=["mlp.w1"], use_dora=True))
+    layer = model.layers[0].mlp.w1
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        layer.lora_magnitude_vector.mul_(1.5)
+    name = "layers.0.mlp.w1.weight"
+    merged = layer.merged_weight()  # the layer's own (m/n)(W + s·BA)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ merged.T, rtol=1e-12, atol=1e-12)  # it is what the layer computes
+    value = EWCPenalty(model, fisher, anchor, 2.0, where="test")()
+    assert float(value.detach()) == pytest.approx(float((fisher[name] * (merged - anchor[name]).square()).sum()),
+                                                  rel=1e-12)
+    value.backward()
+    assert layer.lora_magnitude_vector.grad.abs().sum() > 0 and layer.lora_B.weight.grad.abs().sum() > 0

@@ -14,12 +14,14 @@ from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.core.config import load_config
 from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
-from lmforge.data.sft_demo import write_demo
+from lmforge.data.preference_demo import make_pairs, write_jsonl
+from lmforge.data.sft_demo import make_examples, write_demo
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.clm import CausalLMObjective
 from lmforge.objectives.ewc import read_fisher, write_fisher
 from lmforge.objectives.fisher import diagonal_fisher
+from lmforge.stages.dpo import DPORecipe, run_dpo
 from lmforge.stages.fisher import FisherRecipe, run_fisher
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.sft import SFTRecipe, run_sft
@@ -168,3 +170,39 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, pretrained, 
     refused([*fisher, f"fold_into={other}"], capsys, f"fold_into: {other} holds embed.weight", out)
     refused([*fisher, "online_gamma=0.3"], capsys, "online_gamma: it weighs a stored Fisher (fold_into)", out)
     refused(["fisher", f"checkpoint={pretrained}", f"out={out}"], capsys, "data: give data.shards", out)
+
+
+def test_continued_pretraining_with_ewc_resumes_exactly_mid_run(tmp_path, pretrained, shards_dir,  # noqa: F811
+                                                                 small_tokenizer_dir):
+    fisher = run_fisher(fisher_recipe(pretrained, shards_dir, f"out={tmp_path / 'f.safetensors'}"))["out"]
+
+    def recipe(name: str, **overrides) -> PretrainRecipe:
+        keys = {"init": str(pretrained), "ewc": f"{{fisher: {fisher}, lambda_: 1000}}", "model.max_seq_len": 128,
+                "train.lr": 3e-2, "train.eval_every": 0, "train.checkpoint_every": 4, **overrides}
+        return load_config(PretrainRecipe, None, tiny_pretrain_overrides(tmp_path / name, shards_dir,
+                                                                         small_tokenizer_dir, **keys))
+
+    run_pretrain(recipe("whole"))
+    run_pretrain(recipe("resumed", **{"train.stop_at_step": 4}))
+    run_pretrain(recipe("resumed"))
+    whole = [(r["step"], r["loss"], r["ewc/penalty"]) for r in read_metrics(tmp_path / "whole") if "loss" in r]
+    resumed = [(r["step"], r["loss"], r["ewc/penalty"]) for r in read_metrics(tmp_path / "resumed") if "loss" in r]
+    assert [s for s, _, _ in whole] == list(range(1, 9)) and whole[0][2] == 0.0 and whole[-1][2] > 0
+    assert resumed == whole  # bit for bit: the penalty holds no state beyond F, θ* and the weights
+
+
+def test_dpo_adds_the_penalty_to_its_loss(tmp_path, pretrained, shards_dir):  # noqa: F811
+    fisher = run_fisher(fisher_recipe(pretrained, shards_dir, f"out={tmp_path / 'f.safetensors'}"))["out"]
+    pairs = tmp_path / "pairs.jsonl"
+    write_jsonl(pairs, make_pairs(make_examples(16, seed=3)))
+
+    def dpo(name: str, *overrides: str) -> list[dict]:
+        run_dpo(load_config(DPORecipe, None, [
+            f"run_dir={tmp_path / name}", f"checkpoint={pretrained}", f"data.train=[{pairs}]", "data.max_length=96",
+            "train.max_steps=3", "train.warmup_steps=0", "train.lr=1e-3", "train.micro_batch_size=4",
+            "train.precision=fp32", "train.eval_every=0", "train.tensorboard=false", "train.device=cpu", *overrides]))
+        return [r for r in read_metrics(tmp_path / name) if "loss" in r]
+
+    plain, ewc = dpo("plain"), dpo("ewc", f"ewc={{fisher: {fisher}, lambda_: 1000}}")
+    assert ewc[0]["loss"] == plain[0]["loss"] and ewc[0]["ewc/penalty"] == 0.0  # at the anchor: nothing added
+    assert ewc[-1]["ewc/penalty"] > 0 and ewc[-1]["loss"] != plain[-1]["loss"]
