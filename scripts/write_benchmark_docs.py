@@ -530,9 +530,9 @@ def render_kv_cache(r: dict) -> Rendered:
                     "KL to fp32", "max Δ log p", "decode tok/s", "note"], rows)
     by = {x["name"]: x for x in r["rows"]}
     int8, int4, ref = by.get("int8", {}), by.get("int4", {}), by.get("fp32", {})
-    return Rendered(lines, f"int8 {num(int8.get('bytes_vs_bf16'))}x, int4 {num(int4.get('bytes_vs_bf16'))}x bf16's bytes",
-                    f"perplexity {num(ref.get('perplexity'), 5)} (fp32 cache)",
-                    f"int8 {num(int8.get('perplexity'), 5)}, int4 {num(int4.get('perplexity'), 5)}")
+    return Rendered(lines, f"int8 {num(int8.get('bytes_vs_bf16'))}x bf16's bytes (KL {num(int8.get('kl_to_fp32'), 2)}), "
+                    f"int4 {num(int4.get('bytes_vs_bf16'))}x (KL {num(int4.get('kl_to_fp32'), 2)})",
+                    f"the fp32 cache: perplexity {num(ref.get('perplexity'), 5)}")
 
 
 MOE_RUNS = {"dense": "dense", "moe": "MoE, aux-loss-free bias", "moe_unbalanced": "MoE, no balancing"}
