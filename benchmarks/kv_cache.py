@@ -2,13 +2,16 @@
 1024-token contexts for each way of storing the cache (``kv_cache_dtype``: fp32, bf16, int8, int4),
 for grouped-query attention, for a sliding window, and a row for a latent (MLA) cache.
 
-    .venv/bin/python benchmarks/kv_cache.py            # trains its model first (~4 min on 2 CPU cores), then measures
+    .venv/bin/python benchmarks/kv_cache.py            # trains its model first (once), then measures
     .venv/bin/python benchmarks/kv_cache.py --quick    # a smoke run: a tiny model, a few steps (~40 s)
     .venv/bin/python scripts/write_benchmark_docs.py   # then its table into docs/serving.md
 
 The model is trained here, briefly, on the demo corpus (data/pretrain/: a 2048-token BPE, shards,
 then ``lmforge pretrain recipes/demo/pretrain.yaml`` narrowed to 4 layers of 2 heads of 64 at
-``max_seq_len`` 1024); a finished run under --runs is reused. Each row:
+``max_seq_len`` 1024: 240 steps of one 1024-token window); a finished run under --runs is reused,
+and one stopped by its ``train.max_minutes`` resumes with ``lmforge pretrain ... train.resume=auto``.
+On 2 cores shared with other work (load average 5-8) the training took 13 min (stopped once at
+8 min and resumed) and the measuring 6 min of wall time for 2.5 min of CPU time. Each row:
 
 - bytes per token: of one position of one row over every layer, from the cache's tensors
   (``KVCache.bytes_per_token``: keys, values, and a quantised cache's scales and minima);
