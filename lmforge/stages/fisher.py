@@ -71,7 +71,8 @@ class FisherRecipe:
     fold_into: str | None = option(
         None, help="online EWC / EWC++: a stored Fisher file; the one written holds online_gamma·F_stored + "
         "(1 − online_gamma)·F_new, anchored at this checkpoint")
-    online_gamma: float = unit_interval(0.5, help="fold_into: γ, the stored Fisher's weight in the moving average")
+    online_gamma: float | None = unit_interval(
+        None, help="fold_into: γ, the stored Fisher's weight in the moving average (None: 0.5)")
     device: str = option("cpu", help="auto | cpu | cuda | cuda:N")
 
 
@@ -92,7 +93,7 @@ def chat_sequences(examples: list) -> Iterator[tuple[torch.Tensor, torch.Tensor]
 def check_recipe(recipe: FisherRecipe) -> None:
     if (recipe.data.shards is None) == (not recipe.data.chat):
         raise ConfigError("data: give data.shards (token shards) or data.chat (chat files), one of them")
-    if recipe.fold_into is None and recipe.online_gamma != 0.5:
+    if recipe.fold_into is None and recipe.online_gamma is not None:
         raise ConfigError(f"online_gamma: it weighs a stored Fisher (fold_into), which is not set; online_gamma="
                           f"{recipe.online_gamma} would be ignored")
 
@@ -108,7 +109,7 @@ def run_fisher(recipe: FisherRecipe) -> dict:
         raise ConfigError(f"labels: exact takes one backward per token and vocabulary entry; {directory} has "
                           f"{model.cfg.vocab_size} entries: use labels=sampled")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    stored = None
+    stored, gamma = None, None
     if recipe.fold_into is not None:
         stored, _, stored_meta = read_fisher(recipe.fold_into, key="fold_into")
         check_fisher_shapes(shapes, stored, fisher_path(recipe.fold_into), key="fold_into")
@@ -132,17 +133,18 @@ def run_fisher(recipe: FisherRecipe) -> dict:
     fisher = {n: f for n, f in fisher.items() if n in shapes}
     folds = 0
     if stored is not None:
-        fisher = online_fisher({n: stored[n] for n in fisher}, fisher, recipe.online_gamma)
+        gamma = recipe.online_gamma if recipe.online_gamma is not None else 0.5
+        fisher = online_fisher({n: stored[n] for n in fisher}, fisher, gamma)
         folds = int(stored_meta.get("folds", 0)) + 1
     anchor = {n: p.detach() for n, p in model.named_parameters()}
     result = {"checkpoint": str(directory), "labels": recipe.labels, "tokens": tokens, "sequences": count,
-              "seed": recipe.seed, "folds": folds, "online_gamma": recipe.online_gamma if stored is not None else None,
+              "seed": recipe.seed, "folds": folds, "online_gamma": gamma if stored is not None else None,
               "fold_into": recipe.fold_into, "mean_fisher": float(sum(f.sum() for f in fisher.values())
                                                                    / sum(f.numel() for f in fisher.values()))}
     write_fisher(out, fisher, anchor, {k: v for k, v in result.items() if v is not None})
     result.update(out=str(out), wall_s=time.perf_counter() - t0)
     log.info("fisher: %s Fisher of %s over %d tokens (%d sequences)%s in %.1f s -> %s", recipe.labels, directory, tokens,
-             count, f", folded into {recipe.fold_into} with γ={recipe.online_gamma}" if stored is not None else "",
+             count, f", folded into {recipe.fold_into} with γ={gamma}" if stored is not None else "",
              result["wall_s"], out)
     return result
 
