@@ -235,8 +235,10 @@ class EWCPenalty:
 
     def __call__(self) -> torch.Tensor:
         groups: dict[tuple | None, list[torch.Tensor]] = {}
-        for value, fisher, anchor, group in self.terms:
-            groups.setdefault(group, []).append(ewc_penalty([value()], [fisher], [anchor], self.lam))
+        device = self.terms[0][1].device.type if self.terms else "cpu"
+        with torch.autocast(device, enabled=False):  # in the weights' precision, LoRA's B·A too
+            for value, fisher, anchor, group in self.terms:
+                groups.setdefault(group, []).append(ewc_penalty([value()], [fisher], [anchor], self.lam))
         local = sum(sum(parts) for parts in groups.values())
         total = sum(summed_over_shards(sum(parts).detach(), group) for group, parts in groups.items())
         return local + (total - local.detach())

@@ -257,3 +257,16 @@ def test_with_dora_the_penalty_is_on_the_weight_the_layer_computes_with():
                                                   rel=1e-12)
     value.backward()
     assert layer.lora_magnitude_vector.grad.abs().sum() > 0 and layer.lora_B.weight.grad.abs().sum() > 0
+
+
+def test_activation_checkpointing_and_autocast_leave_the_penalty_unchanged():
+    from lmforge.distributed.parallelize import apply_activation_checkpointing
+
+    model = tiny(dtype=torch.float32)
+    fisher, anchor = random_fisher(model)
+    expected = float(EWCPenalty(model, fisher, anchor, 1.0, where="test")().detach())
+    apply_activation_checkpointing(model)  # its wrappers' names are not the checkpoint's
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    penalty = EWCPenalty(model, fisher, anchor, 1.0, where="test")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert float(penalty().detach()) == expected
