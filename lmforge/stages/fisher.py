@@ -149,5 +149,14 @@ def run_fisher(recipe: FisherRecipe) -> dict:
     return result
 
 
+def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
+    """Lines for the lifecycle report: which Fisher, over what, where."""
+    folded = (f", folded into `{res['fold_into']}` with γ = {res['online_gamma']} (EWC++, {res['folds']} folds)"
+              if res.get("fold_into") else "")
+    return [f"- {res.get('labels')} Fisher of `{res.get('checkpoint')}` over {res.get('tokens')} target tokens "
+            f"({res.get('sequences')} sequences){folded}, mean {res.get('mean_fisher', float('nan')):.3g}; "
+            f"in `{res.get('out')}`"]
+
+
 RECIPE = FisherRecipe
 run = run_fisher

@@ -76,6 +76,11 @@ def test_fisher_is_written_beside_the_checkpoint_with_its_weights_as_anchor(tmp_
         assert torch.equal(anchor[name], p.detach())
         torch.testing.assert_close(fisher[name], expected[name], rtol=1e-5, atol=0)  # same arithmetic, float32
     load_model(checkpoint)  # the checkpoint still verifies: its checksums do not list the new file
+    from lmforge.stages.fisher import report
+
+    assert report(result, tmp_path, tmp_path / "plot.png") == [
+        f"- empirical Fisher of `{checkpoint}` over 320 target tokens (10 sequences), mean {result['mean_fisher']:.3g}; "
+        f"in `{checkpoint / 'fisher.safetensors'}`"]
 
 
 def test_fold_into_keeps_one_fisher_the_moving_average_anchored_at_the_new_checkpoint(tmp_path, pretrained,
