@@ -28,8 +28,9 @@ import torch
 KVCacheDtype = Literal["auto", "bf16", "fp16", "fp32", "int8", "int4"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 KV_CACHE_DTYPE_HELP = ("how the KV cache stores keys and values: auto = the model's dtype; bf16/fp16/fp32; "
-                       "int8 = per token and head, symmetric, float32 scale (~half of bf16's bytes); int4 = groups of "
-                       "64 along head_dim, asymmetric (~0.3 of bf16's); attention reads them dequantised")
+                       "int8 = per token and head, symmetric, float32 scale (0.53 of bf16's bytes at head_dim 64); "
+                       "int4 = groups of 64 along head_dim, asymmetric, float32 step and minimum (0.31 of bf16's at "
+                       "head_dim 64); attention reads them dequantised")
 FLOAT_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INT4_GROUP = 64  # values per int4 group along a head's width (transformers' QuantizedCacheConfig q_group_size)
 
