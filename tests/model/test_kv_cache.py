@@ -203,3 +203,40 @@ def test_a_decode_steps_attention_output_is_within_the_error_propagated_from_the
     error = (outputs[kind] - outputs["auto"])[0, -1].abs()
     assert (error <= bound * (1 + 1e-4) + 1e-6).all()
     assert error.max() > 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@torch.no_grad()
+def test_chunks_fed_into_a_quantised_ring_read_the_rounded_keys_the_reference_ring_holds(kind, monkeypatch):
+    """Several new positions after a wrapped prefix (the ring's kept slots, then the new ones)."""
+    model = model_of(sliding_window=8)
+    x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(4))
+
+    def chunked() -> torch.Tensor:
+        cache = model.new_kv_cache(2, 40, torch.float32, "cpu", kind)
+        out, at = [], 0
+        for n in [5, 11, 3, 1, 20]:
+            out.append(model(x[:, at : at + n], kv_cache=cache))
+            at += n
+        assert cache.capacity == 8
+        return torch.cat(out, dim=1)
+
+    got = chunked()
+    with monkeypatch.context() as patch:
+        with_reference(patch, kind)
+        expected = chunked()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@torch.no_grad()
+def test_a_bfloat16_model_reads_its_quantised_cache_back_in_bfloat16(kind):
+    model = model_of().to(torch.bfloat16)
+    batch = prefill(model, PROMPTS, 3, kv_cache_dtype=kind)
+    assert batch.cache.dtype == torch.bfloat16 and batch.cache.tensors["k"].dtype != torch.bfloat16
+    k, v = batch.cache.decode({n: t[0] for n, t in batch.cache.tensors.items()})
+    assert k.dtype == v.dtype == torch.bfloat16
+    full = generate(model, PROMPTS, GenerationConfig(max_new_tokens=3, temperature=0.0, stop_token_ids=[]))
+    quantised = generate(model, PROMPTS, GenerationConfig(max_new_tokens=3, temperature=0.0, stop_token_ids=[]),
+                         kv_cache_dtype=kind)
+    assert [len(g.tokens) for g in quantised] == [len(g.tokens) for g in full] == [3, 3, 3]
