@@ -122,15 +122,24 @@ class MLA(nn.Module):
 
     def absorbed_attention(self, q_nope, q_rope, latent, k_rope, attn_mask, is_causal, decoding, dropout) -> torch.Tensor:
         """The absorbed form (DeepSeek-V2 §2.1.2): q^C · W_UK c = (W_UKᵀ q^C) · c, so each head's query moves into
-        the latent space and attends over [c ; k^R] with the latents themselves as values, one key head for all
-        (grouped-query attention of one group); W_UV then maps each head's latent output to its values' space.
-        Equal to ``expanded_attention`` up to float rounding; (B, heads, T, v_head_dim)."""
-        w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        the latent space and attends over [c ; k^R] with the latents themselves as values; W_UV then maps each
+        head's latent output to its values' space. Every head reads the same keys, so the heads' queries are one
+        head's rows (B, 1, heads · T, ...) against the cache as it is, never repeated per head (grouped-query
+        attention would copy it H times); the mask is the same for each head's rows. Equal to
+        ``expanded_attention`` up to float rounding; (B, heads, T, v_head_dim)."""
+        B, H, T, _ = q_nope.shape
+        w = self.wkv_b.weight.view(H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q = torch.cat((torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope), dim=-1)
-        k = torch.cat((latent, k_rope), dim=-1)
-        y = attend(q, k, latent, attn_mask, is_causal, decoding, scale=self.scale, dropout=dropout)
-        return torch.einsum("bhtr,hvr->bhtv", y, w_uv)
+        k = torch.cat((latent, k_rope), dim=-1)  # (B, 1, S, kv_lora_rank + qk_rope_head_dim)
+        S = k.shape[2]
+        if attn_mask is None and is_causal:  # causal over positions, not over the heads' rows joined
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        if attn_mask is not None:  # (T, S) or (B or 1, 1, T, S) -> (B or 1, 1, heads · T, S), heads outermost
+            mask = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]
+            attn_mask = mask.expand(mask.shape[0], H, T, S).reshape(mask.shape[0], 1, H * T, S)
+        y = attend(q.reshape(B, 1, H * T, -1), k, latent, attn_mask, False, decoding, scale=self.scale, dropout=dropout)
+        return torch.einsum("bhtr,hvr->bhtv", y.view(B, H, T, self.rank), w_uv)
 
 
 def latent_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,

@@ -37,12 +37,13 @@ def set_form(model, absorb: bool | None) -> None:
 
 
 def decoded_logits(model, tokens: torch.Tensor, prompt: int, absorb: bool | None) -> torch.Tensor:
-    """Logits of a prefill of ``prompt`` tokens into the model's latent cache, then one token a step."""
+    """Logits of a prefill of ``prompt`` tokens into the model's latent cache, a step of 3 tokens after it
+    (masked causally behind the cached ones), then one token a step."""
     set_form(model, absorb)
     cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1], torch.float32, "cpu")
     with torch.no_grad():
-        steps = [model(tokens[:, :prompt], kv_cache=cache)]
-        steps += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(prompt, tokens.shape[1])]
+        steps = [model(tokens[:, :prompt], kv_cache=cache), model(tokens[:, prompt : prompt + 3], kv_cache=cache)]
+        steps += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(prompt + 3, tokens.shape[1])]
     set_form(model, None)
     return torch.cat(steps, dim=1)
 
