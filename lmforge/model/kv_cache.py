@@ -4,10 +4,10 @@ A cache holds, for every layer, two cached quantities per position and head, ``k
 a layer's keys and values (``Attention``), or what a family caches in their place (a latent
 cache's compressed latent and RoPE key, under one "head", with widths of their own). It is a
 set of named tensors, each (layers, batch, heads, capacity, ...), and a cache class says only
-how a step's ``k``/``v`` (B, heads, T, width) become entries of those tensors (``encode``) and
-back (``decode``); the
-rest (where a position goes, the ring, copying rows, joining two batches, counting bytes) is
-the base class's, written once over the named tensors:
+which tensors it keeps (``layout``) and how a step's ``k``/``v`` (B, heads, T, width) become
+entries of them (``encode``) and back (``decode``); the rest (where a position goes, the ring,
+copying rows, joining two batches, counting bytes) is the base class's, written once over the
+named tensors:
 
 - ``store(layer, k, v)``: write a step, return what attention reads (``key_times``' order);
 - ``key_times(T, device)``, ``wraps(T)``, ``length``, ``capacity``, ``window``, ``batch``, ``dtype``;
@@ -15,7 +15,8 @@ the base class's, written once over the named tensors:
 - ``nbytes()``, ``bytes_per_token()``.
 
 A model makes its own cache (``Transformer.new_kv_cache``, which a family may override), and
-every cache is made by ``new_cache``: the storage kind (``KV_CACHE_DTYPES``) picks the class.
+every cache is made by ``new_cache``: the storage kind (``KV_CACHE_DTYPES``) picks the class,
+so a family's own cached quantities (heads and widths of its choosing) can be stored quantised too.
 """
 
 from __future__ import annotations
