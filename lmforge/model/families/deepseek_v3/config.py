@@ -43,8 +43,9 @@ class DeepseekV3Config(ModelConfig):
                                "(the compressed q's and kv's norms use 1e-6, as DeepSeek's)")
     q_lora_rank: int | None = positive(None, help="width of the compressed query (DeepSeek-V3: 1536); "
                                        "None = one query projection from d_model (DeepSeek-V2-Lite)")
-    kv_lora_rank: int = positive(64, help="width of the latent that keys and values are compressed into "
-                                 "(DeepSeek-V3: 512); what the cache holds per token and layer, with the RoPE key")
+    kv_lora_rank: int | None = positive(None, help="width of the latent that keys and values are compressed into "
+                                        "(DeepSeek-V3: 512); what the cache holds per token and layer, with the RoPE "
+                                        "key; None = d_model / 4 (DeepSeek-V2-Lite's ratio)")
     qk_nope_head_dim: int = positive(32, help="each head's query/key width without RoPE, read from the latent "
                                      "(DeepSeek-V3: 128)")
     qk_rope_head_dim: int = positive(16, help="the decoupled RoPE key's width, one for every head, and each query "
@@ -72,6 +73,8 @@ class DeepseekV3Config(ModelConfig):
         if self.head_dim is None:
             self.head_dim = self.qk_rope_head_dim
         super().__post_init__()
+        if self.kv_lora_rank is None:
+            self.kv_lora_rank = max(1, self.d_model // 4)
         for name, (value, why) in self.FIXED_FIELDS.items():
             if getattr(self, name) != value:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is not supported by family {self.family!r}: {why}; "
