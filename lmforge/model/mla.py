@@ -47,18 +47,32 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+def rotate_interleaved(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE over interleaved pairs (x_2i, x_2i+1), DeepSeek's layout (``rope_interleave``), from the tables
+    of ``transformer.rotation_tables``: (x_e cos − x_o sin ; x_o cos + x_e sin), each pair's two rotated parts
+    as the halves, as transformers' ``apply_rotary_pos_emb_interleave`` writes them. q and k come out in the
+    same order, so their dot products are the pairs'; the cache holds keys so. Real arithmetic, no complex
+    numbers (torch.compile's inductor has no kernels for them)."""
+    cos, sin = rope  # (cos, cos) and (−sin, sin) over the halves
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., half:]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1).type_as(x)
+
+
 class MLA(nn.Module):
     """Multi-head latent attention over the shared ``attend`` (see the module docstring).
 
     Reads from its config: ``d_model``, ``n_heads``, ``q_lora_rank`` (None: one query projection
     ``wq``), ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``qkv_bias``
     (biases on the down-projections ``wq_a`` and ``wkv_a``, DeepSeek's ``attention_bias``), ``out_bias``
-    and ``attn_dropout``. ``absorb`` chooses the form: None (the default) attends in the absorbed form for
+    ``attn_dropout`` and ``rope_interleave`` (``rotate_interleaved``, else the halves of ``apply_rope``). ``absorb`` chooses the form: None (the default) attends in the absorbed form for
     a one-token step against a cache and expands the latents otherwise; True or False forces one."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_heads = layer, cfg.n_heads
+        self.rotate = rotate_interleaved if cfg.rope_interleave else apply_rope
         self.n_kv_heads = cfg.n_heads  # every head reads its own keys and values from the latent
         self.nope, self.rope_dim, self.v_dim, self.rank = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                                            cfg.kv_lora_rank)
@@ -96,8 +110,7 @@ class MLA(nn.Module):
         q_nope, q_rope = q.split((self.nope, self.rope_dim), dim=-1)
         latent, k_rope = self.wkv_a(x).split((self.rank, self.rope_dim), dim=-1)
         latent = self.kv_a_norm(latent)[:, None]  # (B, 1, T, kv_lora_rank): one latent for every head
-        # contiguous: a rotation in pair order reads each pair as one complex number
-        q_rope, k_rope = apply_rope(q_rope.contiguous(), rope), apply_rope(k_rope[:, None].contiguous(), rope)
+        q_rope, k_rope = self.rotate(q_rope, rope), self.rotate(k_rope[:, None], rope)
         if kv_cache is not None:  # a latent cache (``latent_cache``): the latent as its "k", the RoPE key as its "v"
             latent, k_rope = kv_cache.store(self.layer, latent, k_rope)
         # Without a mask, causal when queries and keys are the same positions (as the shared attention)

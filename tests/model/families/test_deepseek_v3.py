@@ -27,7 +27,8 @@ from lmforge.model.families import build, model_config
 from lmforge.model.families.deepseek_v3 import DeepseekV3, DeepseekV3Config
 from lmforge.model.hf import HF_CONFIG_KEYS, hf_config_dict, model_config_from_hf, state_dict_to_hf, to_hf_name
 from lmforge.model.hf_parts import HONOURED, INERT, REFUSED, supports
-from lmforge.model.mla import MLA
+from lmforge.model.mla import MLA, rotate_interleaved
+from lmforge.model.transformer import apply_rope, rotation_tables
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
 from lmforge.stages.import_hf import ImportRecipe, run_import
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
@@ -94,7 +95,7 @@ def random_model(cfg: DeepseekV3Config) -> DeepseekV3:
 
 def test_the_family_builds_blocks_of_multi_head_latent_attention():
     model = build(small(q_lora_rank=24))
-    assert type(model) is DeepseekV3 and model.rope_pairs  # interleaved pairs: apply_rope's pair order
+    assert type(model) is DeepseekV3
     attn = model.layers[0].attn
     assert isinstance(attn, MLA) and attn.wq is None
     shapes = {n: tuple(p.shape) for n, p in attn.named_parameters()}
@@ -102,7 +103,18 @@ def test_the_family_builds_blocks_of_multi_head_latent_attention():
                       "wkv_a.weight": (32 + 8, 64), "kv_a_norm.weight": (32,), "wkv_b.weight": (4 * (16 + 12), 32),
                       "wo.weight": (64, 4 * 12)}
     assert build(small()).layers[0].attn.wq.weight.shape == (4 * 24, 64)
-    assert not build(small(rope_interleave=False)).rope_pairs
+    assert model.layers[0].attn.rotate is rotate_interleaved and build(small(rope_interleave=False)).layers[0].attn.rotate \
+        is apply_rope
+
+
+def test_the_interleaved_rotation_turns_each_adjacent_pair_as_one_complex_number():
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    angles = torch.rand(5, 4, dtype=torch.float64) * 6
+    cos, sin = angles.cos()[None], angles.sin()[None]
+    got = rotate_interleaved(x, rotation_tables(cos, sin))
+    pairs = torch.view_as_complex(x.unflatten(-1, (4, 2)).contiguous()) * torch.polar(torch.ones_like(angles), angles)
+    expected = torch.view_as_real(pairs)  # (x_2i, x_2i+1) rotated, as halves: the real parts, then the imaginary
+    torch.testing.assert_close(got, torch.cat((expected[..., 0], expected[..., 1]), dim=-1), rtol=0, atol=1e-12)
 
 
 def test_the_attention_flops_count_query_key_and_value_widths():

@@ -2,7 +2,7 @@
 
 Its attention is the same multi-head latent attention with the same layout (queries per head as
 [no-RoPE part ; RoPE part], the joint latent + RoPE-key projection, per-head [key ; value] rows of
-the up-projection) and rotates the interleaved pairs of ``rope_interleave`` as lmforge's pair order
+the up-projection) and rotates the interleaved pairs of ``rope_interleave`` as ``mla.rotate_interleaved``
 does, so attention's weights map one to one by name. A routed layer's experts are our stacked matrices'
 slices: export writes them per expert (``mlp.experts.<e>.gate_proj.weight``, what ``save_pretrained`` and the
 Hub hold), import reads that layout or transformers 5's fused one; a missing or mis-shaped expert tensor is

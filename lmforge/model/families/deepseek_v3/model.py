@@ -3,7 +3,7 @@
 (``model.moe.MoE``), the shared embedding, final norm and head.
 
 RoPE rotates the decoupled part of q and k in interleaved pairs where ``rope_interleave`` is set
-(``Transformer.rope_pairs``: ``apply_rope``'s pair-order path), as DeepSeek's weights expect, so
+(``mla.rotate_interleaved``), as DeepSeek's weights expect, so
 the weights map to transformers' ``DeepseekV3ForCausalLM`` one to one. Cached decoding keeps the
 latent and the RoPE key per token (``model.mla.latent_cache``)."""
 
@@ -40,10 +40,6 @@ class DeepseekV3(Transformer):
 
     config_class = DeepseekV3Config
     block_class = DeepseekV3Block
-
-    def __init__(self, cfg: DeepseekV3Config):
-        super().__init__(cfg)
-        self.rope_pairs = cfg.rope_interleave  # the rotated part's pairs (x0, x1), (x2, x3)... side by side
 
     def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
                      kv_dtype: str = "auto") -> KVCache:
