@@ -37,7 +37,7 @@ def now() -> str:
 
 
 def command(script: str, argv: list[str] | None) -> str:
-    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    return " ".join([f"python benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
 
 
 def commit() -> str | None:
