@@ -580,12 +580,36 @@ def render_any(r: dict) -> Rendered:
     return Rendered(lines)
 
 
+def render_forgetting(r: dict) -> Rendered:
+    m, s = r["model"], r["summary"]
+    rows = [[x["setting"], num(x["old_bpb"], 4), num(x["new_bpb"], 4), num(x["forgetting_bpb"], 3),
+             num(x["gain_bpb"], 3), num(x["final_penalty"], 3)] for x in r["rows"]]
+    lines = [f"A {m['n_layers']}-layer model of width {m['d_model']} pre-trained {r['steps']} steps on {r['old']}, "
+             f"then continued {r['steps']} steps on {r['new']} ({num(r['tokens_per_step'])} tokens a step) from the "
+             f"same weights on the same windows in each setting; EWC's Fisher over {num(r['fisher_tokens'])} tokens "
+             f"of the first task. Bits per byte on {r['validation_windows']} validation windows of each; forgetting is "
+             f"the first task's rise from the pre-trained model's {num(r['base_old_bpb'], 4)}, gain the second's fall "
+             f"from {num(r['base_new_bpb'], 4)}.", ""]
+    lines += table(["setting", "old task (bpb)", "new task (bpb)", "forgetting", "gain", "penalty at the end"], rows)
+    best = s["best_setting"]
+    if best:
+        ratio = s["best_forgetting_over_naive"]
+        lines += ["", f"Of the settings that keep at least 3/4 of naive continuation's gain, {best} forgets least"
+                  + (f" ({num(ratio, 3)}x naive's forgetting)." if ratio is not None else ".")]
+    else:
+        lines += ["", "No EWC setting keeps 3/4 of naive continuation's gain."]
+    ratio = s["best_forgetting_over_naive"]
+    return Rendered(lines, f"{best}: {num(ratio, 3)}x naive forgetting" if best and ratio is not None else "-",
+                    f"naive forgetting {num(s['naive_forgetting_bpb'], 3)} bpb", "-")
+
+
 RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "prepare": render_prepare, "train_step": render_train_step, "attention": render_attention,
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
     "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "rollout_correction": render_rollout_correction,
+    "forgetting": render_forgetting,
 }
 
 

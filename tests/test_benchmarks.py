@@ -349,3 +349,26 @@ def test_mup_sweeps_rates_per_width_under_sp_and_mup_and_names_the_best(tmp_path
     assert isinstance(result["summary"]["mup_transfers"], bool) and (tmp_path / "m.png").is_file() and "mup: best rate by width" in stdout
     table = rendered(result)
     assert "| µP | 64 |" in table and "| SP | 32 |" in table and "under µP" in table
+
+
+def test_forgetting_continues_a_model_in_each_setting_and_measures_both_tasks(tmp_path, corpus_jsonl,
+                                                                             small_tokenizer_dir):
+    from lmforge.data.documents import DocumentsConfig
+    from lmforge.stages.prepare import PrepareRecipe, run_prepare
+
+    shards = tmp_path / "shards"  # the same corpus stands in for both tasks at this size
+    run_prepare(PrepareRecipe(run_dir=str(shards), tokenizer=str(small_tokenizer_dir),
+                              data=DocumentsConfig(paths=[str(corpus_jsonl)]), val_fraction=0.2))
+    out = tmp_path / "forgetting.json"
+    stdout = run("forgetting.py", "--quick", "--tokenizer", small_tokenizer_dir, "--old", shards, "--new", shards,
+                 "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "f.png")
+    result = read_json(out)
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert list(rows)[0] == "naive" and len(rows) == 6 and rows["naive"]["final_penalty"] is None
+    assert all(positive(r["old_bpb"], r["new_bpb"]) for r in rows.values())
+    assert all(r["final_penalty"] > 0 for name, r in rows.items() if name != "naive")
+    for r in rows.values():
+        assert r["forgetting_bpb"] == pytest.approx(r["old_bpb"] - result["base_old_bpb"], abs=1e-12)
+    assert (tmp_path / "f.png").is_file() and "wrote" in stdout
+    table = rendered(result)
+    assert "| naive |" in table and "| ewc λ=1000 |" in table and "forgetting" in table
