@@ -12,7 +12,7 @@ has mean zero (E_y ∂ log p(y) = ∂ Σ_y p(y) = 0), so E[g_t g_u] = 0 for t �
 
 ``labels`` chooses ŷ:
 
-- ``true`` (default): ŷ_t sampled from the model's own p(·|x_≤t), the Fisher itself.
+- ``sampled`` (default): ŷ_t drawn from the model's own p(·|x_≤t), the true Fisher.
 - ``empirical``: ŷ_t the data's next token, the *empirical* Fisher (Martens 2020 explains why it
   is not the Fisher). The cross terms no longer vanish, so g²/T is the empirical Fisher with the
   sequence as the datum (Kirkpatrick's per-example squared gradient), per token of it.
@@ -35,7 +35,7 @@ from torch import nn
 
 from lmforge.data.packing import IGNORE_INDEX
 
-Labels = Literal["true", "empirical", "exact"]
+Labels = Literal["sampled", "empirical", "exact"]
 
 
 def token_log_probs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def sequence_fisher_sums(model: nn.Module, input_ids: torch.Tensor, targets: tor
     return n
 
 
-def diagonal_fisher(model: nn.Module, sequences: Iterable[tuple[torch.Tensor, torch.Tensor]], labels: Labels = "true",
+def diagonal_fisher(model: nn.Module, sequences: Iterable[tuple[torch.Tensor, torch.Tensor]], labels: Labels = "sampled",
                     max_tokens: int | None = None, seed: int = 0) -> tuple[dict[str, torch.Tensor], int, int]:
     """The diagonal Fisher of ``model`` (every parameter, by name) per target token over
     ``sequences`` of (input_ids, targets), stopping after the sequence that reaches ``max_tokens``;
