@@ -116,7 +116,7 @@ def draw_plot(result: dict, path: Path) -> None:
     loss_ax.set_ylabel("loss (nats/token)")
     loss_ax.legend(fontsize=7)
     load_ax.set_xlabel("step")
-    load_ax.set_ylabel("share of the step's assignments (mean over layers)")
+    load_ax.set_ylabel("expert share of assignments (layer mean)")
     load_ax.legend(fontsize=7)
     fig.suptitle(f"{result['recipe']}: dense vs MoE of equal active FLOPs, {result['steps']} steps\n"
                  f"{result['machine']['cpu']}, {result['machine']['cpus']} cores, torch {result['machine']['torch']}, "
