@@ -100,16 +100,26 @@ def orthogonalised(update: torch.Tensor, steps: int, coefficients: str, dtype: t
     is gathered, orthogonalised on every rank alike, and this rank's shard is kept (the iteration
     mixes every row with every other, so it cannot run shard by shard)."""
     if not isinstance(update, DTensor):
-        return newton_schulz(update, steps, coefficients, dtype)
-    full = newton_schulz(update.full_tensor(), steps, coefficients, dtype)
+        return each_matrix(update, steps, coefficients, dtype)
+    full = each_matrix(update.full_tensor(), steps, coefficients, dtype)
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def each_matrix(update: torch.Tensor, steps: int, coefficients: str, dtype: torch.dtype) -> torch.Tensor:
+    """``newton_schulz`` of a matrix, or of each matrix of a stack (a mixture's experts, (E, out, in)):
+    every expert's weight is a matrix of its own, orthogonalised alone (Moonlight's Muon for MoE)."""
+    if update.ndim == 2:
+        return newton_schulz(update, steps, coefficients, dtype)
+    return torch.stack([newton_schulz(m, steps, coefficients, dtype) for m in update.unbind(0)])
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter, embeddings: set[int]) -> bool:
     """Whether Muon trains ``param`` (named ``name`` in the model): a 2-D parameter of a block
     (a name with a ``layers`` part, as ``layers.3.attn.wq.weight`` or, with LoRA,
-    ``layers.0.mlp.w1.lora_A``) that is not an embedding table."""
-    return param.ndim == 2 and id(param) not in embeddings and "layers" in name.split(".")[:-1]
+    ``layers.0.mlp.w1.lora_A``) that is not an embedding table, or a block's stack of such matrices
+    (``model.moe``'s experts, ``layers.1.mlp.experts.w1``: (E, out, in), each expert's its own)."""
+    stacked = param.ndim == 3 and ".experts." in f".{name}"
+    return (param.ndim == 2 or stacked) and id(param) not in embeddings and "layers" in name.split(".")[:-1]
 
 
 class Muon(torch.optim.Optimizer):

@@ -150,8 +150,11 @@ SHAPES = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, m
 
 
 def block_linear_weights(model: nn.Module) -> set[str]:
+    """The blocks' matrices: every nn.Linear's weight, and a routed FFN's router and stacked experts (model.moe)."""
     return {f"layers.{i}.{name}.weight" for i, block in enumerate(model.layers)
-            for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+            for name, m in block.named_modules() if isinstance(m, nn.Linear)} | {
+        f"layers.{i}.{name}" for i, block in enumerate(model.layers) for name, _ in block.named_parameters()
+        if name.startswith("mlp.router.") or name.startswith("mlp.experts.")}
 
 
 def split(model: nn.Module, cfg: TrainConfig) -> tuple[set[str], set[str]]:

@@ -130,3 +130,37 @@ def test_pretraining_an_moe_logs_its_losses_and_loads_and_resumes_its_bias(make_
     for a, b in zip(moe_layers(full), moe_layers(resumed)):
         assert torch.equal(a.router.expert_bias, b.router.expert_bias)
     assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in full.state_dict().items())
+
+
+def test_muon_orthogonalises_each_experts_matrix_on_its_own_and_mup_trains_the_experts_at_lr_over_m():
+    from lmforge.train.loop import TrainConfig
+    from lmforge.train.muon import NS_DTYPES, newton_schulz, update_scale
+    from lmforge.train.optim import build_optimizer
+
+    model = tiny_moe()
+    optimizer = build_optimizer(model, TrainConfig(optimizer="muon", weight_decay=0.0))
+    w1 = model.layers[0].mlp.experts.w1
+    kinds = {id(p): g["kind"] for g in optimizer.param_groups for p in g["params"]}
+    assert kinds[id(w1)] == "muon" and kinds[id(model.layers[0].mlp.router.weight)] == "muon"
+    group = next(g for g in optimizer.param_groups if id(w1) in {id(p) for p in g["params"]})
+    before = w1.detach().clone()
+    w1.grad = torch.randn_like(w1)
+    for p in model.parameters():
+        if p is not w1:
+            p.grad = None
+    optimizer.step()
+    # the first step's momentum is (1 - β) G; Nesterov's update G + β (M - G)
+    beta = group["momentum"]
+    update = w1.grad.lerp((1 - beta) * w1.grad, beta) if group["nesterov"] else (1 - beta) * w1.grad
+    dtype = NS_DTYPES[group["ns_dtype"]]
+    expected = torch.stack([b - group["lr"] * update_scale(w1.shape, group["scale"])
+                            * newton_schulz(u, group["ns_steps"], group["coefficients"], dtype)
+                            for b, u in zip(before, update)])
+    torch.testing.assert_close(w1.detach(), expected, atol=1e-6, rtol=0)
+
+    mup = build(model_config(dict(family="mixtral", vocab_size=64, d_model=64, n_layers=2, n_heads=4, ffn_hidden=48,
+                                  max_seq_len=32, mup={"base_width": 16}, moe={"n_experts": 4, "n_experts_per_token": 2})))
+    adamw = build_optimizer(mup, TrainConfig(lr=1e-2))
+    rates = {id(p): g["lr"] for g in adamw.param_groups for p in g["params"]}
+    assert rates[id(mup.layers[1].mlp.experts.w2)] == pytest.approx(1e-2 / 4)  # µP's hidden-matrix rate, m = 4
+    assert rates[id(mup.embed.weight)] == pytest.approx(1e-2)
