@@ -164,3 +164,20 @@ def test_muon_orthogonalises_each_experts_matrix_on_its_own_and_mup_trains_the_e
     rates = {id(p): g["lr"] for g in adamw.param_groups for p in g["params"]}
     assert rates[id(mup.layers[1].mlp.experts.w2)] == pytest.approx(1e-2 / 4)  # µP's hidden-matrix rate, m = 4
     assert rates[id(mup.embed.weight)] == pytest.approx(1e-2)
+
+
+def test_activation_checkpointing_recomputes_the_routing_without_counting_the_load_twice():
+    """The recompute in the backward runs each MoE forward again; what it records is an assignment of the same
+    values, so the step's loads, auxiliary losses, gradients and bias are those of the run without checkpointing."""
+    from lmforge.distributed.parallelize import apply_activation_checkpointing
+
+    plain, checkpointed = tiny_moe(), tiny_moe()
+    apply_activation_checkpointing(checkpointed)
+    batches = [windows(2, 7), windows(2, 8)]
+    expected, got = runner_of(plain).run_step(batches), runner_of(checkpointed).run_step(batches)
+    assert got.metrics.keys() == expected.metrics.keys()
+    for key, value in expected.metrics.items():
+        assert float(got.metrics[key]) == pytest.approx(float(value), abs=1e-6), key
+    assert float(got.grad_norm) == pytest.approx(float(expected.grad_norm), rel=1e-5)
+    for a, b in zip(moe_layers(plain), moe_layers(checkpointed)):
+        assert torch.equal(a.router.expert_bias, b.router.expert_bias)
