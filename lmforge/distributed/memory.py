@@ -52,7 +52,7 @@ class MemoryPlan:
 def activation_bytes_per_token(model, tp: int, sequence_parallel: bool, compute_bytes: int, residual_bytes: int,
                                checkpointed: bool) -> float:
     """Bytes autograd keeps per token for one block between its forward and its backward."""
-    d, h, kv, hd, f = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.ffn_hidden
+    d, h, kv, hd = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim
     seq = tp if sequence_parallel else 1
     if checkpointed:
         return residual_bytes * d / seq  # only the block's input
@@ -61,7 +61,7 @@ def activation_bytes_per_token(model, tp: int, sequence_parallel: bool, compute_
     mlp_casts = (2 if model.ffn == "swiglu" else 1) if c != r else 1
     norms = (2 * r * d + casts * c * d + mlp_casts * c * d) / seq + 8  # inputs, outputs, two rstd
     attention = c * (h * hd + 2 * kv * hd) + 2 * c * h * hd + 4 * h  # q, k, v; output, its reshape; logsumexp
-    mlp = c * f * (4 if model.ffn == "swiglu" else 2)  # w1 x, silu, w3 x, product (GELU: w1 x, gelu)
+    mlp = model.ffn_activation_bytes(c)  # a block's FFN: w1 x, silu, w3 x, product (a mixture's: per expert it uses)
     return norms + (attention + mlp) / tp
 
 

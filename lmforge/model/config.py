@@ -321,6 +321,12 @@ class ModelConfig:
         norms = 2 * self.norm_params(d) + 2 * hd * self.qk_norm
         return LayerCounts(matrices=weights + biases, norms=norms, matmul=weights)
 
+    def ffn_activation_bytes(self, compute_bytes: int) -> float:
+        """Bytes per token autograd keeps for a block's FFN between its forward and backward (the memory
+        planner's): SwiGLU's w1 x, silu, w3 x and their product, GELU's w1 x and gelu; a family whose FFN
+        differs (a mixture of experts) overrides this with its mean over the layers."""
+        return compute_bytes * self.ffn_hidden * (4 if self.ffn == "swiglu" else 2)
+
     def norm_params(self, dim: int) -> int:
         """Parameters of one norm over ``dim`` features: a gain (RMSNorm), or a gain and a bias (LayerNorm)."""
         return dim * (2 if self.norm == "layernorm" else 1)

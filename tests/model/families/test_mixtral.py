@@ -457,3 +457,28 @@ def test_a_checkpoint_round_trips_the_family_config_weights_and_selection_bias(t
     assert torch.equal(logits(loaded), logits(model))
     with pytest.raises(ValueError, match="bias_update_rate=0.001"):
         state_dict_to_hf(model.state_dict(), cfg) and hf_config_dict(cfg)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("moe", [dict(n_experts=8, n_experts_per_token=2, expert_ffn_hidden=192),
+                                 dict(n_experts=4, n_experts_per_token=1, n_shared_experts=1, expert_ffn_hidden=384,
+                                      dense_layers=[0])], ids=["fine-grained-top2", "top1-shared-dense-first"])
+def test_the_memory_plan_holds_every_expert_and_matches_a_measured_step(monkeypatch, precision, moe):
+    """``lmforge plan memory`` against torch's MemTracker over one training step, as tests/distributed/test_memory.py
+    holds the dense model: every expert's weights, gradients and AdamW state, and the activations of the k experts
+    a token goes through (``MixtralConfig.ffn_activation_bytes``) within the dense plan's 20%."""
+    import tests.distributed.test_memory as memory_tests
+    from lmforge.distributed.config import ParallelConfig
+    from lmforge.distributed.memory import plan_memory
+    from lmforge.distributed.mesh import Layout
+
+    cfg = model_config(dict(family="mixtral", vocab_size=2048, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                            ffn_hidden=384, max_seq_len=128, moe=moe))
+    monkeypatch.setattr(memory_tests, "Transformer", build)  # its measurement of a family's model
+    measured = memory_tests.measured_peak(cfg, 4, 128, precision, False)
+    plan = plan_memory(cfg, ParallelConfig(), Layout(), micro_batch_size=4, seq_len=128, precision=precision,
+                       activation_checkpointing=False)
+    assert plan.detail["master_weights"] == measured["PARAM"] == 4 * cfg.num_params()
+    assert plan.gradients == 4 * cfg.num_params()
+    assert plan.activations + plan.detail["compute_copies"] == pytest.approx(measured["ACT"] + measured["TEMP"], rel=0.2)
+    assert measured["Total"] <= plan.total <= 1.3 * measured["Total"]

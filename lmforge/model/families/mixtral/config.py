@@ -48,6 +48,17 @@ class MixtralConfig(ModelConfig):
     def expert_width(self) -> int:
         return self.moe.width(self.ffn_hidden)
 
+    def ffn_activation_bytes(self, compute_bytes: int) -> float:
+        """The mean over layers of what autograd keeps per token for the FFN: a dense layer's SwiGLU; a sparse
+        one's k expert SwiGLUs (w1 x, silu, w3 x, product) with each assignment's gathered input and output
+        (2d), the shared experts' SwiGLU, and the router's float32 logits, scores and softmax (3E)."""
+        c, moe, f = compute_bytes, self.moe, self.expert_width()
+        sparse = (c * moe.n_experts_per_token * (4 * f + 2 * self.d_model) + c * 4 * moe.n_shared_experts * f
+                  + 4 * 3 * moe.n_experts)
+        dense = super().ffn_activation_bytes(compute_bytes)
+        layers = self.sparse_layers()
+        return sum(sparse if s else dense for s in layers) / len(layers)
+
     def layer_counts(self, layer: int) -> LayerCounts:
         """A dense layer is the shared block's; a sparse one has the router (E·d), every expert's three
         matrices (3·E·d·f) and the shared experts' (3·d·n_shared·f) in place of the MLP, of which a
