@@ -424,7 +424,7 @@ def test_export_merge_lora_keeps_the_chat_template(tmp_path, tokenizer_dir, voca
 
 
 @pytest.mark.parametrize("model_type, config_class", [
-    ("bloom", "BloomConfig"), ("gpt_neox", "GPTNeoXConfig"), ("falcon", "FalconConfig"), ("mixtral", "MixtralConfig"),
+    ("bloom", "BloomConfig"), ("gpt_neox", "GPTNeoXConfig"), ("falcon", "FalconConfig"), ("qwen2_moe", "Qwen2MoeConfig"),
 ])
 def test_cli_import_of_an_unsupported_model_type_is_one_line_exit_2_nothing_written(tmp_path, capsys, model_type, config_class):
     from lmforge.model.hf import SUPPORTED_ARCHITECTURES
