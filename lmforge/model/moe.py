@@ -174,6 +174,9 @@ def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torc
     return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
 
 
+GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 @functools.cache
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward on this device and dtype (a probe on tiny
@@ -199,12 +202,21 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        # the dtypes whose grouped matmul runs where the weights are, probed when they move (``_apply``), so
+        # a compiled forward reads a constant instead of tracing the probe
+        self.grouped_dtypes: frozenset[torch.dtype] = frozenset()
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        device = self.w1.device
+        self.grouped_dtypes = frozenset(t for t in GROUPED_DTYPES if grouped_mm_works(device, t))
+        return out
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         d, f = self.w1.shape[2], self.w1.shape[1]
         aligned = (d * dtype.itemsize) % 16 == 0 and (f * dtype.itemsize) % 16 == 0  # the kernel's stride rule
-        if x.device.type == "cuda" and aligned and grouped_mm_works(x.device, dtype):
+        if dtype in self.grouped_dtypes and aligned and x.device == self.w1.device:
             return self.grouped(x.to(dtype), counts, dtype)
         return self.looped(x, counts)
 

@@ -258,3 +258,28 @@ def test_the_grouped_matmul_path_computes_the_loop_of_matmuls():
     grouped = experts.grouped(x, counts, torch.bfloat16).float()
     scale = float(looped.abs().max())
     torch.testing.assert_close(grouped, looped, atol=3 * 2**-8 * scale, rtol=0)
+
+
+def test_the_grouped_path_is_chosen_by_the_probe_made_when_the_weights_move(monkeypatch):
+    """``Experts`` probes its device's grouped matmul when its weights move (``_apply``: ``.to``, ``.cuda``,
+    FSDP's placement), so a compiled forward reads a set of dtypes rather than tracing the probe; on a CPU the
+    probe says no (torch's CPU kernel has no float32 backward) and the loop runs."""
+    import lmforge.model.moe as moe_module
+    from lmforge.model.moe import Experts
+
+    experts = Experts(16, 32, 4)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)
+    experts = experts.to("cpu")
+    assert experts.grouped_dtypes == frozenset()
+    monkeypatch.setattr(moe_module, "grouped_mm_works", lambda device, dtype: dtype == torch.bfloat16)
+    experts = experts.to(torch.bfloat16)
+    assert experts.grouped_dtypes == {torch.bfloat16}
+    calls = []
+    monkeypatch.setattr(Experts, "grouped", lambda self, x, counts, dtype: calls.append(dtype) or x.new_zeros(x.shape))
+    experts(torch.randn(8, 16).bfloat16(), torch.tensor([2, 2, 2, 2]))
+    assert calls == [torch.bfloat16]
+    experts = experts.float()
+    assert experts(torch.randn(8, 16), torch.tensor([2, 2, 2, 2])).abs().sum() > 0  # float32: the loop ran
+    assert calls == [torch.bfloat16]
