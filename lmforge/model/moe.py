@@ -228,8 +228,10 @@ class Experts(nn.Module):
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
             return torch._grouped_mm(h, w2, offs=offsets)
 
+    @torch.compiler.disable  # its slices' sizes are data: compiled, each step's counts would recompile the graph
     def looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """A matmul per expert on its slice of the sorted tokens (one host sync for the counts)."""
+        """A matmul per expert on its slice of the sorted tokens (one host sync for the counts); run eagerly
+        under ``torch.compile`` (the rest of the model compiles around it)."""
         outputs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
             if chunk.shape[0]:
