@@ -98,6 +98,13 @@ def test_a_compiled_step_computes_the_eager_steps_losses_gradients_and_bias():
     for a, b in zip(moe_layers(eager), moe_layers(compiled)):
         assert torch.equal(a.router.expert_bias, b.router.expert_bias)
     assert float(compiled_result.grad_norm) == pytest.approx(float(eager_result.grad_norm), rel=1e-4)
+    # other windows route otherwise: the graphs stay those compiled (the experts' loop runs eagerly)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    for seed in (7, 8):
+        compiled_runner.run_step([windows(2, seed)])
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_pretraining_an_moe_logs_its_losses_and_loads_and_resumes_its_bias(make_recipe, tmp_path):
