@@ -122,6 +122,28 @@ class MoEConfig:
     def width(self, ffn_hidden: int) -> int:
         return self.expert_ffn_hidden if self.expert_ffn_hidden is not None else ffn_hidden
 
+    def ffn_weights(self, d_model: int, ffn_hidden: int) -> tuple[int, int]:
+        """The routed FFN's weights, (all, a token's): the router (E·d) and the shared experts
+        (3·d·n_shared·f) every token uses, and every expert's three matrices (3·E·d·f), of which a
+        token's matmuls use its k (the active weights FLOPs and MFU count)."""
+        expert = 3 * d_model * self.width(ffn_hidden)
+        always = d_model * self.n_experts + self.n_shared_experts * expert
+        return always + self.n_experts * expert, always + self.n_experts_per_token * expert
+
+    def ffn_activation_bytes(self, d_model: int, ffn_hidden: int, compute_bytes: int) -> float:
+        """Bytes per token autograd keeps for the routed FFN (the memory planner's): the k expert SwiGLUs
+        (w1 x, silu, w3 x, product) with each assignment's gathered input and output (2d), the shared
+        experts' SwiGLU, and the router's float32 logits, scores and softmax (3E)."""
+        c, f = compute_bytes, self.width(ffn_hidden)
+        return (c * self.n_experts_per_token * (4 * f + 2 * d_model) + c * 4 * self.n_shared_experts * f
+                + 4 * 3 * self.n_experts)
+
+    def mean_ffn_activation_bytes(self, n_layers: int, d_model: int, ffn_hidden: int, dense_bytes: float,
+                                  compute_bytes: int) -> float:
+        """``ffn_activation_bytes`` on the sparse layers, ``dense_bytes`` on the others, averaged over the layers."""
+        sparse = self.ffn_activation_bytes(d_model, ffn_hidden, compute_bytes)
+        return sum(sparse if s else dense_bytes for s in self.sparse_layers(n_layers)) / n_layers
+
 
 def moe_config(value: MoEConfig | dict) -> MoEConfig:
     """A family config's ``moe`` field as a ``MoEConfig`` (read back from a checkpoint's model_config.json: a dict)."""

@@ -128,13 +128,15 @@ class DeepseekV3Config(ModelConfig):
         norms = 2 * d + r + (q_rank or 0)
         if not self.sparse_layers()[layer]:
             return LayerCounts(matrices=weights + biases, norms=norms, matmul=weights)
-        # a routed layer: the router (E·d) and the shared experts (3·d·n_shared·f) every token uses, and
-        # every expert's three matrices (3·E·d·f) of which a token's matmuls use its k
-        moe, expert = self.moe, 3 * d * self.moe.width(f)
         attention = weights - 3 * d * f
-        always = d * moe.n_experts + moe.n_shared_experts * expert
-        return LayerCounts(matrices=attention + always + moe.n_experts * expert + biases, norms=norms,
-                           matmul=attention + always + moe.n_experts_per_token * expert)
+        routed, active = self.moe.ffn_weights(d, f)  # MoEConfig.ffn_weights: every expert, and a token's
+        return LayerCounts(matrices=attention + routed + biases, norms=norms, matmul=attention + active)
+
+    def ffn_activation_bytes(self, compute_bytes: int) -> float:
+        """The mean over layers of what autograd keeps per token for the FFN: a dense layer's SwiGLU, a routed
+        one's (``MoEConfig.ffn_activation_bytes``)."""
+        return self.moe.mean_ffn_activation_bytes(self.n_layers, self.d_model, self.ffn_hidden,
+                                                  super().ffn_activation_bytes(compute_bytes), compute_bytes)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6N for the matmuls, plus attention's scores (qk_head_dim wide) and

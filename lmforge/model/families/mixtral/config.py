@@ -49,15 +49,10 @@ class MixtralConfig(ModelConfig):
         return self.moe.width(self.ffn_hidden)
 
     def ffn_activation_bytes(self, compute_bytes: int) -> float:
-        """The mean over layers of what autograd keeps per token for the FFN: a dense layer's SwiGLU; a sparse
-        one's k expert SwiGLUs (w1 x, silu, w3 x, product) with each assignment's gathered input and output
-        (2d), the shared experts' SwiGLU, and the router's float32 logits, scores and softmax (3E)."""
-        c, moe, f = compute_bytes, self.moe, self.expert_width()
-        sparse = (c * moe.n_experts_per_token * (4 * f + 2 * self.d_model) + c * 4 * moe.n_shared_experts * f
-                  + 4 * 3 * moe.n_experts)
-        dense = super().ffn_activation_bytes(compute_bytes)
-        layers = self.sparse_layers()
-        return sum(sparse if s else dense for s in layers) / len(layers)
+        """The mean over layers of what autograd keeps per token for the FFN: a dense layer's SwiGLU, a sparse
+        one's routed FFN (``MoEConfig.ffn_activation_bytes``)."""
+        return self.moe.mean_ffn_activation_bytes(self.n_layers, self.d_model, self.ffn_hidden,
+                                                  super().ffn_activation_bytes(compute_bytes), compute_bytes)
 
     def layer_counts(self, layer: int) -> LayerCounts:
         """A dense layer is the shared block's; a sparse one has the router (E·d), every expert's three
@@ -66,10 +61,7 @@ class MixtralConfig(ModelConfig):
         shared = super().layer_counts(layer)
         if not self.sparse_layers()[layer]:
             return shared
-        d, f, moe = self.d_model, self.expert_width(), self.moe
-        attention = shared.matmul - 3 * d * self.ffn_hidden
-        expert = 3 * d * f
-        always = d * moe.n_experts + moe.n_shared_experts * expert  # the router and the shared experts
+        attention = shared.matmul - 3 * self.d_model * self.ffn_hidden
+        routed, active = self.moe.ffn_weights(self.d_model, self.ffn_hidden)
         biases = shared.matrices - shared.matmul  # attention's (the MLP has none)
-        return LayerCounts(matrices=attention + always + moe.n_experts * expert + biases, norms=shared.norms,
-                           matmul=attention + always + moe.n_experts_per_token * expert)
+        return LayerCounts(matrices=attention + routed + biases, norms=shared.norms, matmul=attention + active)
