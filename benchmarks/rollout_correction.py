@@ -7,22 +7,25 @@ Runs ``lmforge grpo recipes/demo/grpo.yaml`` from ``--checkpoint`` (``make demo`
 other key the recipe's own (its ``train.precision: auto`` is bf16 on CPUs that run bf16 matmuls
 faster; the engine samples in fp32):
 
-  recompute        the default: π_old recomputed by the trainer (a no-grad bf16 forward over the
-                   batch), the engine's log-probs dropped, no weight
+  recompute        π_old recomputed by the trainer (a no-grad bf16 forward over the batch), the
+                   engine's log-probs dropped, no weight (the default of rl.old_logprobs: auto)
   token_truncate   the same recompute, TIS weight min(π_old/π_rollout, C = 2): logs the mismatch
+  token_mask       the same recompute, MIS: a token whose ratio leaves [1/2, 2] masked (both sides counted)
   sequence_mask    the same recompute, the geometric-mean sequence ratio masked outside [1/2, 2]
   engine           rl.old_logprobs=engine: no recompute, π_old = the engine's log-probs (verl's
-                   bypass mode); PPO's ratio is against the engine's
+                   bypass mode); PPO's ratio is against the engine's (the demo recipe's choice)
 
 The mismatch figures are the objective's, per step from metrics.jsonl: for the corrected
 settings ``rollout_ratio_mean``/``_max``, ``rollout_corrected_share`` and ``rollout_kl`` (k3 of
 KL(π_rollout ‖ π_old)); for ``engine``, ``approx_kl`` (the same k3, of π_θ against the engine's)
-and ``ratio_max`` on the first step of each rollout batch, where π_θ is π_old. The time split is
+and ``ratio_max`` on the first step of each rollout batch, where π_θ is π_old; beside them, as
+the scale to read them against, the same two figures on the later steps of each batch (how far
+one optimizer step moves the policy: ``update``). The time split is
 summary.json's mean ``time/<phase>_s`` over the steps after the first. The settings run in turn,
 ``--repeats`` rounds (figures: the mean over rounds); the load average is recorded around them.
 With ``--score`` each run also scores greedy exact match on the held-out tasks after training.
 
-  PYTHONPATH=. .venv/bin/python benchmarks/rollout_correction.py --steps 40 --repeats 2
+  PYTHONPATH=. .venv/bin/python benchmarks/rollout_correction.py --steps 20 --repeats 2 --settings recompute token_truncate token_mask engine
   PYTHONPATH=. .venv/bin/python benchmarks/rollout_correction.py --steps 100 --score --settings recompute engine
 """
 
@@ -40,11 +43,12 @@ from pathlib import Path
 from record import REPO, header, load_average, now, write_result
 
 RECIPE = "recipes/demo/grpo.yaml"
-SETTINGS = {
-    "recompute": [],
-    "token_truncate": ["rl.rollout_correction=token_truncate"],
-    "sequence_mask": ["rl.rollout_correction=sequence_mask"],
-    "engine": ["rl.old_logprobs=engine"],
+SETTINGS = {  # each names every rl key, whatever the recipe sets
+    "recompute": ["rl.rollout_correction=none", "rl.old_logprobs=trainer"],
+    "token_truncate": ["rl.rollout_correction=token_truncate", "rl.old_logprobs=trainer"],
+    "token_mask": ["rl.rollout_correction=token_mask", "rl.old_logprobs=trainer"],
+    "sequence_mask": ["rl.rollout_correction=sequence_mask", "rl.old_logprobs=trainer"],
+    "engine": ["rl.rollout_correction=none", "rl.old_logprobs=engine"],
 }
 PHASES = ("rollout", "reward", "reference", "old_logprobs", "forward_backward", "optimizer")
 CORRECTED = ("rollout_ratio_mean", "rollout_ratio_max", "rollout_corrected_share", "rollout_kl")
@@ -82,6 +86,10 @@ def run_setting(name: str, args: argparse.Namespace, run_dir: Path) -> dict:
                            "ratio_max": max(r["ratio_max"] for r in fresh), "corrected_share": None,
                            "kl": statistics.mean(r["approx_kl"] for r in fresh),
                            "kl_max": max(r["approx_kl"] for r in fresh)}
+    later = [r for r in records if (r["step"] - 1) % mu]  # the later passes over a batch: π_θ has moved
+    if later:  # the scale to read the mismatch against: how far one optimizer step moves the policy
+        out["update"] = {"approx_kl": statistics.mean(r["approx_kl"] for r in later),
+                         "ratio_max": max(r["ratio_max"] for r in later)}
     if args.score and summary.get("after"):
         out["exact_match"] = {"before": summary["before"]["exact_match"], "after": summary["after"]["exact_match"]}
     return out
@@ -100,6 +108,9 @@ def mean_rounds(runs: list[dict]) -> dict:
         m["ratio_max"] = max(r["mismatch"]["ratio_max"] for r in runs)
         m["kl_max"] = max(r["mismatch"]["kl_max"] for r in runs)
         out["mismatch"] = m
+    if "update" in first:
+        out["update"] = {"approx_kl": statistics.mean(r["update"]["approx_kl"] for r in runs),
+                         "ratio_max": max(r["update"]["ratio_max"] for r in runs)}
     if "exact_match" in first:
         out["exact_match"] = {k: statistics.mean(r["exact_match"][k] for r in runs) for k in ("before", "after")}
     return out

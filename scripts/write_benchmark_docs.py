@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -399,22 +400,28 @@ def render_rollout_correction(r: dict) -> Rendered:
     for x in r["settings"]:
         t, m = x["time"], x.get("mismatch") or {}
         em = x.get("exact_match")
-        rows.append([x["setting"], num(x["step_s"]), num(t["rollout"]), num(t["old_logprobs"]), num(t["reference"]),
+        rows.append([x["setting"], num(x["step_s"]), num(t["rollout"]), num(t["old_logprobs"]),
+                     pct(t["old_logprobs"] / x["step_s"]), num(t["reference"]),
                      num(t["forward_backward"]), num(m.get("ratio_mean"), 7), num(m.get("ratio_max"), 5),
                      pct(m.get("corrected_share")), num(m.get("kl"), 2), num(m.get("kl_max"), 2),
                      num(x["reward_mean"]), pct(em["after"]) if em else "-"])
-    lines += table(["setting", "step (s)", "rollout (s)", "old log-probs (s)", "reference (s)",
+    lines += table(["setting", "step (s)", "rollout (s)", "old log-probs (s)", "old log-probs share", "reference (s)",
                     "forward + backward (s)", "ratio mean", "ratio max", "truncated or masked", "KL mean",
                     "KL max", "reward mean", "exact match after"], rows)
-    base, engine = settings.get("recompute"), settings.get("engine")
-    headline, ratio = "-", "-"
-    if base and engine:
-        share = base["time"]["old_logprobs"] / base["step_s"]
-        lines += ["", f"The separate recompute is {pct(share)} of the default's step; `rl.old_logprobs=engine` "
-                      f"steps take {num(engine['step_s'])} s against {num(base['step_s'])} s "
-                      f"(load average {r['load_before']} before, {r['load_after']} after)."]
-        headline, ratio = f"step {num(engine['step_s'])} s without the recompute", num(engine["step_s"] / base["step_s"])
-    return Rendered(lines, headline, f"with it {num(base['step_s'])} s" if base else "-", ratio)
+    moved = [x["update"] for x in r["settings"] if "update" in x and x["setting"] != "engine"]
+    if moved:
+        lines += ["", f"One optimizer step moves the policy by a k3 KL of {num(statistics.mean(u['approx_kl'] for u in moved), 2)} "
+                      f"on average (its largest ratio {num(max(u['ratio_max'] for u in moved), 4)}): the later steps "
+                      f"over each rollout batch of the settings that recompute."]
+    shares = [x["time"]["old_logprobs"] / x["step_s"] for x in r["settings"] if x["time"]["old_logprobs"] > 0]
+    headline = "-"
+    if shares:
+        lines += ["", f"The separate recompute is {span([100 * v for v in shares], 2)}% of a step in the settings "
+                      f"that make it, the share `rl.old_logprobs=engine` saves. The settings ran in turn on a shared "
+                      f"machine (load average {r['load_before']} before, {r['load_after']} after): their seconds move "
+                      f"with its load more than with the setting."]
+        headline = f"recompute {span([100 * v for v in shares], 2)}% of a step"
+    return Rendered(lines, headline, "`rl.old_logprobs=engine`: none")
 
 
 def render_long_context(r: dict) -> Rendered:
