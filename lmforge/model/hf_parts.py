@@ -4,7 +4,8 @@ How import classifies a ``config.json`` key (``HFKey``: honoured, refused unless
 lmforge computes, or inert) and refuses the keys it does not know; ``PretrainedConfig``'s own
 keys, inert for every family; RoPE and its scaling between ``ModelConfig``'s ``rope_*``
 fields and ``rope_scaling`` / ``rope_parameters``, as transformers' ``ROPE_INIT_FUNCTIONS`` read them;
-and ``WeightNames``, the weights' names where ours and the class's map one to one.
+``WeightNames``, the weights' names where ours and the class's map one to one; and ``HFExperts``,
+a mixture's stacked experts against the class's per-expert (or fused) tensors.
 It never imports ``transformers``.
 """
 
@@ -261,3 +262,72 @@ class WeightNames:
         if cfg.tie_embeddings:
             out["lm_head.weight"] = out["embed.weight"]
         return out
+
+
+# --------------------------------------------------------------------------- a mixture's experts
+
+
+class HFExperts:
+    """A mixture's expert matrices between our stacked ``layers.<i>.mlp.experts.w1|w3|w2`` (E, out, in)
+    and a Hugging Face class's: each expert's ``model.layers.<i>.<module>.experts.<e>.<name>.weight``
+    (the layout ``save_pretrained`` writes and the Hub holds), or, read only, transformers 5's fused
+    ``experts.gate_up_proj`` (E, 2f, d: each expert's gate rows, then its up rows) and ``experts.down_proj``.
+
+    ``module``: the MoE module's name in the class (``mlp``, Mixtral's ``block_sparse_moe``), written and read;
+    ``also_read``: other names a reader accepts (transformers 5's Mixtral fuses its experts under ``mlp``);
+    ``names``: ours -> the class's per-expert names."""
+
+    def __init__(self, module: str, names: dict[str, str], also_read: tuple[str, ...] = ()):
+        import re
+
+        self.module, self.names = module, names
+        self.ours = {theirs: mine for mine, theirs in names.items()}
+        prefix = rf"model\.layers\.(\d+)\.(?:{'|'.join(map(re.escape, (module, *also_read)))})\.experts\."
+        self.per_expert = re.compile(prefix + rf"(\d+)\.({'|'.join(map(re.escape, self.ours))})\.weight")
+        self.fused = re.compile(prefix + r"(gate_up_proj|down_proj)")
+
+    def to_hf(self, layer: str, ours: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One stacked matrix kind of layer ``layer`` as each expert's tensor under the class's name."""
+        return {f"model.layers.{layer}.{self.module}.experts.{e}.{self.names[ours]}.weight": matrix.contiguous()
+                for e, matrix in enumerate(stacked.unbind(0))}
+
+    def from_hf(self, state: dict[str, torch.Tensor], n_experts: int
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``state``'s expert tensors under our names, stacked by expert (or split from the fused layout), and
+        the rest of ``state``; a ``KeyError`` names an expert missing, past the config's count, or of
+        another shape than the others."""
+        ours: dict[str, torch.Tensor] = {}
+        rest: dict[str, torch.Tensor] = {}
+        found: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+        for key, value in state.items():
+            if m := self.per_expert.fullmatch(key):
+                found.setdefault((m[1], self.ours[m[3]]), {})[int(m[2])] = (key, value)
+            elif (m := self.fused.fullmatch(key)) and m[2] == "down_proj":
+                ours[f"layers.{m[1]}.mlp.experts.w2"] = value
+            elif m:
+                if value.ndim != 3 or value.shape[1] % 2:
+                    raise KeyError(f"{key} has shape {tuple(value.shape)}; expected (experts, 2 * the experts' width, "
+                                   "hidden size)")
+                ours[f"layers.{m[1]}.mlp.experts.w1"], ours[f"layers.{m[1]}.mlp.experts.w3"] = value.chunk(2, dim=1)
+            else:
+                rest[key] = value
+        for (layer, name), by_expert in found.items():
+            ours[f"layers.{layer}.mlp.experts.{name}"] = stack_experts(by_expert, n_experts, layer)
+        return ours, rest
+
+
+def stack_experts(by_expert: dict[int, tuple[str, torch.Tensor]], n_experts: int, layer: str) -> torch.Tensor:
+    """One matrix kind of a layer's experts, expert number -> (its HF name, its tensor), as one (E, out, in) tensor."""
+    import torch
+
+    missing = [e for e in range(n_experts) if e not in by_expert]
+    extra = sorted(e for e in by_expert if e >= n_experts)
+    if missing or extra:
+        named = by_expert[next(iter(by_expert))][0]
+        problem = f"expert {missing[0]} missing" if missing else f"expert {extra[0]} past the config's {n_experts}"
+        raise KeyError(f"layer {layer}'s experts ({named} and the others): {problem}")
+    first_name, first = by_expert[0]
+    for name, t in by_expert.values():
+        if t.shape != first.shape:
+            raise KeyError(f"{name} has shape {tuple(t.shape)}, unlike {first_name}'s {tuple(first.shape)}")
+    return torch.stack([by_expert[e][1] for e in range(n_experts)])

@@ -14,7 +14,6 @@ tests/model/families/test_deepseek_v3.py holds the table against transformers.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from lmforge.model.hf_parts import (
     COMMON_KEYS,
     HONOURED,
     INERT,
+    HFExperts,
     HFKey,
     WeightNames,
     check_hf_config_keys,
@@ -60,9 +60,7 @@ _LAYER_KEYS = {  # ours -> HF, per layer
 NAMES = WeightNames("DeepseekV3ForCausalLM", _LAYER_KEYS)
 to_hf_name, from_hf_name = NAMES.to_hf, NAMES.from_hf  # the stacked experts have no one HF name: KeyError
 
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # ours -> the class's, per expert
-_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_EXPERTS = HFExperts("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})  # ours -> the class's, per expert
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
@@ -74,8 +72,7 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> d
     for k, v in state.items():
         parts = k.split(".")
         if parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
-            for e, matrix in enumerate(v.unbind(0)):
-                out[f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERT_NAMES[parts[4]]}.weight"] = matrix.contiguous()
+            out |= _EXPERTS.to_hf(parts[1], parts[4], v)
         else:
             out[NAMES.to_hf(k)] = v
         if k.endswith("mlp.router.weight"):  # what the class holds on every routed layer, whatever the model lacks
@@ -95,45 +92,14 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> d
 def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
     """The class's weights under our names: per-expert matrices (or transformers 5's fused ``gate_up_proj`` /
     ``down_proj``) stacked by expert; ``KeyError`` naming an expert tensor that is missing or mis-shaped."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
-    ours = {theirs: mine for mine, theirs in _EXPERT_NAMES.items()}
-    for k, v in state.items():
+    out, rest = _EXPERTS.from_hf(state, cfg.moe.n_experts)
+    for k, v in rest.items():
         if k.endswith("rotary_emb.inv_freq") or (".shared_experts." in k and v.numel() == 0):
             continue  # a buffer of older files; the 0-wide shared experts of n_shared_experts = 0
-        if m := _PER_EXPERT.fullmatch(k):
-            experts.setdefault((m[1], ours[m[3]]), {})[int(m[2])] = (k, v)
-        elif m := _FUSED.fullmatch(k):
-            if m[2] == "down_proj":
-                out[f"layers.{m[1]}.mlp.experts.w2"] = v
-            else:  # (E, 2f, d): each expert's gate rows, then its up rows
-                if v.ndim != 3 or v.shape[1] % 2:
-                    raise KeyError(f"{k} has shape {tuple(v.shape)}; expected (experts, 2 * moe_intermediate_size, "
-                                   "hidden_size)")
-                out[f"layers.{m[1]}.mlp.experts.w1"], out[f"layers.{m[1]}.mlp.experts.w3"] = v.chunk(2, dim=1)
-        else:
-            out[NAMES.from_hf(k)] = v
-    for (layer, name), by_expert in experts.items():
-        out[f"layers.{layer}.mlp.experts.{name}"] = _stack(by_expert, cfg.moe.n_experts, layer)
+        out[NAMES.from_hf(k)] = v
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
     return out
-
-
-def _stack(by_expert: dict[int, tuple[str, torch.Tensor]], n_experts: int, layer: str) -> torch.Tensor:
-    """One matrix kind of a layer's experts, (E, out, in); ``KeyError`` for an expert missing, past the
-    config's count, or of another shape than the first."""
-    missing = [e for e in range(n_experts) if e not in by_expert]
-    extra = sorted(e for e in by_expert if e >= n_experts)
-    if missing or extra:
-        named = by_expert[next(iter(by_expert))][0]
-        problem = f"expert {missing[0]} missing" if missing else f"expert {extra[0]} past n_routed_experts = {n_experts}"
-        raise KeyError(f"layer {layer}'s experts ({named} and the others): {problem}")
-    first_name, first = by_expert[0]
-    for name, t in by_expert.values():
-        if t.shape != first.shape:
-            raise KeyError(f"{name} has shape {tuple(t.shape)}, unlike {first_name}'s {tuple(first.shape)}")
-    return torch.stack([by_expert[e][1] for e in range(n_experts)])
 
 
 def hf_config_dict(cfg: DeepseekV3Config, dtype: str = "float32", **extra: Any) -> dict:

@@ -27,6 +27,7 @@ from lmforge.model.hf_parts import (
     HONOURED,
     INERT,
     NOT_READ,
+    HFExperts,
     HFKey,
     WeightNames,
     check_hf_config_keys,
@@ -47,14 +48,10 @@ _LAYER_KEYS = {
     **HF_QK_NORM_KEYS,
 }
 NAMES = WeightNames("Mixtral/Qwen3-MoE", _LAYER_KEYS)
-# each class's routed FFN: its module, and our expert matrices' names in it
-_MOE_MODULE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-_EXPERT_NAMES = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
-                 "qwen3_moe": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
-_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+# each class's routed FFN: its module, and our expert matrices' names in it (transformers 5 fuses Mixtral's under mlp)
+_EXPERTS = {"mixtral": HFExperts("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}, also_read=("mlp",)),
+            "qwen3_moe": HFExperts("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
-_OURS = {"w1": "w1", "w2": "w2", "w3": "w3", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def to_hf_name(name: str) -> str:
@@ -77,16 +74,14 @@ def model_type_of(cfg: MixtralConfig) -> str:
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: MixtralConfig) -> dict[str, torch.Tensor]:
     """Our weights under the class's names, each expert's matrices apart (the Hub's layout); a tied output
     matrix is left out."""
-    model_type = model_type_of(cfg)
-    module, names = _MOE_MODULE[model_type], _EXPERT_NAMES[model_type]
+    experts = _EXPERTS[model_type_of(cfg)]
     out = {}
     for k, v in state.items():
         parts = k.split(".")
         if parts[0] == "layers" and parts[2:4] == ["mlp", "router"]:
-            out[f"model.layers.{parts[1]}.{module}.gate.weight"] = v
+            out[f"model.layers.{parts[1]}.{experts.module}.gate.weight"] = v
         elif parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
-            for e, matrix in enumerate(v.unbind(0)):
-                out[f"model.layers.{parts[1]}.{module}.experts.{e}.{names[parts[4]]}.weight"] = matrix.contiguous()
+            out |= experts.to_hf(parts[1], parts[4], v)
         elif k.endswith("expert_bias"):
             continue  # export refuses a model whose bias matters (hf_config_dict); an all-zero one is no bias
         else:
@@ -99,43 +94,17 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: MixtralConfig) -> dict
 def state_dict_from_hf(state: dict[str, torch.Tensor], cfg: MixtralConfig) -> dict[str, torch.Tensor]:
     """The class's weights under our names: per-expert matrices (or transformers 5's fused ones) stacked
     by expert; ``KeyError`` naming what is missing or mis-shaped."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
-    for k, v in state.items():
+    out, rest = _EXPERTS[model_type_of(cfg)].from_hf(state, cfg.moe.n_experts)
+    for k, v in rest.items():
         if k.endswith("rotary_emb.inv_freq"):
             continue
-        if m := _PER_EXPERT.fullmatch(k):
-            experts.setdefault((m[1], _OURS[m[3]]), {})[int(m[2])] = (k, v)
-        elif m := _FUSED.fullmatch(k):
-            if m[2] == "down_proj":
-                out[f"layers.{m[1]}.mlp.experts.w2"] = v
-            else:  # (E, 2f, d): gate rows then up rows, per expert
-                if v.ndim != 3 or v.shape[1] % 2:
-                    raise KeyError(f"{k} has shape {tuple(v.shape)}; expected (experts, 2 * moe width, hidden size)")
-                out[f"layers.{m[1]}.mlp.experts.w1"], out[f"layers.{m[1]}.mlp.experts.w3"] = v.chunk(2, dim=1)
-        elif m := _ROUTER.fullmatch(k):
+        if m := _ROUTER.fullmatch(k):
             out[f"layers.{m[1]}.mlp.router.weight"] = v
         else:
             out[NAMES.from_hf(k)] = v
-    for (layer, ours), by_expert in experts.items():
-        out[f"layers.{layer}.mlp.experts.{ours}"] = _stack(by_expert, cfg.moe.n_experts, layer, ours)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
     return out
-
-
-def _stack(by_expert: dict[int, tuple[str, torch.Tensor]], n_experts: int, layer: str, ours: str) -> torch.Tensor:
-    missing = [e for e in range(n_experts) if e not in by_expert]
-    extra = sorted(e for e in by_expert if e >= n_experts)
-    if missing or extra:
-        named = by_expert[next(iter(by_expert))][0]
-        problem = f"expert {missing[0]} missing" if missing else f"expert {extra[0]} past the config's {n_experts}"
-        raise KeyError(f"layer {layer}'s experts ({named} and the others): {problem}")
-    first_name, first = by_expert[0]
-    for name, t in by_expert.values():
-        if t.shape != first.shape:
-            raise KeyError(f"{name} has shape {tuple(t.shape)}, unlike {first_name}'s {tuple(first.shape)}")
-    return torch.stack([by_expert[e][1] for e in range(n_experts)])
 
 
 # --------------------------------------------------------------------------- config.json
