@@ -25,20 +25,17 @@ Tokens/s and memory depend on the machine and its load (recorded beside them); t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from record import header, load_average, now, write_result
+from record import header, load_average, machine_line, made_once, now, parse_training_args, replotted, write_result
 
 from lmforge.core.config import load_config
 from lmforge.core.untrusted import read_yaml
-from lmforge.stages.prepare import PrepareRecipe, run_prepare
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
-from lmforge.stages.tokenizer import TokenizerRecipe, run_tokenizer
 from lmforge.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,8 +116,7 @@ def draw_plot(result: dict, path: Path) -> None:
     load_ax.set_ylabel("expert share of assignments (layer mean)")
     load_ax.legend(fontsize=7)
     fig.suptitle(f"{result['recipe']}: dense vs MoE of equal active FLOPs, {result['steps']} steps\n"
-                 f"{result['machine']['cpu']}, {result['machine']['cpus']} cores, torch {result['machine']['torch']}, "
-                 f"{result['date'][:10]}", fontsize=9)
+                 f"{machine_line(result)}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -129,33 +125,15 @@ def draw_plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps")
-    p.add_argument("--replot", action="store_true", help="draw the figure again from --out's JSON, then stop")
-    p.add_argument("--set", nargs="*", default=[], help="more dotted overrides for every run (e.g. train.max_steps=300)")
-    p.add_argument("--runs", help="where the runs write (default runs/moe, --quick runs/moe_quick)")
-    p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/moe.json)")
-    p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/moe.png)")
-    args = p.parse_args(argv)
-    args.runs = Path(args.runs or ("runs/moe_quick" if args.quick else "runs/moe"))
-    args.out = Path(args.out or (args.runs / "moe.json" if args.quick else RESULTS))
-    args.plot = Path(args.plot or (args.runs / "moe.png" if args.quick else PLOT))
-    return args
+    return parse_training_args(p, "moe", RESULTS, PLOT, "4 steps", argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.replot:
-        draw_plot(json.loads(args.out.read_text()), args.plot)
-        print(f"wrote {args.plot}")
+    if replotted(args, draw_plot):
         return
     extra = (QUICK if args.quick else []) + args.set
-    if not any(k.startswith(("tokenizer=", "data.datasets=")) for k in extra):  # the recipe's own data: made once
-        tokenizer = load_config(TokenizerRecipe, REPO / TOKENIZER)
-        if not (REPO / tokenizer.run_dir / "tokenizer.json").is_file():
-            run_tokenizer(tokenizer)
-        prepare = load_config(PrepareRecipe, REPO / PREPARE)
-        if not (REPO / prepare.run_dir / "manifest.json").is_file():
-            run_prepare(prepare)
+    made_once(TOKENIZER, PREPARE, extra)
     started = now()
     dense = dense_recipe(args.runs / "dense.yaml")
     runs = [train(name, dense if name == "dense" else REPO / RECIPE, args.runs / name, extra) for name in RUNS]

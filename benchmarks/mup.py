@@ -21,18 +21,15 @@ seeded), only the time it takes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
-from record import header, now, write_result
+from record import header, machine_line, made_once, now, parse_training_args, replotted, write_result
 
 from lmforge.core.config import load_config
-from lmforge.stages.prepare import PrepareRecipe, run_prepare
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
-from lmforge.stages.tokenizer import TokenizerRecipe, run_tokenizer
 from lmforge.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,8 +99,7 @@ def draw_plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("validation loss")
-    fig.suptitle(f"{result['recipe']}, {result['steps']} steps\n{result['machine']['cpu']}, {result['machine']['cpus']} cores, "
-                 f"torch {result['machine']['torch']}, {result['date'][:10]}", fontsize=9)
+    fig.suptitle(f"{result['recipe']}, {result['steps']} steps\n{machine_line(result)}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -112,34 +108,16 @@ def draw_plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: widths 32 and 64 (base 32), 2 rates, 4 steps")
-    p.add_argument("--replot", action="store_true", help="draw the figure again from --out's JSON, then stop")
-    p.add_argument("--set", nargs="*", default=[], help="more dotted overrides for every run (e.g. train.max_steps=300)")
-    p.add_argument("--runs", help="where the runs write (default runs/mup, --quick runs/mup_quick)")
-    p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/mup.json)")
-    p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/mup.png)")
-    args = p.parse_args(argv)
-    args.runs = Path(args.runs or ("runs/mup_quick" if args.quick else "runs/mup"))
-    args.out = Path(args.out or (args.runs / "mup.json" if args.quick else RESULTS))
-    args.plot = Path(args.plot or (args.runs / "mup.png" if args.quick else PLOT))
-    return args
+    return parse_training_args(p, "mup", RESULTS, PLOT, "widths 32 and 64 (base 32), 2 rates, 4 steps", argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.replot:
-        draw_plot(json.loads(args.out.read_text()), args.plot)
-        print(f"wrote {args.plot}")
+    if replotted(args, draw_plot):
         return
     widths, base, rates = (QUICK["widths"], QUICK["base"], QUICK["rates"]) if args.quick else (WIDTHS, BASE, RATES)
     extra = (QUICK["set"] if args.quick else []) + args.set
-    if not any(k.startswith(("tokenizer=", "data.datasets=")) for k in extra):  # the recipe's own data: made once
-        tokenizer = load_config(TokenizerRecipe, REPO / TOKENIZER)
-        if not (REPO / tokenizer.run_dir / "tokenizer.json").is_file():
-            run_tokenizer(tokenizer)
-        prepare = load_config(PrepareRecipe, REPO / PREPARE)
-        if not (REPO / prepare.run_dir / "manifest.json").is_file():
-            run_prepare(prepare)
+    made_once(TOKENIZER, PREPARE, extra)
     started, runs = now(), []
     for lr in rates:
         for width in widths:

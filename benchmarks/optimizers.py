@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from record import header, load_average, now, write_result
+from record import header, load_average, machine_line, now, parse_training_args, replotted, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/demo/pretrain.yaml"
@@ -99,8 +99,7 @@ def draw_plot(result: dict, path: Path) -> None:
     by_step.set_title("every rate, by step")
     by_time.set_title("each optimizer's best rate, by wall time")
     by_step.legend(fontsize=7)
-    fig.suptitle(f"{result['recipe']}, {result['steps']} steps\n{result['machine']['cpu']}, {result['machine']['cpus']} cores, "
-                 f"torch {result['machine']['torch']}, {result['date'][:10]}", fontsize=9)
+    fig.suptitle(f"{result['recipe']}, {result['steps']} steps\n{machine_line(result)}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -131,18 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=RECIPE, help="the pre-training recipe every run shares")
     p.add_argument("--optimizers", nargs="+", default=list(GRID), choices=list(GRID))
-    p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 6 steps, the middle rate only")
     p.add_argument("--eval-every", type=int, default=25, help="steps between validations (the curves' points)")
-    p.add_argument("--replot", action="store_true", help="draw the figure again from --out's JSON, then stop")
-    p.add_argument("--set", nargs="*", default=[], help="more dotted overrides for every run (e.g. train.max_steps=100)")
-    p.add_argument("--runs", help="where the runs write (default runs/optimizers, --quick runs/optimizers_quick)")
-    p.add_argument("--out", help=f"results JSON (default {RESULTS}; --quick: <runs>/optimizers.json)")
-    p.add_argument("--plot", help=f"the figure (default {PLOT}; --quick: <runs>/optimizers.png)")
     p.add_argument("--verbose", action="store_true", help="show each run's console")
-    args = p.parse_args(argv)
-    args.runs = Path(args.runs or ("runs/optimizers_quick" if args.quick else "runs/optimizers"))
-    args.out = Path(args.out or (args.runs / "optimizers.json" if args.quick else RESULTS))
-    args.plot = Path(args.plot or (args.runs / "optimizers.png" if args.quick else PLOT))
+    args = parse_training_args(p, "optimizers", RESULTS, PLOT, "a tiny model, 6 steps, the middle rate only", argv)
     if args.quick:
         args.eval_every = 3
     return args
@@ -150,9 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.replot:
-        draw_plot(json.loads(args.out.read_text()), args.plot)
-        print(f"wrote {args.plot}")
+    if replotted(args, draw_plot):
         return
     started = now()
     # interleaved (every optimizer's first rate, then every second rate, ...), so that a change in the
