@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt | $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve,eval,docs,wandb,mlflow]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve,eval,docs,wandb,mlflow,dp,lowbit]'
 	# a headless Chromium (and its driver) for the chat page's browser test, where apt can install one;
 	# without it that one test skips and says why
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
