@@ -59,6 +59,10 @@ class LoaderConfig:
     verify_shards: bool = option(
         False, help="hash every shard against its manifest first (always on when a run resumes)"
     )
+    weights_from: str | None = option(
+        None, help="a domain-weights JSON (`lmforge doremi`'s domain_weights.json) whose weight for each dataset, by "
+        "its name, replaces the datasets' own `weight:` (lmforge.data.doremi.apply_domain_weights)"
+    )
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -228,6 +232,7 @@ class TokenLoader:
             picks += [(int(d), self._next_window(int(d))) for d in self._choices(kept, stop)]
             self.samples = stop
         mine = picks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        self.sources = np.array([d for d, _ in mine], dtype=np.int64)  # the dataset of each row (DoReMi's domains)
         if not mine:  # the last evaluation batch can leave a rank without rows
             return torch.zeros((0, self.cfg.seq_len + 1), dtype=torch.long)
         rows = np.stack([self.datasets[d].window(w) for d, w in mine]).astype(np.int64)
