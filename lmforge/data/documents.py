@@ -45,6 +45,11 @@ class DocumentsConfig:
         None, help="a key / column of TRL `messages`: each conversation read as its ChatML text"
     )
     skip_bad_records: bool = option(False, help="count and skip bad records instead of stopping")
+    score_field: str | None = option(
+        None,
+        help="a numeric field of every record kept as the document's score (dotted into objects and JSON strings: "
+        "metadata.classifier_score, what `lmforge curate` writes), which pretrain's data.score_order orders by",
+    )
 
     @property
     def read_field(self) -> str:
@@ -120,6 +125,37 @@ def _bad(cfg: DocumentsConfig, skipped: SkipLog, reason: str, where: str, detail
     if not cfg.skip_bad_records:
         raise InputError(f"{where}: {detail} (set data.skip_bad_records=true to skip and count such records)")
     skipped.add(reason, where, detail)
+
+
+def record_score(record: dict, key: str) -> float | str:
+    """The number at dotted ``key`` of ``record`` (a JSON string on the way, as a Parquet metadata
+    column holds, is parsed), or why there is none."""
+    value: Any = record
+    for part in key.split("."):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return f"{part!r} of data.score_field {key!r} is inside a string that is not JSON"
+        if not isinstance(value, dict) or part not in value:
+            return f"no score {key!r} (data.score_field): {part!r} is missing"
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"score {key!r} (data.score_field) is {value!r}, not a finite number"
+    return float(value)
+
+
+def _with_score(doc: Document, record: dict, where: str, cfg: DocumentsConfig, skipped: SkipLog) -> Document | None:
+    """``doc`` with ``metadata["score"]`` from ``cfg.score_field`` when one is asked for; None
+    (reported or counted) when the record has no such number."""
+    if cfg.score_field is None:
+        return doc
+    score = record_score(record, cfg.score_field)
+    if isinstance(score, str):
+        _bad(cfg, skipped, "missing_score", where, score)
+        return None
+    doc.metadata["score"] = score
+    return doc
 
 
 def _record_text(value: object, missing: str, where: str, cfg: DocumentsConfig, skipped: SkipLog) -> str | None:
@@ -343,8 +379,10 @@ def _read_jsonl(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[
         if text is not None:
             doc_id = record.get(cfg.id_field)
             line = where.rsplit(":", 1)[1]
-            yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{line}",
-                           text=text, metadata={"source": str(path)})
+            doc = _with_score(Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{line}",
+                                       text=text, metadata={"source": str(path)}), record, where, cfg, skipped)
+            if doc is not None:
+                yield doc
 
 
 def parquet_rows(batch: Any) -> list[tuple[dict, str | None]]:
@@ -412,6 +450,11 @@ def _read_parquet(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterato
     if key not in names:
         raise InputError(f"{path}: no {key!r} column (columns: {names})")
     columns = [key] + ([cfg.id_field] if cfg.id_field in names else [])
+    if cfg.score_field is not None:
+        column = cfg.score_field.split(".")[0]
+        if column not in names:
+            raise InputError(f"{path}: no {column!r} column for data.score_field {cfg.score_field!r} (columns: {names})")
+        columns += [column] if column not in columns else []
     try:
         yield from _parquet_documents(path, pf, columns, cfg, skipped)
     except DamagedFile as exc:
@@ -431,11 +474,17 @@ def _parquet_documents(path: Path, pf: Any, columns: list[str], cfg: DocumentsCo
             doc_id = record.get(cfg.id_field)
             text = _record_text(record[key], f"{key!r} is null", where, cfg, skipped)
             if text is not None:
-                yield Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text, metadata={"source": str(path)})
+                doc = _with_score(Document(id=str(doc_id) if doc_id is not None else f"{path.name}:{row}", text=text,
+                                           metadata={"source": str(path)}), record, where, cfg, skipped)
+                if doc is not None:
+                    yield doc
 
 
 def _read_text(path: Path, cfg: DocumentsConfig, skipped: SkipLog) -> Iterator[Document]:
     """A plain-text file is one document; its id is the file name."""
+    if cfg.score_field is not None:
+        raise InputError(f"{path}: a plain-text file has no fields, so no score {cfg.score_field!r} "
+                         "(data.score_field): give JSONL or Parquet records with the score, or unset data.score_field")
     try:
         with open_binary(path) as f:
             data = f.read()

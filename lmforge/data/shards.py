@@ -5,6 +5,7 @@ A prepared dataset is a directory::
     manifest.json                 tokenizer hash, dtype, counts, unigram entropy, sources, skipped records
     train-00000.tokens.npy        flat token array (uint16 if the vocabulary fits, else uint32)
     train-00000.docs.npy          int64 offsets of document starts, plus the end (n_docs + 1)
+    train-00000.scores.npy        float64 score per document (only with prepare's data.score_field)
     val-00000.tokens.npy ...
 
 Arrays are ``.npy`` files, so ``np.load(..., mmap_mode="r")`` maps them without copying
@@ -54,12 +55,15 @@ class ShardWriter:
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, vocab_size: int):
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
         self.pending: list[np.ndarray] = []
+        self.pending_scores: list[float] = []
         self.pending_tokens = 0
         self.shards: list[dict] = []
         self.counts = np.zeros(vocab_size, dtype=np.int64)
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, score: float | None = None) -> None:
         self.pending.append(tokens)
+        if score is not None:
+            self.pending_scores.append(score)
         self.pending_tokens += len(tokens)
         if self.pending_tokens >= self.shard_tokens:
             self.flush()
@@ -86,7 +90,11 @@ class ShardWriter:
                 "docs_sha256": sha256_file(self.out_dir / docs_file),
             }
         )
-        self.pending, self.pending_tokens = [], 0
+        if self.pending_scores:  # every document has one (the reader refuses a record without)
+            scores_file = f"{stem}.scores.npy"
+            np.save(self.out_dir / scores_file, np.asarray(self.pending_scores, dtype=np.float64))
+            self.shards[-1].update(scores=scores_file, scores_sha256=sha256_file(self.out_dir / scores_file))
+        self.pending, self.pending_scores, self.pending_tokens = [], [], 0
 
     def summary(self) -> dict:
         summary = {
@@ -157,7 +165,7 @@ def tokenize_to_shards(
     for batch in _batched_in_background(docs, batch_docs):
         encoded = tokenizer.encode_batch([d.text for _, d in batch])
         for (split, doc), ids in zip(batch, encoded):
-            writers[split].add(np.array(prefix + ids + suffix, dtype=dtype))
+            writers[split].add(np.array(prefix + ids + suffix, dtype=dtype), doc.metadata.get("score"))
             counts = sources.setdefault(doc.source, [0, 0])
             counts[0] += 1
             counts[1] += split == "val"
@@ -180,6 +188,7 @@ def tokenize_to_shards(
 class Shard:
     tokens: np.ndarray  # memory-mapped, 1-D
     doc_starts: np.ndarray  # int64, n_docs + 1 offsets into ``tokens``
+    scores: np.ndarray | None = None  # float64 per document, when prepared with data.score_field
 
 
 def read_manifest(directory: str | Path) -> dict:
@@ -229,13 +238,13 @@ def manifest_problem(manifest: dict) -> str | None:
             where = f"splits.{split}.shards[{i}]"
             if not isinstance(shard, dict):
                 return f"{where} is not a mapping"
-            for key in ("tokens", "docs"):
-                if not _is_file_name(shard.get(key)):
+            for key in ("tokens", "docs", "scores"):  # scores: only with prepare's data.score_field
+                if (key in shard or key != "scores") and not _is_file_name(shard.get(key)):
                     return f"{where}.{key} is {shard.get(key)!r}, not a file name"
             for key in ("n_tokens", "n_docs"):
                 if not _is_count(shard.get(key)):
                     return f"{where}.{key} is {shard.get(key)!r}, not a count"
-            for key in ("sha256", "docs_sha256"):  # docs_sha256: absent from manifests written before it
+            for key in ("sha256", "docs_sha256", "scores_sha256"):  # docs_sha256: absent from manifests before it
                 if (key in shard or key == "sha256") and not isinstance(shard.get(key), str):
                     return f"{where}.{key} is {shard.get(key)!r}, not a sha256 digest"
         for key in ("n_tokens", "n_docs"):
@@ -256,7 +265,8 @@ def verify_shards(directory: Path, manifest: dict, split: str) -> None:
     size = sum((directory / s["tokens"]).stat().st_size + (directory / s["docs"]).stat().st_size for s in shards)
     log.info("verifying %d %s shards (%.2f GB) of %s against %s", len(shards), split, size / 1e9, directory, MANIFEST)
     for info in shards:
-        for key, name in (("sha256", info["tokens"]), ("docs_sha256", info["docs"])):
+        for key, name in (("sha256", info["tokens"]), ("docs_sha256", info["docs"]),
+                          ("scores_sha256", info.get("scores"))):
             expected = info.get(key)
             if expected is None:
                 continue
@@ -288,7 +298,7 @@ def open_shards(directory: str | Path, split: str = "train", verify: bool = Fals
     if split not in manifest["splits"]:
         raise InputError(f"{directory}: no split {split!r} (has {sorted(manifest['splits'])})")
     for info in manifest["splits"][split]["shards"]:
-        for name in (info["tokens"], info["docs"]):
+        for name in (info["tokens"], info["docs"], *([info["scores"]] if "scores" in info else [])):
             if not (directory / name).is_file():
                 raise InputError(f"{directory / MANIFEST}: lists shard file {name} of split {split!r}, "
                                  f"which is not in {directory}")
@@ -303,5 +313,11 @@ def open_shards(directory: str | Path, split: str = "train", verify: bool = Fals
             raise InputError(f"{tokens_path}: expected {info['n_tokens']} {dtype} tokens, found {tokens.size} {tokens.dtype}")
         if not _is_document_index(doc_starts, info["n_docs"], len(tokens)):
             raise InputError(f"{docs_path}: document index does not match its token file")
-        shards.append(Shard(tokens=tokens, doc_starts=doc_starts))
+        scores = None
+        if "scores" in info:
+            scores = _load_array(directory / info["scores"], mmap=False)
+            if scores.dtype != np.float64 or scores.shape != (info["n_docs"],):
+                raise InputError(f"{directory / info['scores']}: expected {info['n_docs']} float64 document scores, "
+                                 f"found {scores.shape} {scores.dtype}")
+        shards.append(Shard(tokens=tokens, doc_starts=doc_starts, scores=scores))
     return shards

@@ -126,6 +126,7 @@ def write_prepared(recipe: PrepareRecipe) -> dict:
             "pad_id": tok.pad_id,
             "add_bos": recipe.add_bos,
             "add_eos": recipe.add_eos,
+            "score_field": recipe.data.score_field,
             "val_fraction": None if val_files else recipe.val_fraction,
             "split": split_record(recipe),
             "n_tokens": sum(s["n_tokens"] for s in splits.values()),
