@@ -8,8 +8,10 @@ such as ``q_proj``) and ``adapter_model.safetensors`` with PEFT's key names::
     base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector  (out,)  DoRA only
 
 The base model is the ``lmforge export`` of the same checkpoint (``lmforge.model.hf`` names).
-QLoRA adapters are the same tensors: the NF4 base is not saved, and ``load_adapter`` fills a
-model on which ``apply_lora(model, LoraConfig(quantize_base=True, ...))`` was already called.
+QLoRA adapters are the same tensors: the quantised base is not saved, and ``load_adapter`` fills a
+model on which ``apply_lora(model, LoraConfig(quantize_base=..., ...))`` was already called. A LoftQ
+adapter (``init: loftq``) is written as trained; peft's ``init_lora_weights`` says True (kaiming),
+since the factors are in the file and peft's own LoftQ init needs bitsandbytes on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.core.io import InputError, atomic_directory, atomic_write_json
 from lmforge.model.hf import from_hf_name, to_hf_name
 from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules
-from lmforge.peft.nf4 import NF4Linear
+from lmforge.peft.quant import QuantizedLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -85,7 +87,7 @@ def peft_config_dict(cfg: LoraConfig, target_modules: list[str], base_model_name
         "exclude_modules": None,
         "use_rslora": cfg.use_rslora,
         "use_dora": cfg.use_dora,
-        "init_lora_weights": True if cfg.init == "kaiming" else "gaussian",
+        "init_lora_weights": "gaussian" if cfg.init == "gaussian" else True,
         "bias": "none",
         "lora_bias": False,
         "fan_in_fan_out": False,
@@ -118,7 +120,7 @@ def save_adapter(model: torch.nn.Module, cfg: LoraConfig, directory: str | Path,
             tensors[f"{prefix}.lora_magnitude_vector"] = module.lora_magnitude_vector
     linears = [
         n for n, m in model.named_modules()
-        if isinstance(m, (torch.nn.Linear, NF4Linear)) and ".lora_" not in n and not n.endswith(".base")
+        if isinstance(m, (torch.nn.Linear, QuantizedLinear)) and ".lora_" not in n and not n.endswith(".base")
     ]
     targets = peft_target_modules(list(modules), linears + list(modules), family)
     directory = Path(directory)

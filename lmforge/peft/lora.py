@@ -12,12 +12,14 @@ dropout placement and merge follow ``peft/tuners/lora/layer.py`` (``Linear``) an
 ``peft/tuners/lora/dora.py``/``variants.py`` (``DoraLinearLayer``/``DoraLinearVariant``);
 ``tests/peft/test_lora.py`` checks them against PEFT in float64.
 
-QLoRA (Dettmers et al. 2023) is the same adapter over a frozen NF4 base (``NF4Linear``):
-``LoraConfig(quantize_base=True)`` quantises each targeted linear before wrapping it, and
-the matmuls run in the activations' dtype (bf16 under autocast). An NF4 base is never
-merged in place (that would round the update into 4 bits, peft#2321); ``merge_lora``
-dequantises and returns a full-precision ``nn.Linear``, PEFT's dequantise-then-merge.
-``tests/peft/test_qlora.py`` checks it.
+QLoRA (Dettmers et al. 2023) is the same adapter over a frozen quantised base
+(``QuantizedLinear``): ``LoraConfig(quantize_base="nf4")`` (or ``True``) stores each targeted
+linear in NF4 before wrapping it, ``"int4"``/``"int3"``/``"int2"`` in HQQ's integers
+(``peft.quant``), and the matmuls run in the activations' dtype (bf16 under autocast). With
+``init="loftq"`` the base and the adapter are chosen together from the quantisation residual
+(``peft.loftq``). A quantised base is never merged in place (that would round the update into
+the base's bits, peft#2321); ``merge_lora`` dequantises and returns a full-precision
+``nn.Linear``, PEFT's dequantise-then-merge. ``tests/peft/test_qlora.py`` checks it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.core.config import option, positive, unit_interval
-from lmforge.peft.nf4 import NF4Linear
+from lmforge.peft.loftq import loftq_init
+from lmforge.peft.quant import FORMATS, QuantFormat, QuantizedLinear, quant_format
 
 DEFAULT_TARGETS = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3"]
 ADAPTER_PARAMS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
@@ -60,12 +63,21 @@ class LoraConfig:
     )
     use_rslora: bool = option(False, help="s = α/√r instead of α/r")
     use_dora: bool = option(False, help="DoRA: the adapted weight's magnitude is learned apart from its direction")
-    init: Literal["kaiming", "gaussian"] = option("kaiming", help="A's init; B always starts at zero")
-    quantize_base: bool = option(
-        False,
-        help="QLoRA: store each targeted linear's weight in NF4 (double-quantised scales) under the adapter. The "
-        "QLoRA paper's blocks are 64 and 256, so a weight needs a multiple of 64·256 elements.",
+    init: Literal["kaiming", "gaussian", "loftq"] = option(
+        "kaiming",
+        help="A's init, B starting at zero (kaiming, gaussian); or loftq (with quantize_base): the base and both "
+        "factors chosen from the quantisation residual, so the model starts near the full-precision one",
     )
+    quantize_base: bool | Literal["nf4", "int4", "int3", "int2"] = option(
+        False,
+        help="store each targeted linear's weight quantised under the adapter: nf4 (QLoRA's NormalFloat, "
+        "double-quantised scales; true means nf4; a weight needs a multiple of nf4_block_size·nf4_scaler_block_size "
+        "elements) or int4/int3/int2 (HQQ: a scale and zero point per group_size weights of a row)",
+    )
+    group_size: int = positive(
+        64, help="quantize_base int4/int3/int2: weights per group along a row, each group with its own scale and zero "
+        "point; must divide every targeted linear's in_features")
+    loftq_iter: int = positive(1, help="init loftq: alternations of quantising W − BA and the SVD of the residual")
     nf4_block_size: int = positive(64, help="quantize_base: weights per NF4 block, each with its own scale")
     nf4_scaler_block_size: int = positive(
         256, help="quantize_base: NF4 blocks per block of their scales, themselves quantised (double quantisation)"
@@ -76,8 +88,21 @@ class LoraConfig:
             raise ValueError(f"LoRA rank r must be >= 1, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if self.init not in ("kaiming", "gaussian"):
-            raise ValueError(f"LoRA init {self.init!r} is unknown; choose 'kaiming' or 'gaussian'")
+        if self.init not in ("kaiming", "gaussian", "loftq"):
+            raise ValueError(f"LoRA init {self.init!r} is unknown; choose 'kaiming', 'gaussian' or 'loftq'")
+        if self.quantize_base not in (False, True, *FORMATS):
+            raise ValueError(f"lora.quantize_base {self.quantize_base!r} is not a format; choose one of {', '.join(FORMATS)}")
+        if self.init == "loftq" and not self.quantize_base:
+            raise ValueError("lora.init=loftq initialises from the quantisation residual; set lora.quantize_base "
+                             f"({', '.join(FORMATS)}) or choose another init")
+
+    @property
+    def base_format(self) -> QuantFormat | None:
+        """The quantised format of the targeted bases (``quantize_base``), or None for a full-precision base."""
+        if not self.quantize_base:
+            return None
+        name = "nf4" if self.quantize_base is True else self.quantize_base
+        return quant_format(name, self.group_size, self.nf4_block_size, self.nf4_scaler_block_size)
 
     @property
     def scaling(self) -> float:
@@ -86,18 +111,18 @@ class LoraConfig:
 
 
 class LoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` or ``NF4Linear`` (QLoRA) plus a trainable low-rank update (and, with DoRA, a magnitude).
+    """A frozen ``nn.Linear`` or ``QuantizedLinear`` (QLoRA) plus a trainable low-rank update (and, with DoRA, a magnitude).
 
     LoRA:  ``y = W x + b + s · B A drop(x)``
     DoRA:  ``y = (m/n) ⊙ (W x′ + s · B A x′) + b``, ``n = ‖W + s·BA‖`` per output row, held
     constant in the backward pass (DoRA §4.3). ``x′ = drop(x)``; as in PEFT, when dropout is
     active the base term is recomputed on ``x′``, otherwise the base output is reused.
-    W is read through ``base_weight()``: the dequantised weight for an NF4 base.
+    W is read through ``base_weight()``: the dequantised weight for a quantised base.
     """
 
     def __init__(
         self,
-        base: nn.Linear | NF4Linear,
+        base: nn.Linear | QuantizedLinear,
         r: int = 8,
         alpha: float = 16.0,
         dropout: float = 0.0,
@@ -111,10 +136,10 @@ class LoraLinear(nn.Module):
         self.r, self.alpha, self.use_dora = r, alpha, use_dora
         self.scaling = alpha / (math.sqrt(r) if use_rslora else r)
         # Adapters live on the base's device in the dtype W is read in: an nn.Linear's weight dtype,
-        # an NF4Linear's dequantisation dtype. So a bf16-stored base gets bf16 adapters (as torchtune
+        # a QuantizedLinear's dequantisation dtype. So a bf16-stored base gets bf16 adapters (as torchtune
         # does); for fp32 master weights keep the base in fp32 and run the forward under autocast.
         reference = next(t for t in (*base.parameters(), *base.buffers()) if t.is_floating_point())
-        weight_dtype = base.weight.dtype if isinstance(base, nn.Linear) else base.scaler_mean.dtype
+        weight_dtype = base.weight.dtype if isinstance(base, nn.Linear) else base.dtype
         factory = {"device": reference.device, "dtype": weight_dtype}
         self.lora_A = nn.Linear(base.in_features, r, bias=False, **factory)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, **factory)
@@ -148,11 +173,11 @@ class LoraLinear(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether the frozen base is stored in NF4 (QLoRA)."""
-        return isinstance(self.base, NF4Linear)
+        """Whether the frozen base is stored quantised (QLoRA)."""
+        return isinstance(self.base, QuantizedLinear)
 
     def base_weight(self) -> torch.Tensor:
-        """The frozen (out, in) weight W: ``nn.Linear.weight``, or an NF4 base dequantised (a fresh tensor)."""
+        """The frozen (out, in) weight W: ``nn.Linear.weight``, or a quantised base dequantised (a fresh tensor)."""
         return self.base.dequantized_weight() if self.quantized else self.base.weight
 
     def delta_weight(self) -> torch.Tensor:
@@ -203,7 +228,7 @@ class LoraLinear(nn.Module):
             return
         if self.quantized:
             raise RuntimeError(
-                "merge(): this LoRA layer's base is NF4; merging into a 4-bit base would re-quantise the "
+                f"merge(): this LoRA layer's base is {self.base.fmt.name}; merging into it would re-quantise the "
                 "update and lose most of it (peft#2321). Use merge_lora(model), which returns a "
                 "full-precision nn.Linear with dequant(W) + s·BA"
             )
@@ -227,7 +252,7 @@ class LoraLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, dora={self.use_dora}, "
-            f"nf4={self.quantized}, merged={self.merged}"
+            f"quantized={self.base.fmt.name if self.quantized else None}, merged={self.merged}"
         )
 
 
@@ -242,19 +267,20 @@ def matches_target(name: str, target_modules: list[str] | str) -> bool:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Wrap every ``nn.Linear`` (or ``NF4Linear``) whose name matches in a ``LoraLinear``; freeze all else.
+    """Wrap every ``nn.Linear`` (or ``QuantizedLinear``) whose name matches in a ``LoraLinear``; freeze all else.
 
-    With ``cfg.quantize_base`` (QLoRA) each matched ``nn.Linear`` is first replaced by an
-    ``NF4Linear``; untargeted layers (embeddings, an untargeted ``lm_head``) stay as they are.
-    Returns the wrapped module names. Raises ``ValueError`` naming the candidates when
+    With ``cfg.quantize_base`` (QLoRA) each matched ``nn.Linear`` is first replaced by a
+    ``QuantizedLinear`` in that format (with ``cfg.init == "loftq"``, quantise(W − BA) and its
+    adapter from ``loftq_init``); untargeted layers (embeddings, an untargeted ``lm_head``) stay as
+    they are. Returns the wrapped module names. Raises ``ValueError`` naming the candidates when
     nothing matches, when a target's weight is shared (a tied ``lm_head``), since merging
-    into it would also change the embedding, and when a target's shape does not fit the NF4
-    blocks; the model is left unchanged in these cases.
+    into it would also change the embedding, and when a target's shape does not fit the
+    format's blocks or groups; the model is left unchanged in these cases.
     """
     inside_lora = {n for n, m in model.named_modules() if isinstance(m, LoraLinear)}
     candidates = [
         n for n, m in model.named_modules()
-        if isinstance(m, (nn.Linear, NF4Linear)) and not any(n.startswith(p + ".") for p in inside_lora)
+        if isinstance(m, (nn.Linear, QuantizedLinear)) and not any(n.startswith(p + ".") for p in inside_lora)
     ]
     names = [n for n in candidates if matches_target(n, cfg.target_modules)]
     if not names:
@@ -266,22 +292,36 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     uses = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    bases: dict[str, nn.Linear | NF4Linear] = {}
-    for name in names:  # check (and quantise) every target before changing the model
-        linear = model.get_submodule(name)
+    fmt = cfg.base_format
+    linears = {name: model.get_submodule(name) for name in names}
+    for name, linear in linears.items():  # check every target before changing the model
         if isinstance(linear, nn.Linear) and uses[id(linear.weight)] > 1:
             raise ValueError(f"LoRA target {name!r} shares its weight with another module (tied embeddings); leave it out of target_modules")
-        if cfg.quantize_base and isinstance(linear, nn.Linear):
+        if fmt is not None and isinstance(linear, nn.Linear):
             try:
-                linear = NF4Linear.from_linear(linear, cfg.nf4_block_size, cfg.nf4_scaler_block_size)
+                fmt.check(linear.weight.shape)
             except ValueError as e:
-                raise ValueError(
-                    f"QLoRA cannot quantise target {name!r} to NF4: {e}. Change nf4_block_size/"
-                    f"nf4_scaler_block_size or leave {name!r} out of target_modules"
-                ) from e
-        bases[name] = linear
-    for name, base in bases.items():
-        wrapped = LoraLinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, cfg.use_dora, cfg.init)
+                keys = "lora.group_size" if fmt.name != "nf4" else "lora.nf4_block_size/lora.nf4_scaler_block_size"
+                raise ValueError(f"QLoRA cannot quantise target {name!r} to {fmt.name}: {e}. Change {keys} or leave "
+                                 f"{name!r} out of target_modules") from e
+    if cfg.init == "loftq" and any(isinstance(m, QuantizedLinear) for m in linears.values()):
+        raise ValueError("lora.init=loftq needs the full-precision weights, but some targets are quantised already")
+    for name, linear in linears.items():
+        init = "kaiming" if cfg.init == "loftq" else cfg.init
+        factors = None
+        if fmt is not None and isinstance(linear, nn.Linear):
+            if cfg.init == "loftq":
+                tensors, *factors = loftq_init(linear.weight, fmt, cfg.r, cfg.scaling, cfg.loftq_iter)
+                linear = QuantizedLinear(fmt, tensors, linear.weight.shape, linear.bias)
+            else:
+                linear = QuantizedLinear.from_linear(linear, fmt)
+        wrapped = LoraLinear(linear, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, cfg.use_dora, init)
+        if factors is not None:
+            with torch.no_grad():
+                wrapped.lora_A.weight.copy_(factors[0])
+                wrapped.lora_B.weight.copy_(factors[1])
+                if wrapped.lora_magnitude_vector is not None:  # DoRA starts where LoRA does: m = ‖Q + s·BA‖
+                    wrapped.lora_magnitude_vector.copy_(wrapped.weight_norm())
         model.set_submodule(name, wrapped)
     for pname, p in model.named_parameters():
         p.requires_grad_(pname.endswith(ADAPTER_PARAMS))
@@ -316,7 +356,7 @@ def disable_adapters(model: nn.Module) -> Iterator[None]:
 def merge_lora(model: nn.Module) -> list[str]:
     """Replace each ``LoraLinear`` by a plain ``nn.Linear`` with the merged weight, for export.
 
-    An NF4 (QLoRA) base is dequantised first: the new weight is dequant(W) + s·BA (DoRA:
+    A quantised (QLoRA) base is dequantised first: the new weight is dequant(W) + s·BA (DoRA:
     (m/n)(dequant(W) + s·BA)) in the dequantisation dtype, so the merged model computes what the
     QLoRA model computed, not what the original full-precision W would have. The new linears
     are frozen like their bases. Returns the merged names.

@@ -15,17 +15,15 @@ one factor f_g = 256 / (2 · max|s_b - m|):
 This is a pure-PyTorch copy of torchao's ``to_nf4`` scheme (torchao 0.18,
 ``torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py``), op for op, so that tests can
 compare against it bit for bit. It is *not* bit-identical to bitsandbytes: torchao's codebook is
-rounded to 4 decimals, bnb's nested quantisation uses its dynamic 8-bit map.
+rounded to 4 decimals, bnb's nested quantisation uses its dynamic 8-bit map. ``peft.quant``'s
+``QuantizedLinear`` holds these tensors under a LoRA adapter (``NF4Format``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 # torchao 0.18 `NF4Tensor.from_tensor` codebook, rounded to 4 decimals. The paper's values
 # (QLoRA appendix E; bitsandbytes `get_4bit_type("nf4")`) are NF4_CODEBOOK_PAPER below; we use
@@ -64,7 +62,7 @@ class NF4Weight:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _check_nf4_shape(shape: torch.Size, block_size: int, scaler_block_size: int) -> None:
+def check_nf4_shape(shape: torch.Size, block_size: int, scaler_block_size: int) -> None:
     numel = shape.numel()
     if block_size <= 0 or block_size % 2:
         raise ValueError(f"NF4 block_size must be a positive even number (two codes per byte), got {block_size}")
@@ -96,7 +94,7 @@ def quantize_nf4(weight: torch.Tensor, block_size: int = 64, scaler_block_size: 
     """
     if not weight.is_floating_point():
         raise TypeError(f"quantize_nf4 expects a floating-point weight, got dtype {weight.dtype}")
-    _check_nf4_shape(weight.shape, block_size, scaler_block_size)
+    check_nf4_shape(weight.shape, block_size, scaler_block_size)
     flat = weight.detach().reshape(-1)
     n_blocks = flat.numel() // block_size
     n_scaler_blocks = n_blocks // scaler_block_size
@@ -139,112 +137,3 @@ def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
     scalers = q.quantized_scalers.view(-1, q.scaler_block_size) / q.quantization_factor.unsqueeze(-1)
     scalers = scalers.flatten().to(q.dtype) + q.scaler_mean
     return (codebook[codes].view(n_blocks, q.block_size) * scalers.unsqueeze(-1)).view(q.shape)
-
-
-class _NF4LinearFunction(torch.autograd.Function):
-    """y = x Wᵀ with W dequantised in forward and again in backward, so no full-precision W is saved."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, q: NF4Weight) -> torch.Tensor:
-        ctx.q = q  # type: ignore[attr-defined]
-        return F.linear(x, dequantize_nf4(q).to(x.dtype))
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad_out @ dequantize_nf4(ctx.q).to(grad_out.dtype), None  # type: ignore[attr-defined]
-
-
-class NF4Linear(nn.Module):
-    """A frozen linear layer whose weight is stored in NF4: y = x · dequant(W)ᵀ + b.
-
-    Only the input receives a gradient; the optional bias is a frozen parameter. Exposes
-    ``in_features``, ``out_features`` and ``dequantized_weight()`` so an adapter (LoRA) can
-    wrap it as it wraps ``nn.Linear``. The quantised tensors are buffers, so they move with
-    ``.to(device)`` and appear in ``state_dict``.
-    """
-
-    def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None):
-        super().__init__()
-        if len(weight.shape) != 2:
-            raise ValueError(
-                f"NF4Linear needs a 2-D (out_features, in_features) weight, got shape {tuple(weight.shape)}"
-            )
-        self.out_features, self.in_features = weight.shape
-        self.block_size = weight.block_size
-        self.scaler_block_size = weight.scaler_block_size
-        self.register_buffer("packed", weight.packed)
-        self.register_buffer("quantized_scalers", weight.quantized_scalers)
-        self.register_buffer("quantization_factor", weight.quantization_factor)
-        self.register_buffer("scaler_mean", weight.scaler_mean)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, block_size: int = 64, scaler_block_size: int = 256) -> NF4Linear:
-        """Quantise ``linear``'s weight to NF4 (on its device and in its dtype) and keep its bias."""
-        return cls(quantize_nf4(linear.weight, block_size, scaler_block_size), linear.bias)
-
-    def nf4_weight(self) -> NF4Weight:
-        # The dequantisation dtype follows the buffers, so `module.to(torch.bfloat16)` stays consistent.
-        return NF4Weight(
-            packed=self.packed,
-            quantized_scalers=self.quantized_scalers,
-            quantization_factor=self.quantization_factor,
-            scaler_mean=self.scaler_mean,
-            shape=torch.Size((self.out_features, self.in_features)),
-            dtype=self.scaler_mean.dtype,
-            block_size=self.block_size,
-            scaler_block_size=self.scaler_block_size,
-        )
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The (out_features, in_features) weight in full precision, detached (e.g. to merge LoRA)."""
-        return dequantize_nf4(self.nf4_weight())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _NF4LinearFunction.apply(x, self.nf4_weight())
-        # Bias added after the matmul, as torchao's F.linear override does, to match it bit for bit.
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
-    def nbytes(self) -> int:
-        """Bytes of storage of the quantised weight plus the bias."""
-        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.nf4_weight().nbytes() + bias
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"block_size={self.block_size}, scaler_block_size={self.scaler_block_size}, dtype={self.scaler_mean.dtype}"
-        )
-
-
-@torch.no_grad()
-def quantize_base_linears(
-    model: nn.Module,
-    predicate: Callable[[str, nn.Linear], bool] | None = None,
-    block_size: int = 64,
-    scaler_block_size: int = 256,
-) -> int:
-    """Replace, in place, each ``nn.Linear`` for which ``predicate(qualified_name, module)`` holds by an ``NF4Linear``.
-
-    The QLoRA recipe quantises every linear layer of the base model (usually not the LM head)
-    and then puts LoRA adapters on top. Only exact ``nn.Linear`` instances are replaced: subclasses
-    (e.g. ``nn.MultiheadAttention.out_proj``) are read through ``.weight`` by their owners. A module
-    reachable under several names is quantised once and stays shared. Returns the number of
-    distinct modules replaced. Layers whose size does not fit the blocks raise ``ValueError``,
-    naming the layer; exclude them with ``predicate``.
-    """
-    replaced: dict[int, NF4Linear] = {}
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if id(child) not in replaced:
-                if predicate is not None and not predicate(name, child):
-                    continue
-                try:
-                    replaced[id(child)] = NF4Linear.from_linear(child, block_size, scaler_block_size)
-                except ValueError as e:
-                    raise ValueError(f"{name}: {e}") from e
-            setattr(parent, child_name, replaced[id(child)])
-    return len(replaced)

@@ -7,14 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.peft.nf4 import (
-    NF4_CODEBOOK,
-    NF4_CODEBOOK_PAPER,
-    NF4Linear,
-    dequantize_nf4,
-    quantize_base_linears,
-    quantize_nf4,
-)
+from lmforge.peft.nf4 import NF4_CODEBOOK, NF4_CODEBOOK_PAPER, dequantize_nf4, quantize_nf4
+from lmforge.peft.quant import NF4Format, QuantizedLinear, quantize_base_linears
 from tests.conftest import import_reference
 
 torchao_quant = import_reference("torchao.quantization")
@@ -87,7 +81,7 @@ def test_all_zero_block_dequantises_to_exact_zeros():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nf4_linear_output_and_input_grad_equal_torchao(dtype, bias):
     linear = nn.Linear(256, 128, bias=bias, dtype=dtype)
-    layer = NF4Linear.from_linear(linear)
+    layer = QuantizedLinear.from_linear(linear, NF4Format())
     ref_w = to_nf4(linear.weight.detach(), 64, 256)
     ref_b = linear.bias.detach() if bias else None
 
@@ -106,7 +100,7 @@ def test_nf4_linear_output_and_input_grad_equal_torchao(dtype, bias):
 
 
 def test_nf4_linear_runs_in_the_input_dtype():
-    layer = NF4Linear.from_linear(nn.Linear(128, 128))  # fp32 storage
+    layer = QuantizedLinear.from_linear(nn.Linear(128, 128), NF4Format())  # fp32 storage
     x = torch.randn(2, 128, dtype=torch.bfloat16)
     y = layer(x)
     assert y.dtype == torch.bfloat16
@@ -114,10 +108,10 @@ def test_nf4_linear_runs_in_the_input_dtype():
 
 
 def test_nf4_linear_exposes_the_adapter_interface_and_a_state_dict():
-    layer = NF4Linear.from_linear(nn.Linear(256, 64, bias=False))
+    layer = QuantizedLinear.from_linear(nn.Linear(256, 64, bias=False), NF4Format())
     assert (layer.in_features, layer.out_features) == (256, 64)
     assert layer.dequantized_weight().shape == (64, 256)
-    clone = NF4Linear.from_linear(nn.Linear(256, 64, bias=False))
+    clone = QuantizedLinear.from_linear(nn.Linear(256, 64, bias=False), NF4Format())
     clone.load_state_dict(layer.state_dict())
     assert torch.equal(clone.dequantized_weight(), layer.dequantized_weight())
 
@@ -125,7 +119,7 @@ def test_nf4_linear_exposes_the_adapter_interface_and_a_state_dict():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_1024x1024_base_takes_half_a_byte_per_parameter_plus_scales(dtype):
     n = 1024 * 1024
-    layer = NF4Linear.from_linear(nn.Linear(1024, 1024, bias=False, dtype=dtype))
+    layer = QuantizedLinear.from_linear(nn.Linear(1024, 1024, bias=False, dtype=dtype), NF4Format())
     # codes + int8 scaler per 64-block + one factor per 256 scalers (in the weight dtype, as torchao) + mean
     expected = n // 2 + n // 64 + (n // (64 * 256)) * dtype.itemsize + dtype.itemsize
     assert layer.nbytes() == expected
@@ -169,9 +163,9 @@ def test_quantize_base_linears_replaces_matching_linears_only():
     x = torch.randn(4, 128)
     up = model.blocks[1]["up"]
     ref_w, ref_b = to_nf4(up.weight.detach(), 64, 256), up.bias.detach()
-    n = quantize_base_linears(model, lambda name, m: not name.startswith("head"))
+    n = quantize_base_linears(model, NF4Format(), lambda name, m: not name.startswith("head"))
     assert n == 4
-    assert isinstance(model.blocks[1]["up"], NF4Linear) and type(model.head) is nn.Linear
+    assert isinstance(model.blocks[1]["up"], QuantizedLinear) and type(model.head) is nn.Linear
     assert model.alias is model.blocks[0]["q"]  # shared module stays shared
     assert torch.equal(model.blocks[1]["up"](x), F.linear(x, ref_w, ref_b))
     assert not any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("head"))
@@ -179,4 +173,4 @@ def test_quantize_base_linears_replaces_matching_linears_only():
 
 def test_quantize_base_linears_names_a_layer_that_does_not_fit():
     with pytest.raises(ValueError, match=r"^head: .*shape \(10, 128\)"):
-        quantize_base_linears(_TinyModel())
+        quantize_base_linears(_TinyModel(), NF4Format())

@@ -1,4 +1,4 @@
-"""QLoRA = a frozen NF4 base (``NF4Linear``) under a LoRA/DoRA adapter (``LoraConfig(quantize_base=True)``).
+"""QLoRA = a frozen NF4 base (``QuantizedLinear`` in ``NF4Format``) under a LoRA/DoRA adapter (``LoraConfig(quantize_base=True)``).
 
 Checked on a tiny lmforge ``Transformer``: only adapters train, the 4-bit base never changes,
 the model starts at the dequantised base, trains under bf16 autocast, and merges by
@@ -18,7 +18,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.peft.adapters import load_adapter, save_adapter
 from lmforge.peft.lora import LoraConfig, LoraLinear, apply_lora, lora_modules, lora_state_dict, merge_lora
-from lmforge.peft.nf4 import NF4Linear, quantize_base_linears
+from lmforge.peft.quant import NF4Format, QuantizedLinear, quantize_base_linears
 from tests.conftest import import_reference
 
 ATTN_AND_MLP = ["layers.0.attn.wq", "layers.0.attn.wk", "layers.0.attn.wv", "layers.0.attn.wo",
@@ -67,12 +67,12 @@ def test_quantize_base_puts_targeted_linears_in_nf4_and_leaves_the_rest():
     model = tiny_model()
     names = apply_lora(model, qlora_cfg())
     assert names == ATTN_AND_MLP + [n.replace("layers.0", "layers.1") for n in ATTN_AND_MLP]
-    assert all(type(m) is LoraLinear and type(m.base) is NF4Linear for m in lora_modules(model).values())
+    assert all(type(m) is LoraLinear and type(m.base) is QuantizedLinear for m in lora_modules(model).values())
     assert type(model.lm_head) is nn.Linear and type(model.embed) is nn.Embedding
 
     with_head = tiny_model()
     apply_lora(with_head, qlora_cfg(target_modules=["wq", "lm_head"]))
-    assert type(with_head.lm_head.base) is NF4Linear and type(with_head.layers[0].attn.wk) is nn.Linear
+    assert type(with_head.lm_head.base) is QuantizedLinear and type(with_head.layers[0].attn.wk) is nn.Linear
 
 
 def test_only_adapters_train_and_the_nf4_base_is_unchanged_by_a_step():
@@ -154,7 +154,7 @@ def test_merge_lora_dequantises_then_merges_into_plain_linears(use_dora):
 
 
 def test_merge_in_place_on_an_nf4_base_refuses():
-    layer = LoraLinear(NF4Linear.from_linear(nn.Linear(64, 32), 32, 2), r=4, alpha=8)
+    layer = LoraLinear(QuantizedLinear.from_linear(nn.Linear(64, 32), NF4Format(32, 2)), r=4, alpha=8)
     with pytest.raises(RuntimeError, match="re-quantise.*merge_lora"):
         layer.merge()
     assert not layer.merged
@@ -185,7 +185,7 @@ def test_a_target_that_does_not_fit_the_blocks_is_named_and_the_model_is_left_un
 def test_qlora_layer_equals_torchtunes_formula(bias):
     torch.manual_seed(0)
     base = nn.Linear(64, 48, bias=bias)
-    layer = LoraLinear(NF4Linear.from_linear(base, 32, 2), r=4, alpha=12)
+    layer = LoraLinear(QuantizedLinear.from_linear(base, NF4Format(32, 2)), r=4, alpha=12)
     with torch.no_grad():
         layer.lora_B.weight.normal_()
     x = torch.randn(3, 5, 64)
@@ -199,7 +199,7 @@ def test_qlora_layer_equals_torchtunes_formula(bias):
 
 
 def test_adapters_on_a_bf16_nf4_base_are_bf16_and_run_in_bf16():
-    layer = LoraLinear(NF4Linear.from_linear(nn.Linear(64, 32).to(torch.bfloat16), 32, 2), r=4, alpha=8)
+    layer = LoraLinear(QuantizedLinear.from_linear(nn.Linear(64, 32).to(torch.bfloat16), NF4Format(32, 2)), r=4, alpha=8)
     assert layer.lora_A.weight.dtype == torch.bfloat16
     assert layer(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
@@ -220,7 +220,7 @@ def test_qlora_adapter_round_trips_through_the_peft_folder(tmp_path):
 
 def test_apply_lora_wraps_linears_already_quantised_by_quantize_base_linears():
     model = tiny_model()
-    quantize_base_linears(model, lambda name, _: name != "lm_head", 64, 64)
+    quantize_base_linears(model, NF4Format(64, 64), lambda name, _: name != "lm_head")
     names = apply_lora(model, LoraConfig(r=4, target_modules=["wq", "wv"]))
-    assert len(names) == 4 and all(type(lora_modules(model)[n].base) is NF4Linear for n in names)
-    assert type(model.layers[0].attn.wk) is NF4Linear
+    assert len(names) == 4 and all(type(lora_modules(model)[n].base) is QuantizedLinear for n in names)
+    assert type(model.layers[0].attn.wk) is QuantizedLinear

@@ -146,7 +146,7 @@ def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path,
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert summary["lora"] is True and losses[-1] < losses[0]
     tuned, _ = load_model(tmp_path / "run")  # merged: dequant(W) + s·BA, a plain full-precision model
-    assert all(type(m).__name__ != "NF4Linear" for m in tuned.modules())
+    assert all(type(m).__name__ != "QuantizedLinear" for m in tuned.modules())
 
 
 @pytest.mark.parametrize("key", ["data.train", "data.val", "score.tasks"])
