@@ -35,9 +35,13 @@ class CausalLMObjective(Objective):
     def num_targets(self, batch: torch.Tensor) -> int:
         return batch.shape[0] * (batch.shape[1] - 1)
 
+    def inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(input ids, the model's keyword arguments, targets aligned with the input positions)."""
+        return batch[:, :-1], {}, batch[:, 1:]
+
     def __call__(self, model: nn.Module, batch: torch.Tensor) -> LossOutput:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(inputs)
+        inputs, kwargs, targets = self.inputs(batch)
+        logits = model(inputs, **kwargs)
         n_bytes = None
         if self.token_bytes is not None and not torch.is_grad_enabled():
             n_bytes = int(self.token_bytes.to(targets.device)[targets].sum())
