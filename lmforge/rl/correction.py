@@ -47,13 +47,14 @@ from typing import Literal
 
 import torch
 
-from lmforge.core.config import ConfigError, in_range, option
+from lmforge.core.config import ConfigError, at_least, in_range, option
 from lmforge.rl.advantages import masked_mean
 
 Correction = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OldLogprobs = Literal["auto", "trainer", "engine"]
 OLD_LOGPROBS = ("auto", "trainer", "engine")
+Partial = Literal["continue", "discard"]
 LOG_RATIO_BOUND = 20.0  # exp(±20): the ratio's safety bound before exponentiating (verl's SAFETY_BOUND)
 
 
@@ -73,6 +74,20 @@ class RLConfig:
         "engine (the sampling log-probs: no such forward, verl's bypass mode) | auto (trainer when the forward is "
         "not fp32 or a rollout_correction is set, else engine: in fp32 they agree to 1e-5)"
     )
+    rollout_workers: int = at_least(
+        0, 0, help="processes sampling and scoring groups while the trainer trains (lmforge.rl.workers; 0: in-process, "
+        "synchronous)"
+    )
+    max_off_policy_steps: int = at_least(
+        0, 0, help="how many optimizer steps old a sample's policy may be (older: dropped, counted, sampled again); "
+        "0: synchronous, k: the workers sample k steps ahead (prime-rl's max_off_policy_steps)"
+    )
+    partial_rollouts: Partial = option(
+        "continue", help="a generation that new weights interrupt: continue (its later tokens from the new weights, "
+        "each token tagged with its version) | discard (sampled again under the new weights)"
+    )
+    worker_threads: int = at_least(0, 0, help="torch threads per rollout worker (0: the trainer's split evenly over "
+                                   "the trainer and the workers)")
 
     def __post_init__(self) -> None:
         if self.rollout_correction not in CORRECTIONS:
@@ -83,6 +98,13 @@ class RLConfig:
                               f"outside [1/C, C]), got {self.rollout_correction_cap}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ConfigError(f"rl.old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {self.old_logprobs!r}")
+        if self.max_off_policy_steps < 0:
+            raise ConfigError(f"rl.max_off_policy_steps must be >= 0 (0: synchronous), got {self.max_off_policy_steps}")
+        if self.max_off_policy_steps > 0 and self.rollout_workers == 0:
+            raise ConfigError(f"rl.max_off_policy_steps {self.max_off_policy_steps} needs rollout workers to sample "
+                              f"ahead: set rl.rollout_workers (e.g. 1), or max_off_policy_steps 0")
+        if self.partial_rollouts not in ("continue", "discard"):
+            raise ConfigError(f"rl.partial_rollouts must be continue or discard, got {self.partial_rollouts!r}")
 
     @property
     def corrects(self) -> bool:

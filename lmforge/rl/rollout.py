@@ -84,6 +84,7 @@ class Rollout:
     logprobs: list[float]  # the engine's log-prob of each of response_ids (see the module docstring)
     finish_reason: FinishReason  # "length": cut by max_new_tokens (overlong)
     text: str  # the response as text, cut before a stop string, without the stop token
+    versions: list[int] | None = None  # a rollout worker's: the policy version that drew each of response_ids
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -51,6 +51,7 @@ from lmforge.rl.report import curve_lines, time_split_line
 from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import RolloutConfig
 from lmforge.rl.trainer import GRPOConfig, RolloutBatches, SamplingCopy, reference_policy
+from lmforge.rl.workers import async_batches
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.scoring import ScoreConfig, named_scorer, task_changes
 from lmforge.train.loop import TrainConfig, precision_line
@@ -145,19 +146,29 @@ def exact_match_lines(res: dict) -> list[str]:
             f"{100 * after['exact_match']:.1f}% after**" + (f" (right answers by task: {by_task})" if by_task else "")]
 
 
-def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> FinetuneStage:
-    """Prompts as the examples, rollouts of the policy as the batches, the clipped policy loss."""
+def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None, opened: list | None = None) -> FinetuneStage:
+    """Prompts as the examples, rollouts of the policy as the batches, the clipped policy loss;
+    with ``rl.rollout_workers``, from worker processes (``rl.workers``), which ``opened`` collects to close."""
     check_recipe(recipe)
+    if parallel is not None and recipe.rl.rollout_workers:
+        raise ConfigError("rl.rollout_workers: asynchronous rollouts run in one process; under torchrun each rank "
+                          "samples in-process (rl.rollout_workers=0)")
 
     def batches(run, model, cfg: TrainConfig):
         loss = recipe.objective
         reward = Reward(recipe.reward, run.tok, recipe.rollout.max_new_tokens, run.device)
         reference = frozen_reference(recipe, run, model, cfg, parallel) if loss.kl_coef > 0 else None
         sampler = SamplingCopy(model, recipe.lora, run.device) if parallel is not None else None
-        source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.grpo, loss, reward,
-                                cfg.micro_batch_size, precision=cfg.precision, reference=reference,
-                                mask_truncated=recipe.reward.mask_truncated, run_dir=run.run_dir, parallel=parallel,
-                                sampler=sampler, correction=recipe.rl)
+        kwargs = dict(precision=cfg.precision, reference=reference, mask_truncated=recipe.reward.mask_truncated,
+                      run_dir=run.run_dir, parallel=parallel, sampler=sampler, correction=recipe.rl)
+        if recipe.rl.rollout_workers:
+            source = async_batches(recipe, model, run.tok, run.train_examples, run.device, reward,
+                                   cfg.micro_batch_size, **kwargs)
+            if opened is not None:
+                opened.append(source)
+        else:
+            source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.grpo, loss, reward,
+                                    cfg.micro_batch_size, **kwargs)
         return source, source.grad_accum
 
     return FinetuneStage(
@@ -168,7 +179,12 @@ def grpo_stage(recipe: GRPORecipe, parallel: ParallelContext | None = None) -> F
 
 
 def run_grpo(recipe: GRPORecipe) -> dict:
-    return run_finetune(recipe, "grpo", grpo_stage)
+    opened: list = []  # asynchronous rollouts' worker pools, stopped however the run ends
+    try:
+        return run_finetune(recipe, "grpo", lambda r, ctx: grpo_stage(r, ctx, opened))
+    finally:
+        for source in opened:
+            source.close()
 
 
 def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
