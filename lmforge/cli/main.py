@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 from lmforge import __version__
 from lmforge.core.config import ConfigError, dump_config, field_help, load_config, parse_scalar, plugins, type_name
 from lmforge.core.io import InputError
-from lmforge.core.run import RunDiverged, setup_logging
+from lmforge.core.run import RunDiverged, RunStopped, setup_logging
 from lmforge.stages import VERBS, VERBS_BY_NAME, Verb
 
 
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InputError) as exc:
         print_error(verb.name, str(exc), same_on_every_rank=not running)
         return 2
-    except RunDiverged as exc:
+    except (RunDiverged, RunStopped) as exc:
         # The recipe was valid and the run failed, so exit status 1 (2 is bad input): one line, as
         # the message already says the step, what was kept and what to change; no traceback.
         print_error(verb.name, str(exc), same_on_every_rank=True)

@@ -81,6 +81,11 @@ class RunDiverged(FloatingPointError):
     the run failed, the recipe was not wrong)."""
 
 
+class RunStopped(RuntimeError):
+    """A run stopped by a failure of its own machinery, not of the recipe (a rollout worker that died):
+    the command prints its message as one line, exit status 1, as ``RunDiverged``."""
+
+
 _held: dict[str, int] = {}  # real path of a run directory -> descriptor of its locked LOCK_FILE
 _created: set[str] = set()  # run directories the lock made: removed on release if the run wrote nothing
 

@@ -62,6 +62,7 @@ so W workers and the trainer do not oversubscribe the cores.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import time
 import traceback
@@ -75,6 +76,7 @@ from torch import nn
 
 from lmforge.checkpoints.files import load_weights
 from lmforge.core.config import ConfigError
+from lmforge.core.run import RunStopped
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.engine import Engine, Request, decoding_view
 from lmforge.model.families import build as build_model
@@ -84,12 +86,13 @@ from lmforge.rl.rewards import Reward, RewardConfig
 from lmforge.rl.rollout import Rollout, RolloutConfig, request_seed, rollout_of, stop_ids_for
 from lmforge.rl.trainer import RolloutBatches, ScoredGroup
 
+log = logging.getLogger("lmforge")
 POLL_S = 0.5  # how often a waiting trainer checks that its workers live, and a waiting worker its parent
 Task = tuple[int, int, int]  # (group id, epoch, prompt index)
 
 
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker raised or died: the run stops (resume it from its checkpoint)."""
+class RolloutWorkerError(RunStopped):
+    """A rollout worker raised or died: the run stops (resume it from its checkpoint); one line on the command line."""
 
 
 def worker_threads(workers: int, requested: int, total: int) -> tuple[int, int]:
@@ -279,9 +282,11 @@ class WorkerPool:
                     return None
                 continue
             if kind == "error":
+                log.error("rollout worker %d failed:\n%s", wid, payload)
                 last = payload.strip().splitlines()[-1]
-                raise RolloutWorkerError(f"rollout worker {wid} failed: {last} (the run stops; its last checkpoint "
-                                         f"resumes with the prompts in flight sampled again)\n{payload}")
+                raise RolloutWorkerError(f"rollout worker {wid} failed: {last}: the run stops; resume it "
+                                         f"(train.resume=auto) from its last checkpoint, whose prompts in flight "
+                                         f"are sampled again")
             return payload
 
     def check_alive(self) -> None:
