@@ -51,3 +51,13 @@ class Objective(ABC):
     @abstractmethod
     def __call__(self, model: nn.Module, batch: Any) -> LossOutput:
         """The summed loss of ``batch`` under ``model`` (with gradient when grad mode is on)."""
+
+    def state_dict(self) -> dict | None:
+        """What a stateful objective (DoReMi's domain weights) keeps in a checkpoint's trainer state,
+        so a resumed run continues it exactly; None: the objective has no state."""
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore ``state_dict()``'s ``state`` (None: the checkpoint holds none)."""
+        if state is not None:
+            raise ValueError(f"{type(self).__name__} has no state, but the checkpoint holds some for it")

@@ -39,6 +39,7 @@ from lmforge.checkpoints.load import checkpoint_dirs, read_checkpoint_weights, r
 from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, format_count, log, run_dir_lock, start_run
+from lmforge.data.doremi import apply_domain_weights
 from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
 from lmforge.data.noising import MaskingConfig, Noise, NoisedLoader, SpanConfig, build_noise
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
@@ -239,6 +240,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
 
 
 def run_pretrain(recipe: PretrainRecipe) -> dict:
+    recipe = dataclasses.replace(recipe, data=apply_domain_weights(recipe.data))  # data.weights_from (lmforge doremi)
     layout = resolve_layout(recipe.parallel, launched_world_size())  # an impossible layout fails before any work
     check_layout(layout, recipe.parallel, recipe.model, recipe.train.micro_batch_size)
     check_mup_optimizer(recipe.model.width_mult(), recipe.train.optimizer)

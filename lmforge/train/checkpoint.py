@@ -26,6 +26,7 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,11 +82,15 @@ def save_training_checkpoint(
     recipe: Any,
     tokenizer_dir: str | Path | None,
     keep: int,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
+    """``write_extra(directory)`` adds files of its own (``train.ema``'s average) before the checksums."""
     target = checkpoint_dir(run_dir, step)
     refuse_nonfinite_weights(model, target)
     with atomic_directory(target) as tmp:
         write_model_files(tmp, model, tokenizer_dir)
+        if write_extra is not None:
+            write_extra(tmp)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch.save(rng_state(), tmp / RNG)
         atomic_write_json(tmp / TRAINER_STATE, {"step": step, **trainer_state, "python_random": _py_random_state()})

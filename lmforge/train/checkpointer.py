@@ -25,6 +25,7 @@ from lmforge.core.run import log, record_config
 from lmforge.core.untrusted import read_yaml
 from lmforge.distributed.checkpoint import is_sharded_checkpoint
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.objectives.base import Objective
 from lmforge.train.checkpoint import (
     PendingCheckpoint,
     ResumeState,
@@ -36,6 +37,7 @@ from lmforge.train.checkpoint import (
     save_training_checkpoint,
     set_aside_later_checkpoints,
 )
+from lmforge.train.ema import ModelAverage
 from lmforge.train.guards import NonFiniteGuard
 from lmforge.train.noise_scale import NoiseScale
 from lmforge.train.spikes import SpikeEvent, SpikeGuard
@@ -75,6 +77,8 @@ class TrainerState:
     nonfinite: NonFiniteGuard
     tokens_seen: int = 0
     noise: NoiseScale | None = None  # the gradient noise scale's averages, when it is measured
+    objective: Objective | None = None  # a stateful objective's state (DoReMi's domain weights)
+    average: ModelAverage | None = None  # train.average's weights (their files beside the checkpoint's)
 
     def state_dict(self) -> dict:
         state = {"tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(), "precision": self.precision,
@@ -82,6 +86,10 @@ class TrainerState:
                  "spikes": self.spikes.state_dict(), "nonfinite_steps": self.nonfinite.total}
         if self.noise is not None:
             state["noise_scale"] = self.noise.state_dict()
+        if self.objective is not None and (objective := self.objective.state_dict()) is not None:
+            state["objective"] = objective
+        if self.average is not None:
+            state["average"] = self.average.state_dict()
         return state
 
     def load_state_dict(self, state: dict, rollback: bool = False) -> None:
@@ -94,6 +102,8 @@ class TrainerState:
         self.tokens_seen = state.get("tokens_seen", 0)
         if self.noise is not None:
             self.noise.load_state_dict(state.get("noise_scale"))
+        if self.objective is not None:
+            self.objective.load_state_dict(state.get("objective"))
         if not rollback:
             self.nonfinite.total = state.get("nonfinite_steps", 0)
 
@@ -117,9 +127,10 @@ class Checkpointer:
     def barrier(self) -> None:
         pass
 
-    def write(self, step: int, trainer_state: dict, final: bool) -> Path:
+    def write(self, step: int, trainer_state: dict, final: bool, average: ModelAverage | None = None) -> Path:
+        extra = (lambda tmp: average.write_files(tmp, self.tokenizer_dir)) if average is not None else None
         path = save_training_checkpoint(self.run_dir, step, self.model, self.optimizer, trainer_state, self.recipe,
-                                        self.tokenizer_dir, self.cfg.keep_checkpoints)
+                                        self.tokenizer_dir, self.cfg.keep_checkpoints, write_extra=extra)
         log.info("step %d: checkpoint %s", step, path)
         return path
 
@@ -166,6 +177,8 @@ class Checkpointer:
         load_training_checkpoint(ckpt, resume_state, self.model, self.optimizer,
                                  sharded_model=self.sharded_model)
         state.load_state_dict(resume_state.trainer_state, rollback=rollback)
+        if state.average is not None:
+            state.average.load(ckpt, resume_state.trainer_state.get("average"))
 
     def due(self, done: int, final: bool) -> bool:
         """Whether to checkpoint after ``done`` steps; ``final``: the last step, or the run stops there."""
@@ -173,7 +186,7 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainerState, final: bool) -> Path:
         """Checkpoint step ``step``; the run's config becomes the one its newest checkpoint was trained with."""
-        path = self.write(step, state.state_dict(), final)
+        path = self.write(step, state.state_dict(), final, state.average)
         if self.is_first_rank:
             record_config(self.recipe, self.run_dir)
         return path
@@ -219,8 +232,8 @@ class ShardedCheckpointer(Checkpointer):
     def barrier(self) -> None:
         dist.barrier()
 
-    def write(self, step: int, trainer_state: dict, final: bool) -> Path:
-        self.commit_pending()  # the previous background save must be committed first
+    def write(self, step: int, trainer_state: dict, final: bool, average: ModelAverage | None = None) -> Path:
+        self.commit_pending()  # ``average``: refused under torchrun (train.ema.build_average)  # the previous background save must be committed first
         save = save_sharded_training_checkpoint(
             self.run_dir, step, self.model, self.optimizer, trainer_state, self.recipe, self.tokenizer_dir,
             self.cfg.keep_checkpoints, with_weights=final, async_group=None if final else self.async_group)

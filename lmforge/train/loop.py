@@ -37,6 +37,7 @@ from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.objectives.base import Objective
 from lmforge.train.checkpoint import read_resume_state
 from lmforge.train.checkpointer import TrainerState, build_checkpointer, resume_checkpoint
+from lmforge.train.ema import AverageConfig, build_average
 from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the stages' import)
     Evaluator,
     ValidationSet,
@@ -134,6 +135,10 @@ class TrainConfig:
     noise_scale_decay: float = unit_interval(
         0.9, high_open=True, help="moving-average decay per measurement of |G|² and tr(Σ)"
     )
+    average: AverageConfig | None = option(
+        None, help="keep an average of the weights (an EMA, or the last N steps' mean: train.ema) in each checkpoint's "
+        "average/, validated at the end as average/val_loss"
+    )
 
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.micro_batch_size < 1:
@@ -214,8 +219,9 @@ def train(
     spikes = SpikeGuard(cfg.spikes)
     spikes.check_loader(train_batches)
     noise = noise_scale_tracker(cfg, grad_accum)
+    average = build_average(cfg.average, model, cfg.max_steps, distributed=parallel is not None)
     state = TrainerState(train_batches, precision, runner.scaler, spikes, NonFiniteGuard(cfg.max_nonfinite_steps),
-                         noise=noise)
+                         noise=noise, objective=objective, average=average)
     start_step = checkpointer.resume(found, state)
     step_log = StepLog(run_dir, cfg.tensorboard, checkpointer.is_first_rank, start_step if found else None,
                        cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token,
@@ -254,6 +260,8 @@ def train(
                     continue
                 step_log.event(spike.record())
             state.tokens_seen += n_tokens
+            if average is not None:
+                average.update(step + 1)
             record = step_log.record(step, result, loss, lr, started, n_tokens, state.tokens_seen, state.nonfinite.total,
                                      timings)
             if result.noise is not None and not result.skipped:
@@ -262,6 +270,9 @@ def train(
             is_last, stopping = done == cfg.max_steps, limit.reached(done)
             if evaluator.due(done, final=is_last or stopping):
                 record.update(evaluator())
+                if average is not None and is_last and average.ready():
+                    with average.swapped_in():
+                        record.update({f"average/{k}": v for k, v in evaluator().items()})
             step_log.write(record, is_last)
             if checkpointer.due(done, final=is_last or stopping):
                 last_ckpt = checkpointer.save(done, state, final=is_last or stopping)
@@ -276,7 +287,7 @@ def train(
     return {**summary, "step": step + 1, "max_steps": cfg.max_steps, "stopped_early": step + 1 < cfg.max_steps,
             "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
-            **{k: v for k, v in record.items() if is_validation_metric(k) or is_scored_metric(k)}, **(noise.summary() if noise else {})}
+            **{k: v for k, v in record.items() if is_validation_metric(k.removeprefix("average/")) or is_scored_metric(k)}, **(noise.summary() if noise else {})}
 
 
 def batch_timings(batches) -> dict[str, float]:
