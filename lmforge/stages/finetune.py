@@ -31,8 +31,9 @@ from lmforge.checkpoints.load import load_model, resolve_checkpoint
 from lmforge.core.config import ConfigError, option, positive, seed_field
 from lmforge.core.io import InputError, atomic_write_json, expand_paths
 from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
-from lmforge.data.chat import add_chat_template
+from lmforge.data.chat import add_chat_template, read_sft_records
 from lmforge.data.documents import SkipLog
+from lmforge.data.poisson import PoissonRowLoader
 from lmforge.data.rows import RowLoader
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.memory import check_memory_fits
@@ -50,6 +51,7 @@ from lmforge.objectives.ewc import check_ewc, checkpoint_shapes, ewc_objective
 from lmforge.objectives.reference import Reference, precompute_logprobs
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
+from lmforge.train.dp import PrivacyPlan, check_dp_recipe
 from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
 from lmforge.train.loop import TrainConfig, autocast_context, evaluate, run_precision, train
 from lmforge.train.prepare import prepare_model
@@ -140,6 +142,8 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
     if recipe.train.eval_tasks:
         problems.append("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
                         "train.eval_tasks=[]")
+    if getattr(recipe, "dp", None) is not None:
+        problems.append("dp (DP-SGD) runs in one process only so far; launch it without torchrun")
     if recipe.lora is not None and recipe.lora.quantize_base:
         problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
                         "or set lora.quantize_base=false")
@@ -195,11 +199,16 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
     if logging_rank:
         log.info("%s: before training: %s", stage.name, format_results(before))
+    privacy = None
     if stage.batches is not None:
         train_batches, grad_accum = stage.batches(run, model, cfg)
     else:
         grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
         train_batches = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp)
+    if getattr(recipe, "dp", None) is not None:  # DP-SGD: a Poisson sample of the rows, the recipe's batch on average
+        privacy = PrivacyPlan(recipe.dp, len(run.train_examples), grad_accum * cfg.micro_batch_size * dp, cfg.max_steps)
+        train_batches = PoissonRowLoader(train_rows, privacy.sample_rate, seed=recipe.dp.seed, rank=rank, world_size=dp)
+        grad_accum = 1  # the step's one batch, which the DP runner splits into micro-batches
     summary = train(
         model=model,
         objective=objective,
@@ -215,6 +224,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         parallel=parallel,
         precision_reason=run.precision_reason,
         scorer=in_loop,
+        privacy=privacy,
     )
     if (stored := completed_summary(run.run_dir, summary)) is not None:  # a rerun: the run's own summary stands
         return {**stored, **summary}
@@ -292,6 +302,9 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     Under ``parallel`` every rank reads all examples and loads the whole base, rank 0 alone
     writes the run directory and chooses the precision for all."""
     check_data_paths(recipe, stage)
+    dp = getattr(recipe, "dp", None)
+    check_dp_recipe(dp, recipe.data.packing, count_records(recipe.data.train) if dp else None,
+                    getattr(recipe, "ewc", None))
     check_ewc(getattr(recipe, "ewc", None), lambda: checkpoint_shapes(recipe.checkpoint))  # before anything is written
     device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
     check_finetune_memory(recipe, device, parallel)
@@ -311,6 +324,11 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
              len(val_examples), skipped.total, dict(skipped.by_reason) if skipped.total else "")
     return FinetuneRun(run_dir, device, precision, model, tok, tok_dir, base_dir, train_examples, val_examples,
                        skipped, precision_reason)
+
+
+def count_records(paths: list[str]) -> int:
+    """Records in a recipe's data files (before any is tokenized or skipped): DP's N, checked early."""
+    return sum(1 for _ in read_sft_records(paths))
 
 
 def check_data_paths(recipe, stage: FinetuneStage) -> None:

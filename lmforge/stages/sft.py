@@ -35,6 +35,7 @@ from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
 from lmforge.stages.finetune import FinetuneStage, adapter_line, run_finetune
 from lmforge.stages.scoring import RENAMED_EVAL_KEYS, ScoreConfig, named_scorer
+from lmforge.train.dp import DPConfig, privacy_line
 from lmforge.train.loop import TrainConfig, precision_line
 from lmforge.train.metrics import loss_curve_lines
 
@@ -69,6 +70,8 @@ class SFTRecipe:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     objective: SFTObjectiveConfig = field(default_factory=SFTObjectiveConfig)
     lora: LoraConfig | None = option(None, help="set to fine-tune adapters only (use_dora for DoRA)")
+    dp: DPConfig | None = option(None, help="set to train with DP-SGD (per-example clipping, Gaussian noise, Poisson "
+                                 "sampling, an accountant's ε): docs/privacy.md; needs data.packing=false")
     ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
                                    "`lmforge fisher` (docs/continual-learning.md)")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
@@ -120,7 +123,7 @@ def report(res: dict, stage_dir: Path, plot_path: Path) -> list[str]:
     if before and after:
         out.append(f"- exact match on {after['examples']} validation tasks: **{100 * before['exact_match']:.1f}% before, "
                    f"{100 * after['exact_match']:.1f}% after**")
-    out += precision_line(res)
+    out += precision_line(res) + privacy_line(res)
     return out + loss_curve_lines(stage_dir, plot_path)
 
 

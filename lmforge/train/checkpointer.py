@@ -77,6 +77,7 @@ class TrainerState:
     nonfinite: NonFiniteGuard
     tokens_seen: int = 0
     noise: NoiseScale | None = None  # the gradient noise scale's averages, when it is measured
+    privacy: Any = None  # DP-SGD's accountant (train.dp.PrivacyPlan), in a dp run
     objective: Objective | None = None  # a stateful objective's state (DoReMi's domain weights)
     average: ModelAverage | None = None  # train.average's weights (their files beside the checkpoint's)
 
@@ -86,6 +87,8 @@ class TrainerState:
                  "spikes": self.spikes.state_dict(), "nonfinite_steps": self.nonfinite.total}
         if self.noise is not None:
             state["noise_scale"] = self.noise.state_dict()
+        if self.privacy is not None:
+            state["dp"] = self.privacy.state_dict()
         if self.objective is not None and (objective := self.objective.state_dict()) is not None:
             state["objective"] = objective
         if self.average is not None:
@@ -102,6 +105,8 @@ class TrainerState:
         self.tokens_seen = state.get("tokens_seen", 0)
         if self.noise is not None:
             self.noise.load_state_dict(state.get("noise_scale"))
+        if self.privacy is not None and not rollback:  # the privacy of rolled-back steps stays spent
+            self.privacy.load_state_dict(state.get("dp"))
         if self.objective is not None:
             self.objective.load_state_dict(state.get("objective"))
         if not rollback:

@@ -37,6 +37,7 @@ from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.objectives.base import Objective
 from lmforge.train.checkpoint import read_resume_state
 from lmforge.train.checkpointer import TrainerState, build_checkpointer, resume_checkpoint
+from lmforge.train.dp import DPStepRunner, PrivacyPlan
 from lmforge.train.ema import AverageConfig, build_average
 from lmforge.train.evaluate import (  # noqa: F401 (evaluate, ValidationSet: the stages' import)
     Evaluator,
@@ -194,6 +195,7 @@ def train(
     pipeline: PipelineRunner | None = None,
     precision_reason: str | None = None,
     scorer: Callable[[nn.Module], dict] | None = None,
+    privacy: PrivacyPlan | None = None,
 ) -> dict:
     """Train ``model`` in place for ``cfg.max_steps`` optimizer steps; return a summary.
 
@@ -206,6 +208,8 @@ def train(
     ``precision_reason``: why ``cfg.precision`` was chosen, when the stage chose it before the
     loop (``run_precision``); it goes into the summary with the precision. ``scorer(model)``
     (the stage's, e.g. of ``cfg.eval_tasks``) adds its figures to each validation's record.
+    ``privacy`` (a ``dp:`` recipe): DP-SGD's step (``train.dp``); training stops before the step
+    that would spend more than its budget, and the ε spent is in each record and the summary.
     """
     if not isinstance(objective, Objective):
         raise TypeError(f"{type(objective).__name__} is not an Objective: subclass lmforge.objectives.base.Objective")
@@ -215,13 +219,14 @@ def train(
     found = checkpointer.find()
     precision, reason = choose_precision(cfg, found[1].trainer_state.get("precision") if found else None,
                                          training_device(model, parallel))
-    runner = build_step_runner(model, objective, optimizer, precision, cfg.grad_clip, cfg.compile, parallel, pipeline)
+    runner = (DPStepRunner(model, objective, optimizer, precision, privacy, cfg.micro_batch_size) if privacy else
+              build_step_runner(model, objective, optimizer, precision, cfg.grad_clip, cfg.compile, parallel, pipeline))
     spikes = SpikeGuard(cfg.spikes)
     spikes.check_loader(train_batches)
     noise = noise_scale_tracker(cfg, grad_accum)
     average = build_average(cfg.average, model, cfg.max_steps, distributed=parallel is not None)
     state = TrainerState(train_batches, precision, runner.scaler, spikes, NonFiniteGuard(cfg.max_nonfinite_steps),
-                         noise=noise, objective=objective, average=average)
+                         noise=noise, objective=objective, average=average, privacy=privacy)
     start_step = checkpointer.resume(found, state)
     step_log = StepLog(run_dir, cfg.tensorboard, checkpointer.is_first_rank, start_step if found else None,
                        cfg.max_steps, cfg.log_every, runner.device, precision, runner.world_size, flops_per_token,
@@ -267,7 +272,8 @@ def train(
             if result.noise is not None and not result.skipped:
                 record.update(noise.observe(result.noise))
             done = step + 1
-            is_last, stopping = done == cfg.max_steps, limit.reached(done)
+            is_last = done == cfg.max_steps
+            stopping = limit.reached(done) or (privacy is not None and privacy.over_budget())
             if evaluator.due(done, final=is_last or stopping):
                 record.update(evaluator())
                 if average is not None and is_last and average.ready():
@@ -287,7 +293,8 @@ def train(
     return {**summary, "step": step + 1, "max_steps": cfg.max_steps, "stopped_early": step + 1 < cfg.max_steps,
             "final_loss": loss, "wall_s": limit.elapsed_s(), **step_log.averages(),
             "checkpoint": str(last_ckpt) if last_ckpt else None, "nonfinite_steps": state.nonfinite.total,
-            **{k: v for k, v in record.items() if is_validation_metric(k.removeprefix("average/")) or is_scored_metric(k)}, **(noise.summary() if noise else {})}
+            **{k: v for k, v in record.items() if is_validation_metric(k.removeprefix("average/")) or is_scored_metric(k)}, **(noise.summary() if noise else {}),
+            **(privacy.summary() if privacy else {})}
 
 
 def batch_timings(batches) -> dict[str, float]:
