@@ -40,7 +40,7 @@ from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, format_count, log, run_dir_lock, start_run
 from lmforge.data.doremi import apply_domain_weights
-from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
+from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader, check_curriculum
 from lmforge.data.noising import MaskingConfig, Noise, NoisedLoader, SpanConfig, build_noise
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
@@ -145,11 +145,12 @@ def validation_sets(data: LoaderConfig, manifests: list[dict], batch_size: int, 
     ``val_loss``, ``val_bpb``), or for a mixture one ``ValidationSet`` per dataset with a
     validation split of at least one window (``val/<name>/loss``, and ``val_loss`` their mean
     weighted by the mixture weights); None when there is nothing to validate on."""
-    if len(data.datasets) == 1:
+    sources = data.sources()  # the replay sets too: what a continued run keeps of the earlier data
+    if len(sources) == 1:
         loader = validation_loader(data, manifests[0], batch_size, rank, world_size, noise=noise)
         return loader.restart if loader is not None else None
     sets = []
-    for dataset, manifest in zip(data.datasets, manifests):
+    for dataset, manifest in zip(sources, manifests):
         loader = validation_loader(data, manifest, batch_size, rank, world_size, dataset, noise)
         if loader is None:
             log.warning("dataset %s (%s) has no validation split of one window of %d tokens: it has no val/%s metrics "
@@ -251,9 +252,10 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
     if not recipe.data.datasets:
         raise InputError("data.datasets is empty: list at least one directory written by `lmforge prepare`")
     tok = Tokenizer.load(recipe.tokenizer)
-    check_dataset_names(recipe.data.datasets)
-    manifests = [read_manifest(d.path) for d in recipe.data.datasets]
-    for d, m in zip(recipe.data.datasets, manifests):
+    check_curriculum(recipe.data, recipe.train.max_steps)
+    check_dataset_names(recipe.data.sources())
+    manifests = [read_manifest(d.path) for d in recipe.data.sources()]
+    for d, m in zip(recipe.data.sources(), manifests):
         if m["tokenizer_sha256"] != tok.sha256:
             raise InputError(f"{d.path} was tokenized with a different tokenizer than {recipe.tokenizer}")
     if recipe.model.vocab_size < tok.vocab_size:
@@ -262,6 +264,10 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds model.max_seq_len {recipe.model.max_seq_len}")
 
     noise = pretrain_noise(recipe, tok, layout.pp)
+    if recipe.data.seq_len_warmup is not None and (noise is not None or layout.pp > 1):
+        raise ConfigError("data.seq_len_warmup cuts the causal LM's windows into shorter rows; "
+                          f"{'objective=' + recipe.objective if noise is not None else f'parallel.pp={layout.pp}'} "
+                          "takes whole windows: unset data.seq_len_warmup")
     init = init_checkpoint(recipe)
     if recipe.ewc is not None and layout.pp > 1:
         raise ConfigError(f"ewc: the penalty is added by the objective, which a pipeline's schedule does not call "
@@ -317,8 +323,9 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     data = recipe.data
     if will_resume(cfg, run_dir) and not data.verify_shards:  # a changed shard would silently break exact resume
         data = dataclasses.replace(data, verify_shards=True)
-    loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp)
     grad_accum = accumulation_steps(cfg, cfg.micro_batch_size * recipe.data.seq_len, world_size=dp)
+    loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp,
+                         samples_per_step=grad_accum * cfg.micro_batch_size * dp)
     val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp, noise)
     summary = train(
         model=model,
@@ -343,7 +350,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     if ctx is not None:
         summary.update(world_size=ctx.layout.world_size, layout=str(ctx.layout))
     if ctx is None or ctx.is_logging_rank:
-        summary.update(unigram_baseline(recipe.data.datasets, recipe.model.vocab_size, summary))
+        summary.update(unigram_baseline(recipe.data.sources(), recipe.model.vocab_size, summary))
         atomic_write_json(run_dir / "summary.json", summary)
         if "val_loss" in summary:
             log.info("pretrain: val loss %.4f nats/token (%.3f bits/byte) vs unigram entropy %.4f%s; perplexity %.1f",

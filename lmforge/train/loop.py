@@ -74,6 +74,11 @@ class TrainConfig:
     lr: float = positive(3e-4, help="peak learning rate (of AdamW; of LAMB; of the parameters Muon leaves to AdamW)")
     min_lr_ratio: float = unit_interval(0.1, help="the schedule ends at lr * min_lr_ratio")
     warmup_steps: int = at_least(0, 100, help="steps of linear warm-up to lr")
+    warmup_start: float = at_least(
+        0, 0.0, help="the rate the warm-up starts from: 0, or for continued pre-training the previous run's final rate "
+        "(re-warming, Ibrahim et al. 2024); a parameter group with a peak of its own (Muon's matrices, µP's) starts "
+        "at the same fraction of its peak"
+    )
     schedule: Literal["cosine", "wsd", "constant"] = option(
         "cosine",
         help="after warm-up: cosine decay to the end, "
@@ -173,7 +178,8 @@ def scheduled_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) 
     the rate of ``train.lr``, the one logged."""
     def at(peak: float) -> float:
         return lr_at(step, peak=peak, max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
-                     min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
+                     min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction,
+                     warmup_start=cfg.warmup_start * peak / cfg.lr)
     for group in optimizer.param_groups:
         group["lr"] = at(group.get("peak_lr", cfg.lr))
     return at(cfg.lr)
@@ -269,6 +275,7 @@ def train(
                 average.update(step + 1)
             record = step_log.record(step, result, loss, lr, started, n_tokens, state.tokens_seen, state.nonfinite.total,
                                      timings)
+            record.update(batch_metrics(train_batches))
             if result.noise is not None and not result.skipped:
                 record.update(noise.observe(result.noise))
             done = step + 1
@@ -302,6 +309,13 @@ def batch_timings(batches) -> dict[str, float]:
     rollout batches: sampling, rewards, the reference's and the critic's forwards): a
     ``pop_timings() -> {phase: seconds}``. Its phases are part of the step's ``time/batches_s``."""
     pop = getattr(batches, "pop_timings", None)
+    return pop() if pop is not None else {}
+
+
+def batch_metrics(batches) -> dict[str, float]:
+    """What a batch source says of the step's batches, for sources that say so (a token loader's
+    mixture shares drawn, curriculum row length and scores: ``TokenLoader.pop_metrics``)."""
+    pop = getattr(batches, "pop_metrics", None)
     return pop() if pop is not None else {}
 
 

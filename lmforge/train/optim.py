@@ -118,6 +118,7 @@ def lr_at(
     schedule: str,
     min_lr_ratio: float = 0.1,
     decay_fraction: float = 0.2,
+    warmup_start: float = 0.0,
 ) -> float:
     """Learning rate of the optimizer step taken after ``step`` steps have run.
 
@@ -126,7 +127,10 @@ def lr_at(
     first step runs at ``lr_at(0)`` and the last at ``lr_at(max_steps - 1)``. With
     ``W = warmup_steps``, ``T = max_steps``, ``min = min_lr_ratio * peak``:
 
-    - warm-up, ``n <= W``: ``peak * n / W``, so step ``W`` is the first at ``peak``.
+    - warm-up, ``n <= W``: ``s + (peak - s) * n / W`` from ``s = warmup_start`` (0 by default;
+      continued pre-training's re-warming from the previous run's final rate, Ibrahim et al. 2024,
+      "Simple and Scalable Strategies to Continually Pre-train Large Language Models"), so
+      step ``W`` is the first at ``peak``; the decay after it re-decays to ``min``.
     - ``cosine``, ``W < n <= T``: ``min + (peak - min) * (1 + cos(pi * (n - W) / (T - W))) / 2``
       (Loshchilov & Hutter 2017; the Chinchilla/Llama recipe).
     - ``wsd``: ``peak`` up to step ``S = T - D``, then ``min + (peak - min) * (T - n) / D`` over
@@ -144,7 +148,7 @@ def lr_at(
     n = step + 1
     minimum = peak * min_lr_ratio
     if warmup_steps > 0 and n <= warmup_steps:
-        return peak * n / warmup_steps
+        return warmup_start + (peak - warmup_start) * n / warmup_steps
     if schedule == "constant":
         return peak
     if schedule == "cosine":

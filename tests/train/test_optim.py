@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from lmforge.model.config import ModelConfig
@@ -88,3 +90,39 @@ def test_constant_holds_peak_after_warmup():
 def test_unknown_schedule_is_an_error():
     with pytest.raises(ValueError, match="unknown schedule"):
         lr_at(50, peak=1.0, max_steps=100, warmup_steps=0, schedule="linear")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_rewarming_starts_at_warmup_start_and_then_follows_the_schedule_from_zero(schedule):
+    # Ibrahim et al. 2024's re-warm / re-decay: s + (peak - s) n / W for n = step + 1 <= W, then the
+    # decay of a run warmed from 0 (which depends on the step only, not on where the warm-up began)
+    peak, start, W, T = 3e-4, 3e-5, 10, 100
+    kw = {"peak": peak, "max_steps": T, "warmup_steps": W, "schedule": schedule}
+    for step in (0, 1, 4, 8, 9):
+        assert lr_at(step, **kw, warmup_start=start) == pytest.approx(start + (peak - start) * (step + 1) / W, rel=1e-12)
+    assert lr_at(0, **kw, warmup_start=start) > lr_at(0, **kw)  # not from 0
+    for step in (10, 11, 50, 98, 99):
+        assert lr_at(step, **kw, warmup_start=start) == lr_at(step, **kw)
+    if schedule == "cosine":  # the closed form at a few steps after the re-warm
+        for step in (10, 50, 99):
+            n = step + 1
+            expected = 0.1 * peak + 0.5 * 0.9 * peak * (1 + math.cos(math.pi * (n - W) / (T - W)))
+            assert lr_at(step, **kw, warmup_start=start) == pytest.approx(expected, rel=1e-12)
+
+
+def test_rewarming_from_zero_is_todays_warmup_bit_for_bit():
+    for step in range(12):
+        assert lr_at(step, peak=1e-3, max_steps=40, warmup_steps=12, schedule="cosine", warmup_start=0.0) == \
+            lr_at(step, peak=1e-3, max_steps=40, warmup_steps=12, schedule="cosine")
+
+
+def test_each_parameter_group_rewarms_from_the_same_fraction_of_its_peak():
+    import torch
+
+    from lmforge.train.loop import scheduled_lr
+
+    cfg = TrainConfig(lr=1e-3, warmup_start=1e-4, warmup_steps=4, max_steps=10)
+    opt = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "peak_lr": 2e-2},
+                           {"params": [torch.zeros(1, requires_grad=True)]}], lr=1e-3)
+    assert scheduled_lr(opt, 0, cfg) == pytest.approx(1e-4 + (1e-3 - 1e-4) / 4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 + (2e-2 - 2e-3) / 4)
