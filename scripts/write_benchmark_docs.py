@@ -612,13 +612,34 @@ def render_forgetting(r: dict) -> Rendered:
                     f"naive forgetting {num(s['naive_forgetting_bpb'], 3)} bpb", "-")
 
 
+def render_doremi(r: dict) -> Rendered:
+    names, m, s = r["domains"], r["model"], r["summary"]
+    lines = [f"A {m['n_layers']}-layer model of width {m['d_model']} trained {r['steps']} steps of "
+             f"{num(r['tokens_per_step'])} tokens on each mixture of the {len(names)} domains; the validation loss "
+             f"(nats/token) of each domain on the same {r['eval_windows_per_domain']} windows of {r['seq_len']} tokens, "
+             "their unweighted mean over the domains and the worst. DoReMi's weights: the mean over a proxy's "
+             f"updates (η = {num(r['step_size'])}, c = {num(r['smoothing'])}) against a reference trained on the "
+             "uniform mixture, the proxy and reference of the main model's shape.", ""]
+    rows = [[x["mixture"], " / ".join(num(x["weights"][n], 2) for n in names),
+             *(num(x["val_loss"][n], 4) for n in names), f"**{num(x['mean_loss'], 4)}**", num(x["worst_loss"], 4)]
+            for x in r["rows"]]
+    lines += table(["mixture", "weights (" + " / ".join(names) + ")", *names, "mean", "worst"], rows)
+    lines += ["", "DoReMi's weights from three seeds (proxy and data order), and the largest minus the smallest:", ""]
+    seeds = [[f"seed {x['seed']}", *(num(x["weights"][n], 3) for n in names)] for x in r["seeds"]]
+    seeds.append(["spread", *(num(r["weight_spread"][n], 3) for n in names)])
+    lines += table(["DoReMi", *names], seeds)
+    lines += ["", f"Lowest mean loss: {s['best_mean']}; lowest worst-domain loss: {s['best_worst']}."]
+    return Rendered(lines, f"DoReMi mean loss {num(s['doremi_mean_loss'], 4)}",
+                    f"uniform {num(s['uniform_mean_loss'], 4)}, stratified {num(s['stratified_mean_loss'], 4)}", "-")
+
+
 RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "prepare": render_prepare, "train_step": render_train_step, "attention": render_attention,
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
     "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "rollout_correction": render_rollout_correction,
-    "forgetting": render_forgetting,
+    "forgetting": render_forgetting, "doremi": render_doremi,
 }
 
 

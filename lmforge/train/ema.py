@@ -117,7 +117,7 @@ class ModelAverage:
         if not self.ready():
             return
         with self.swapped_in():
-            weights = {k: v.cpu() for k, v in model_state_for_saving(self.model).items()}
+            weights = {k: v.cpu().clone() for k, v in model_state_for_saving(self.model).items()}  # not views
         out = directory / MODEL_DIR
         out.mkdir()
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
