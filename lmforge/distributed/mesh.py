@@ -123,6 +123,11 @@ def check_layout(layout: Layout, cfg: ParallelConfig, model, micro_batch_size: i
     if tp > 1 and model.tie_embeddings and cfg.loss_parallel:
         problems.append("model.tie_embeddings=true with parallel.tp > 1 needs parallel.loss_parallel=false "
                         "(the shared matrix is split once, by vocabulary, for the embedding)")
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None and mtp.depth and (tp > 1 or pp > 1):
+        problems.append(f"model.mtp.depth={mtp.depth} trains with FSDP only: tensor and pipeline parallelism split the "
+                        "model's layers, not the multi-token prediction modules after them; set parallel.tp=1 and "
+                        "parallel.pp=1, or model.mtp.depth=0")
     if problems:
         raise LayoutError(f"parallel layout {layout} cannot train this model:\n  - " + "\n  - ".join(problems))
 

@@ -48,8 +48,10 @@ from torch import nn
 from lmforge.core.config import at_least, in_range, positive, seed_field, unit_interval
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.inference.sampling import repetition_penalty, sample_next_token
+from lmforge.inference.speculative import Drafter, accepted_count
 from lmforge.model.fused import fused_copy, is_plain, onednn_packs
 from lmforge.model.kv_cache import KV_CACHE_DTYPES, KVCache, ring_capacity, slot_times
+from lmforge.model.mtp import mtp_modules
 from lmforge.model.transformer import positions_and_mask
 
 FinishReason = Literal["stop", "length"]
@@ -169,13 +171,16 @@ class Batch:
     key_mask: torch.Tensor | None  # (B, capacity) True at real keys and at every column still to write; None = no padding
     next_positions: torch.Tensor  # (B, 1) RoPE position of each row's next token
     logits: torch.Tensor  # (B, V) each row's next-token logits
+    hidden: torch.Tensor | None = None  # (B, T, d) the prefill's final hidden states, kept for MTP drafting
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The rows ``rows`` (a row may repeat: ``n`` samples of one prompt), in that order."""
         cache = self.cache.select(rows)
         key_mask = self.key_mask.index_select(0, rows) if self.key_mask is not None else None
         next_positions = self.next_positions.index_select(0, rows)
-        return Batch(cache, unpadded(key_mask, cache, next_positions), next_positions, self.logits.index_select(0, rows))
+        hidden = self.hidden.index_select(0, rows) if self.hidden is not None else None
+        return Batch(cache, unpadded(key_mask, cache, next_positions), next_positions, self.logits.index_select(0, rows),
+                     hidden)
 
     def spans(self) -> torch.Tensor:
         """(B,) the real keys each row holds: from its first real key to the cache's end (on a ring, the slots' real ones)."""
@@ -215,9 +220,11 @@ def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int, kv_c
 
 
 def scored_prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: int,
-                   score: dict[int, int] | None = None, kv_cache_dtype: str = "auto") -> tuple[Batch, dict[int, PromptScores]]:
+                   score: dict[int, int] | None = None, kv_cache_dtype: str = "auto",
+                   keep_hidden: bool = False) -> tuple[Batch, dict[int, PromptScores]]:
     """``prefill``, and for each prompt numbered in ``score`` (prompt index -> alternatives wanted)
-    each prompt token's log-probability, from the head over every position of the same forward."""
+    each prompt token's log-probability, from the head over every position of the same forward;
+    ``keep_hidden``: the batch keeps the forward's hidden states (what MTP drafting starts from)."""
     param = model.embed.weight
     tokens, lengths = left_pad(prompts, 0, param.device)
     B, T = tokens.shape
@@ -232,7 +239,7 @@ def scored_prefill(model: nn.Module, prompts: Sequence[Sequence[int]], extra: in
         # (B, capacity), by the time each slot holds: padding False, every slot after the prompt True
         key_mask = slot_times(T, cache.capacity, param.device)[None] >= (T - lengths)[:, None]
     # The head over the last position only: the model's forward is hidden_states then lm_head.
-    batch = Batch(cache, key_mask, lengths[:, None].clone(), model.logits(hidden[:, -1]))
+    batch = Batch(cache, key_mask, lengths[:, None].clone(), model.logits(hidden[:, -1]), hidden if keep_hidden else None)
     return batch, {i: prompt_scores(model, hidden[i, T - len(prompts[i]) : -1], tokens[i, T - len(prompts[i]) + 1 :], top)
                    for i, top in (score or {}).items()}
 
@@ -329,6 +336,22 @@ class RowSettings:
                    max(c.top_logprobs for c in configs))
 
 
+def check_drafting(model: nn.Module, draft_tokens: int, max_batch: int) -> None:
+    """Why ``model`` cannot draft ``draft_tokens`` tokens a step (a ValueError), if it cannot."""
+    if draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be >= 0, got {draft_tokens}")
+    if not draft_tokens:
+        return
+    modules = mtp_modules(model)
+    depth = len(modules) if modules is not None else 0
+    if draft_tokens > depth:
+        raise ValueError(f"draft_tokens = {draft_tokens} needs a model with at least {draft_tokens} multi-token prediction "
+                         f"modules (model.mtp.depth); this one has {depth}")
+    if max_batch != 1:
+        raise ValueError(f"draft_tokens decodes one row at a time (the rows of a batch accept different numbers of "
+                         f"drafts): max_batch must be 1, got {max_batch}")
+
+
 def find_stop(text: str, stops: Sequence[str]) -> int:
     """Where the earliest of ``stops`` starts in ``text``, or -1."""
     return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
@@ -339,12 +362,16 @@ class Engine:
     ``(request id, its n generations)`` as each request finishes (not in submission order)."""
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, max_batch: int = 64,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", draft_tokens: int = 0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        check_drafting(model, draft_tokens, max_batch)
         self.model, self.tokenizer, self.max_batch, self.kv_cache_dtype = model, tokenizer, max_batch, kv_cache_dtype
+        self.draft_tokens = draft_tokens  # self-speculative decoding with the model's MTP modules (``speculative``)
+        self.drafter: Drafter | None = None  # the decoding row's, while drafting
+        self.draft_stats = [0, 0]  # drafts verified, and accepted, over the engine's life
         self.net = decoding_view(model)
         self.queue: deque[tuple[int, Request]] = deque()
         self.rows: list[Row] = []
@@ -372,6 +399,10 @@ class Engine:
                 f"a prompt of {len(prompt)} tokens plus max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
                 f"max_seq_len {max_len}; shorten the prompt or lower max_new_tokens"
             )
+        if self.draft_tokens and (cfg.temperature != 0 or cfg.n != 1 or cfg.repetition_penalty != 1.0):
+            raise ValueError("draft_tokens verifies greedy choices: it needs temperature 0, n 1 and no repetition "
+                             f"penalty (got temperature {cfg.temperature}, n {cfg.n}, repetition_penalty "
+                             f"{cfg.repetition_penalty}); set draft_tokens to 0 to sample")
         request_id = next(self.ids)
         self.queue.append((request_id, request))
         return request_id
@@ -426,9 +457,46 @@ class Engine:
             self.batch = self.batch.select(index) if keep else None
             self.settings = RowSettings.of(self.rows, tokens.device) if keep else None
             tokens = tokens.index_select(0, index)
-        if self.rows:
+        if self.rows and self.drafter is not None:
+            finished += self.speculate(tokens)
+        elif self.rows:
             decode_step(self.net, tokens, self.batch)
         return self.collect(finished)
+
+    def speculate(self, tokens: torch.Tensor) -> list[Row]:
+        """One round of self-speculative decoding of the one row (``speculative``): the MTP modules draft,
+        the model verifies t_n and the drafts in one forward, the accepted drafts are recorded as
+        ``choose_tokens`` records (with their log-probabilities), and the cache keeps the accepted positions.
+        Returns the row if a draft finished it (it leaves the batch)."""
+        row, batch, drafter = self.rows[0], self.batch, self.drafter
+        cache = batch.cache
+        n = cache.length
+        room = min(row.config.max_new_tokens - len(row.tokens), self.model.cfg.max_seq_len - n) - 1
+        if room < 1:  # no room for a draft before the row's last token: one plain step
+            decode_step(self.net, tokens, batch)
+            return []
+        drafts = drafter.draft(self.net, row.prompt + row.tokens)[:room]
+        ids = torch.cat((tokens, torch.tensor(drafts, device=tokens.device)))[None]
+        hidden = self.net.hidden_states(ids, kv_cache=cache)
+        logits = self.net.logits(hidden)[0]  # (1 + drafts, V): logits[i] chooses the token after ids[i]
+        accepted = accepted_count(ids[0, 1:], logits)
+        logprobs = torch.log_softmax(logits[:accepted].float(), dim=-1)
+        k = self.settings.top_logprobs
+        for i, token in enumerate(drafts[:accepted]):
+            top = logprobs[i].topk(k) if k else None
+            self.record(row, token, float(logprobs[i, token]), (top.indices, top.values) if k else None)
+            if row.finish is not None:
+                break
+        cache.length = n + accepted + 1  # t_n and the accepted drafts; the rest is written over
+        batch.next_positions += accepted + 1
+        batch.logits = logits[accepted : accepted + 1]
+        drafter.verified(hidden[:, : accepted + 1], len(drafts), accepted)
+        self.draft_stats[0] += len(drafts)
+        self.draft_stats[1] += accepted
+        if row.finish is None:
+            return []
+        self.rows, self.batch, self.settings, self.drafter = [], None, None, None
+        return [row]
 
     def drop_cancelled(self) -> None:
         """Take the rows of cancelled requests out of the batch."""
@@ -465,6 +533,9 @@ class Engine:
         starts, (fresh, scores) = self.isolated_prefill(starts, 0 if self.rows else extra)
         if not starts:
             return
+        if self.draft_tokens:  # one row at a time (check_drafting): its drafter starts from the prefill
+            self.drafter = Drafter(self.net, self.draft_tokens, fresh.hidden, fresh.cache.capacity, self.kv_cache_dtype)
+            fresh.hidden = None
         taken = [(request_id, request) for request_id, request, *_ in starts]
         new_rows = []
         for index, (request_id, request, generator, stop_ids) in enumerate(starts):
@@ -502,7 +573,8 @@ class Engine:
         fail (they fail, alone) and the rest are prefilled together. A failure of the rest is the batch's."""
         def together(items: list) -> tuple[Batch, dict[int, PromptScores]]:
             score = {i: r.config.top_logprobs for i, (_, r, *_) in enumerate(items) if r.config.prompt_logprobs}
-            return scored_prefill(self.net, [r.prompt for _, r, *_ in items], extra, score, self.kv_cache_dtype)
+            return scored_prefill(self.net, [r.prompt for _, r, *_ in items], extra, score, self.kv_cache_dtype,
+                                  keep_hidden=self.draft_tokens > 0)
 
         try:
             return starts, together(starts)
@@ -602,14 +674,17 @@ def generate(
     tokenizer: Tokenizer | None = None,
     max_batch: int = 64,
     kv_cache_dtype: str = "auto",
+    draft_tokens: int = 0,
 ) -> list[Generation]:
     """Continue each prompt (token ids) until a stop token, a stop string or ``max_new_tokens``;
     ``config.n`` generations per prompt, prompt after prompt. With ``config.seed`` the prompts
     share one generator, as one seeded call. ``kv_cache_dtype``: how the KV cache is stored
-    (``kv_cache.KV_CACHE_DTYPES``)."""
+    (``kv_cache.KV_CACHE_DTYPES``). ``draft_tokens`` > 0: greedy decoding one prompt at a time,
+    drafting that many tokens a step with the model's MTP modules (``speculative``): the same tokens."""
     if not prompts:
         raise ValueError("every prompt needs at least one token (add a BOS token to an empty prompt)")
-    engine = Engine(model, tokenizer, max_batch=max_batch, kv_cache_dtype=kv_cache_dtype)
+    engine = Engine(model, tokenizer, max_batch=1 if draft_tokens else max_batch, kv_cache_dtype=kv_cache_dtype,
+                    draft_tokens=draft_tokens)
     generator = None
     if config.seed is not None:
         generator = torch.Generator(model.embed.weight.device).manual_seed(config.seed)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from lmforge.core.config import at_least, check_ranges, option, positive, unit_interval
+from lmforge.model.mtp import MTPConfig, mtp_config
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,8 @@ class ModelConfig:
     )
     init_std: float = positive(0.02, help="the standard deviation of the weights' normal initialisation")
     mup: MupConfig = option(default_factory=MupConfig, help="µP's base width (model.mup.base_width); unset = standard")
+    mtp: MTPConfig = option(default_factory=MTPConfig, help="multi-token prediction modules (model.mtp.depth, "
+                            "model.mtp.loss_weight; lmforge.model.mtp); depth 0 = none")
 
     def __post_init__(self) -> None:
         from lmforge.model.families import FAMILIES, PRESETS  # the registry imports this module
@@ -187,6 +190,7 @@ class ModelConfig:
                             "(lmforge.model.families.model_config builds the right one from a mapping)")
         if isinstance(self.mup, dict):  # read back from a checkpoint's model_config.json
             self.mup = MupConfig(**self.mup)
+        self.mtp = mtp_config(self.mtp)
         check_ranges(self, source="model")  # built in Python too: a zero or negative size fails here
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads

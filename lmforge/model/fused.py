@@ -70,8 +70,8 @@ def is_plain(model: nn.Module) -> bool:
         return False
     if not family_of(model).decoding_layout:
         return False
-    projections = [model.lm_head]
-    for block in model.layers.children():
+    projections = [model.lm_head, *(m.proj for m in (model.mtp or ()))]
+    for block in model.blocks():
         projections += [block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo]
         if isinstance(block.mlp, MLP):  # a routed FFN (model.moe) keeps its experts as they are
             projections += [block.mlp.w1, block.mlp.w2] + ([block.mlp.w3] if block.mlp.w3 is not None else [])
@@ -97,7 +97,7 @@ def fused_copy(model: Transformer, pack: bool) -> Transformer:
         raise ValueError("only a plain Transformer (no adapters, quantised or sharded weights) can be fused")
     fused = structural_copy(model).eval()
     fused.rope_pairs = True
-    for block in fused.layers.children():
+    for block in fused.blocks():  # the MTP modules' too: every block rotates by the same pair-order tables
         attn, mlp = block.attn, block.mlp
         attn.wqkv = joined_linear([attn.wq, attn.wk, attn.wv], pack, qkv_pair_order(attn))
         attn.wq = attn.wk = attn.wv = None

@@ -66,8 +66,10 @@ class KVCache:
     constructor is this one, so everything it keeps is in ``tensors``.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, length: int = 0, window: int | None = None):
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, length: int = 0, window: int | None = None,
+                 first_layer: int = 0):
         self.tensors, self.dtype, self.length, self.window = tensors, dtype, length, window
+        self.first_layer = first_layer  # the layer index of the tensors' first row (an MTP modules' cache: n_layers)
 
     # ---------------------------------------------------------------- what a cache class defines
 
@@ -89,17 +91,18 @@ class KVCache:
 
     @classmethod
     def empty(cls, *, layers: int, batch: int, heads: int, widths: tuple[int, int], max_len: int, window: int | None,
-              dtype: torch.dtype, device: torch.device | str, storage: torch.dtype | None = None) -> KVCache:
-        """An unwritten cache for ``max_len`` positions (a ring of at most ``window`` slots when
-        ``window`` is set). Uninitialised: attention reads only the positions written so far."""
+              dtype: torch.dtype, device: torch.device | str, storage: torch.dtype | None = None,
+              first_layer: int = 0) -> KVCache:
+        """An unwritten cache of layers ``first_layer`` .. ``first_layer + layers - 1`` for ``max_len`` positions (a ring
+        of at most ``window`` slots when ``window`` is set). Uninitialised: attention reads only the positions written so far."""
         capacity = ring_capacity(max_len, window)
         tensors = {name: torch.empty((layers, batch, heads, capacity, last), dtype=kind, device=device)
                    for name, (last, kind) in cls.layout(widths, storage or dtype).items()}
-        return cls(tensors, dtype, window=window)
+        return cls(tensors, dtype, window=window, first_layer=first_layer)
 
     def like(self, tensors: dict[str, torch.Tensor], length: int) -> KVCache:
-        """A cache of the same class, read dtype and window over other tensors."""
-        return type(self)(tensors, self.dtype, length, self.window)
+        """A cache of the same class, read dtype, window and layers over other tensors."""
+        return type(self)(tensors, self.dtype, length, self.window, self.first_layer)
 
     @property
     def capacity(self) -> int:
@@ -126,6 +129,7 @@ class KVCache:
         attends to, decoded, in ``key_times``' order: every position so far, or on a ring that wraps,
         the slots in slot order (one new position) or the kept ones then the new ones (several)."""
         start, T, C = self.length, k.shape[2], self.capacity
+        layer -= self.first_layer
         new = self.encode(k, v)
         if start + T <= C:  # not wrapping
             parts = {name: t[layer, :, :, : start + T] for name, t in self.tensors.items()}
@@ -286,13 +290,15 @@ class Int4KVCache(KVCache):
 CACHE_CLASSES: dict[str, type[KVCache]] = {"int8": Int8KVCache, "int4": Int4KVCache}
 
 
-def new_cache(kind: str, *, layers: int, batch: int, heads: int, widths: tuple[int, int], max_len: int,
+def new_cache(kind: str, *, layers: int | range, batch: int, heads: int, widths: tuple[int, int], max_len: int,
               window: int | None, dtype: torch.dtype, device: torch.device | str) -> KVCache:
     """The cache of storage ``kind`` (``KV_CACHE_DTYPES``: ``auto`` stores in ``dtype``, the model's)
-    for ``layers`` layers of ``heads`` heads caching ``widths`` values each per position; attention reads ``dtype``."""
+    for ``layers`` layers (a count from layer 0, or a range of layer indices) of ``heads`` heads caching
+    ``widths`` values each per position; attention reads ``dtype``."""
+    layers = range(layers) if isinstance(layers, int) else layers
     if kind not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {kind!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     cls = CACHE_CLASSES.get(kind, KVCache)
     storage = FLOAT_STORAGE.get(kind, dtype)
-    return cls.empty(layers=layers, batch=batch, heads=heads, widths=widths, max_len=max_len, window=window,
-                     dtype=dtype, device=device, storage=storage)
+    return cls.empty(layers=len(layers), batch=batch, heads=heads, widths=widths, max_len=max_len, window=window,
+                     dtype=dtype, device=device, storage=storage, first_layer=layers.start)

@@ -156,12 +156,12 @@ class MLA(nn.Module):
 
 
 def latent_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                 kv_dtype: str = "auto") -> KVCache:
+                 kv_dtype: str = "auto", layers: range | None = None) -> KVCache:
     """A cache of MLA's compressed latents and RoPE keys (``kv_cache.new_cache`` of storage ``kv_dtype``): per
     layer and position one "head" whose ``k`` is c_t (kv_lora_rank, after its norm) and whose ``v`` is k_t^R
     (qk_rope_head_dim, rotated), shared by every query head; the protocol's writes, row selection, merging and
     quantised storage apply unchanged. Every layer attends to every position: no ring."""
-    return new_cache(kv_dtype, layers=cfg.n_layers, batch=batch, heads=1, widths=(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+    return new_cache(kv_dtype, layers=layers or range(cfg.n_layers), batch=batch, heads=1, widths=(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
                      max_len=max_len, window=None, dtype=dtype, device=device)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from lmforge.model.config import ModelConfig
 from lmforge.model.kv_cache import KVCache, new_cache
+from lmforge.model.mtp import MTPModule, MTPModules, MTPTargets, depth_targets, multi_token_loss
 from lmforge.model.rope import LENGTH_DEPENDENT, rope_tables, tables_at
 
 
@@ -306,12 +307,19 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # multi-token prediction (``model.mtp``): depth k's block has the layer index n_layers + k - 1
+        self.mtp = MTPModules([MTPModule(cfg.d_model, cfg.norm_eps, self.block_class(cfg, cfg.n_layers + k))
+                               for k in range(cfg.mtp.depth)], cfg.mtp.loss_weight) if cfg.mtp.enabled else None
         self.rope_pairs = False  # q/k head columns in rotation-pair order (a decoding layout, ``model.fused``)
         self.output_mult = 1.0 / cfg.width_mult()  # µP's readout multiplier (model.mup); 1 in the standard parameterisation
         if cfg.mup.base_head_dim is not None:  # µP's 1/head_dim scores: the family's scale times √(base_head_dim / head_dim)
-            for block in self.layers:
+            for block in self.blocks():
                 block.attn.scale = (block.attn.scale or cfg.head_dim**-0.5) * math.sqrt(cfg.mup.base_head_dim / cfg.head_dim)
         self.init_weights()
+
+    def blocks(self) -> list[nn.Module]:
+        """Every block: the model's layers, then the MTP modules' (``model.mtp``)."""
+        return [*self.layers.children(), *(m.block for m in (self.mtp or ()))]
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -326,7 +334,7 @@ class Transformer(nn.Module):
                 nn.init.ones_(p)
             elif name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "mlp.shared.w2.weight")):  # residual
                 nn.init.normal_(p, 0.0, hidden_std / math.sqrt(2 * self.cfg.n_layers))
-            elif name.startswith("layers."):
+            elif name.startswith(("layers.", "mtp.")):
                 nn.init.normal_(p, 0.0, hidden_std)
             else:  # embeddings and the head
                 nn.init.normal_(p, 0.0, std)
@@ -349,17 +357,9 @@ class Transformer(nn.Module):
         ``attn_mask`` (B, 1, T, S) boolean, True = may attend, its S keys those of
         ``KVCache.key_times`` (every position so far, unless a ring cache wraps); ``kv_cache`` for decoding.
         """
-        B, T = tokens.shape[:2]
+        T = tokens.shape[1]
         offset = kv_cache.length if kv_cache is not None else 0
-        rope = sliding_rope = None
-        if self.cfg.positions == "rope":
-            rotations = pair_rotations if self.rope_pairs else rotation_tables
-            rope = rotations(*self.rope_at(offset, T, positions))
-            local = self.sliding_rope_at(offset, T, positions)
-            sliding_rope = rope if local is None else rotations(*local)
-        else:
-            check_length(self.cfg, offset, T)
-        full, sliding = self.layer_masks(attn_mask, offset, T, kv_cache, tokens.device)
+        rope, sliding_rope, full, sliding = self.attention_inputs(offset, T, positions, attn_mask, kv_cache, tokens.device)
         x = self.embed_tokens(tokens, offset, positions) if self.embed is not None else tokens
         if sliding is full and sliding_rope is rope:  # every layer alike (no window this step reaches past, one RoPE)
             for block in self.layers.children():
@@ -371,6 +371,40 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.length += T
         return self.norm(x) if self.norm is not None else x
+
+    def attention_inputs(self, offset: int, T: int, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                         kv_cache: KVCache | None, device: torch.device) -> tuple:
+        """What every block of a forward of ``T`` positions after ``offset`` cached ones reads, built once:
+        the RoPE rotation of the full and of the sliding layers (None without RoPE) and their masks."""
+        rope = sliding_rope = None
+        if self.cfg.positions == "rope":
+            rotations = pair_rotations if self.rope_pairs else rotation_tables
+            rope = rotations(*self.rope_at(offset, T, positions))
+            local = self.sliding_rope_at(offset, T, positions)
+            sliding_rope = rope if local is None else rotations(*local)
+        else:
+            check_length(self.cfg, offset, T)
+        full, sliding = self.layer_masks(attn_mask, offset, T, kv_cache, device)
+        return rope, sliding_rope, full, sliding
+
+    def mtp_hidden(self, depth: int, previous: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                   attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """MTP depth ``depth``'s hidden states h^k (B, T, d_model), before its norm (``model.mtp``): its block over
+        M_k [RMSNorm(Emb(tokens)) ; RMSNorm(previous)], ``previous`` the depth before's h^(k-1) at the same
+        T positions (the model's final hidden states at depth 1) and ``tokens`` the ids k places ahead of
+        them; ``positions``, ``attn_mask`` and ``kv_cache`` (the MTP modules' own) as ``hidden_states``'."""
+        module = self.mtp[depth - 1]
+        T = tokens.shape[1]
+        offset = kv_cache.length if kv_cache is not None else 0
+        rope, _, full, _ = self.attention_inputs(offset, T, positions, attn_mask, kv_cache, tokens.device)
+        h = module.block(module.join(self.embed_tokens(tokens, offset, positions), previous), rope, full, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        return h
+
+    def mtp_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared head's logits of MTP depth ``depth``'s hidden states, after that depth's own norm."""
+        return self.logits(self.mtp[depth - 1].norm(hidden))
 
     def embed_tokens(self, tokens: torch.Tensor, offset: int, positions: torch.Tensor | None) -> torch.Tensor:
         """The residual stream's start (B, T, d_model): the tokens' embeddings, plus learned position
@@ -387,17 +421,18 @@ class Transformer(nn.Module):
         return self.lm_head(hidden if self.output_mult == 1.0 else hidden * self.output_mult)
 
     def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                     kv_dtype: str = "auto") -> KVCache:
+                     kv_dtype: str = "auto", layers: range | None = None) -> KVCache:
         """An empty cache for ``batch`` rows of up to ``max_len`` positions, stored as ``kv_dtype``
         (``kv_cache.KV_CACHE_DTYPES``; ``auto``: ``dtype``), read by attention in ``dtype``: every layer's
         keys and values, (kv_heads, head_dim) each per position, in a ring of ``sliding_window``
         slots when every layer slides. How the engine makes a model's cache, and so a family's hook:
         one whose attention caches other quantities (a latent cache) overrides this with
         ``kv_cache.new_cache`` of its own heads and widths, and its attention's ``kv_cache.store``
-        returns them; the engine then needs nothing more (the ``KVCache`` protocol)."""
+        returns them; the engine then needs nothing more (the ``KVCache`` protocol). ``layers``: the
+        layer indices cached (default every layer; ``range(n_layers, n_layers + D)``: the MTP modules')."""
         cfg = self.cfg
-        window = cfg.sliding_window if all(cfg.sliding_layers()) else None
-        return new_cache(kv_dtype, layers=cfg.n_layers, batch=batch, heads=cfg.n_kv_heads,
+        window = cfg.sliding_window if all(cfg.sliding_layers()) and layers is None else None
+        return new_cache(kv_dtype, layers=layers or range(cfg.n_layers), batch=batch, heads=cfg.n_kv_heads,
                          widths=(cfg.head_dim, cfg.head_dim), max_len=max_len, window=window, dtype=dtype, device=device)
 
     def layer_masks(self, attn_mask: torch.Tensor | None, offset: int, T: int, kv_cache: KVCache | None,
@@ -466,15 +501,35 @@ class Transformer(nn.Module):
         """Computed tables in the dtype of the model's own (float32, or the model's when it was cast)."""
         return tables[0].to(self.rope_cos.dtype), tables[1].to(self.rope_cos.dtype)
 
-    def forward(self, tokens: torch.Tensor, head_at: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, head_at: torch.Tensor | None = None, mtp: MTPTargets | None = None,
+                **kwargs) -> torch.Tensor:
         """Logits (B, T, vocab_size); hidden states on a pipeline stage without the head.
         ``head_at`` (B, T) boolean: the logits (N, vocab_size) of its N true positions only, in
         row-major order, so a loss that reads a few positions (RL's response tokens) spends the
-        head's matmul, and whatever reads the logits, on those alone."""
+        head's matmul, and whatever reads the logits, on those alone. ``mtp``: in training, with
+        ``model.mtp`` modules, each depth's summed loss on these targets is recorded on ``self.mtp``
+        (``lmforge.model.mtp``; the step runner adds it); otherwise ignored."""
         hidden = self.hidden_states(tokens, **kwargs)
         if self.lm_head is None:
             return hidden
+        if mtp is not None and self.mtp is not None and self.training and torch.is_grad_enabled():
+            self.record_mtp_losses(hidden, mtp, kwargs.get("positions"), kwargs.get("attn_mask"))
         return self.logits(hidden if head_at is None else hidden[head_at])
+
+    def record_mtp_losses(self, hidden: torch.Tensor, targets: MTPTargets, positions: torch.Tensor | None,
+                          attn_mask: torch.Tensor | None) -> None:
+        """Run the MTP depths over the positions each has a target for (depth k: the first L - k - 1 of the
+        L tokens of ``targets``) and record their summed losses (``mtp.multi_token_loss``) on ``self.mtp``."""
+        logits, labels = [], []
+        previous = hidden
+        for depth in range(1, len(self.mtp) + 1):
+            n = targets.tokens.shape[1] - depth - 1
+            mask = attn_mask[..., :n, :n] if attn_mask is not None else None
+            previous = self.mtp_hidden(depth, previous[:, :n], targets.tokens[:, depth : depth + n],
+                                       positions[:, :n] if positions is not None else None, mask)
+            logits.append(self.mtp_logits(depth, previous))
+            labels.append(depth_targets(targets, depth))
+        self.mtp.losses = multi_token_loss(logits, labels)
 
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
         """How tensor parallelism splits one of this model's blocks (``distributed.parallelize.apply_tp``):
@@ -500,4 +555,5 @@ class Transformer(nn.Module):
             self.embed = self.pos_embed = None
         if not head:
             self.norm = self.lm_head = None
+        self.mtp = None  # pipeline parallelism trains without multi-token prediction (refused with model.mtp.depth)
         return self

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.data.packing import IGNORE_INDEX
+from lmforge.model.mtp import MTPTargets, documents_from_starts, mtp_modules
 from lmforge.objectives.base import LossOutput, Objective
 
 
@@ -26,11 +27,13 @@ class CausalLMObjective(Objective):
     """Pre-training objective: windows of ``seq_len + 1`` tokens -> inputs and shifted targets.
 
     With ``token_bytes`` (bytes of each vocabulary entry, 0 for special tokens) the output
-    also counts the targets' bytes, so evaluation can report bits per byte.
+    also counts the targets' bytes, so evaluation can report bits per byte. A model with
+    multi-token prediction (``model.mtp``) gets the whole window as its depths' targets in
+    training, documents split at ``document_start`` (the BOS id every document begins with).
     """
 
-    def __init__(self, token_bytes: torch.Tensor | None = None):
-        self.token_bytes = token_bytes
+    def __init__(self, token_bytes: torch.Tensor | None = None, document_start: int | None = None):
+        self.token_bytes, self.document_start = token_bytes, document_start
 
     def num_targets(self, batch: torch.Tensor) -> int:
         return batch.shape[0] * (batch.shape[1] - 1)
@@ -41,6 +44,8 @@ class CausalLMObjective(Objective):
 
     def __call__(self, model: nn.Module, batch: torch.Tensor) -> LossOutput:
         inputs, kwargs, targets = self.inputs(batch)
+        if mtp_modules(model) is not None and torch.is_grad_enabled():  # multi-token prediction's depths (model.mtp)
+            kwargs["mtp"] = MTPTargets(batch, batch, documents_from_starts(batch, self.document_start))
         logits = model(inputs, **kwargs)
         n_bytes = None
         if self.token_bytes is not None and not torch.is_grad_enabled():

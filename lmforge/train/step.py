@@ -20,7 +20,10 @@ target-weighted mean over the global batch of each micro-batch's auxiliary loss 
 mean over its tokens and MoE layers), so accumulation and data parallelism leave it unchanged,
 and the logged ``moe/<loss>`` is that mean. The step's expert loads, summed over micro-batches
 and data-parallel ranks, nudge the aux-loss-free selection bias after the optimizer step
-(``model.moe.LoadTracker``) and go into the step's metrics. Evaluation adds nothing.
+(``model.moe.LoadTracker``) and go into the step's metrics. A model with multi-token prediction
+(``model.mtp``) adds λ/D times each depth's summed loss over the step's main target count, as the
+main loss is divided, and logs ``mtp/depth<k>``, depth k's mean loss per target over the step.
+Evaluation adds nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from lmforge.distributed.clip import clip_grad_norm_, total_grad_norm
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.pipeline import PipelineRunner
 from lmforge.distributed.scaler import DistributedGradScaler
-from lmforge.model import moe
+from lmforge.model import moe, mtp
 from lmforge.objectives.base import Objective
 from lmforge.train.evaluate import evaluate
 from lmforge.train.forward import autocast_context, local_value, loss_context, to_device
@@ -170,9 +173,11 @@ class StepRunner:
         loss_total = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
+        depth_sums: list[list[torch.Tensor]] = []  # per MTP depth: its summed loss and targets over the step
         for i, batch in enumerate(micro_batches):
             if self.moe:
                 moe.clear(self.model)
+            mtp.clear(self.model)
             with self.loss_layout():
                 with autocast_context(self.device, self.precision):
                     out = self.forward_loss(self.model, to_device(batch, self.device))
@@ -180,6 +185,11 @@ class StepRunner:
                 aux = moe.aux_losses(self.model) if self.moe else {}
                 share = self.objective.num_targets(batch) / n_targets  # this micro-batch's share of the step's targets
                 total = loss + sum(aux.values()) * share if aux else loss
+                depths = mtp.recorded_losses(self.model)
+                if depths:  # λ/D · Σ_k (depth k's summed loss) / the step's main targets, as the main loss
+                    total = total + mtp.mtp_modules(self.model).loss_weight / len(depths) * sum(s for s, _ in depths) / n_targets
+                    depth_sums = [[a + s.detach().float(), b + c] for (a, b), (s, c) in
+                                  zip(depth_sums or [[0.0, 0] for _ in depths], depths)]
                 scaled = total * self.dp  # FSDP averages gradients over the data-parallel ranks: a sum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_total += local_value(loss.detach()).float()
@@ -195,8 +205,11 @@ class StepRunner:
                 maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
             if first_gradient is not None and i == 0:
                 first_gradient(self.first_batch_gradient(batch, n_targets))
-        return (self.sum_over_ranks(loss_total), n_targets, {k: self.sum_over_ranks(v) for k, v in metric_sums.items()},
-                {k: self.max_over_ranks(v) for k, v in maxima.items()})
+        metric_sums = {k: self.sum_over_ranks(v) for k, v in metric_sums.items()}
+        for depth, (loss_sum, count) in enumerate(depth_sums, start=1):  # logged as each depth's mean per target
+            loss_sum, count = self.sum_over_ranks(loss_sum), self.sum_over_ranks(count.float())
+            metric_sums[f"mtp/depth{depth}"] = loss_sum / count.clamp(min=1) * n_targets  # run_step divides by n_targets
+        return (self.sum_over_ranks(loss_total), n_targets, metric_sums, {k: self.max_over_ranks(v) for k, v in maxima.items()})
 
     def evaluate(self, batches: Iterator, max_batches: int | None) -> dict:
         """``train.evaluate.evaluate`` of the eager objective, on this runner's layout."""

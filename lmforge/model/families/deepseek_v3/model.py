@@ -29,7 +29,8 @@ class DeepseekV3Block(nn.Module):
         self.attn_norm = make_norm(cfg, cfg.d_model)
         self.attn = MLA(cfg, layer)
         self.mlp_norm = make_norm(cfg, cfg.d_model)
-        self.mlp = MoE(cfg.d_model, cfg.moe, layer, cfg.ffn_hidden) if cfg.sparse_layers()[layer] else MLP(cfg)
+        sparse = cfg.sparse_layers()[min(layer, cfg.n_layers - 1)]  # an MTP module's block: the last layer's kind
+        self.mlp = MoE(cfg.d_model, cfg.moe, layer, cfg.ffn_hidden) if sparse else MLP(cfg)
         self.resid_dropout = cfg.resid_dropout
 
     forward = Block.forward
@@ -42,10 +43,10 @@ class DeepseekV3(Transformer):
     block_class = DeepseekV3Block
 
     def new_kv_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                     kv_dtype: str = "auto") -> KVCache:
+                     kv_dtype: str = "auto", layers: range | None = None) -> KVCache:
         """The engine's cache of this model: each token's latent and RoPE key (``mla.latent_cache``), stored as
-        ``kv_dtype``, for ``batch`` rows of up to ``max_len`` positions."""
-        return latent_cache(self.cfg, batch, max_len, dtype, device, kv_dtype)
+        ``kv_dtype``, for ``batch`` rows of up to ``max_len`` positions, of ``layers`` (default every layer)."""
+        return latent_cache(self.cfg, batch, max_len, dtype, device, kv_dtype, layers)
 
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
         """Heads split across ranks: the query's (or its expanding) projection and the latent's up-projection

@@ -16,7 +16,7 @@ class MoEBlock(Block):
 
     def __init__(self, cfg: MixtralConfig, layer: int):
         super().__init__(cfg, layer)
-        if cfg.sparse_layers()[layer]:
+        if cfg.sparse_layers()[min(layer, cfg.n_layers - 1)]:  # an MTP module's block: the last layer's kind
             self.mlp = MoE(cfg.d_model, cfg.moe, layer, cfg.ffn_hidden)
 
 
