@@ -1,14 +1,25 @@
-"""Fine-tuning cost of full, LoRA and QLoRA training of the same model, side by side.
+"""Fine-tuning cost of full, LoRA and QLoRA training of the same model, side by side; and, with
+``--lowbit``, LoRA over bases of 4, 3 and 2 bits on the demo's SFT.
 
     python benchmarks/finetune.py                         # tiny preset (17M), batch 4 x 256, bf16 autocast
     python benchmarks/finetune.py --precision fp32 --batch 8
     python benchmarks/finetune.py --model n_layers=1 --batch 1 --seq 16 --steps 1 --rounds 1   # smoke run
+    python benchmarks/finetune.py --lowbit                # results/finetune_lowbit.json (needs make demo's base)
 
 Each mode runs in its own child process (so peak memory is that mode's alone) with the
 same model, batch and precision: forward, backward, clip, AdamW on the trainable
 parameters. Reported: tokens/s (best median of rounds), peak resident memory (CPU) or
 peak allocated memory (GPU), and the bytes held by weights, gradients and optimizer
 state. LoRA and QLoRA adapt every attention and MLP projection with r=16, alpha=32.
+
+``--lowbit`` runs ``lmforge sft recipes/demo/sft.yaml`` from ``--base`` (``make demo``'s pre-trained
+model) with LoRA r=16, alpha=32 (the demo's LoRA command, lr 3e-3) for ``--sft-steps`` steps over
+each base: full precision, NF4, and HQQ's int4, int3, int2 (groups of ``--group-size``), each
+quantised base with the standard init (B = 0) and with LoftQ (``lora.init: loftq``). Recorded per
+row: the frozen base's bytes (every weight but the adapters) and the adapted weights' bits, the
+validation loss before training (on the quantised base with its adapters: LoftQ's start shows
+here) and after, held-out exact match after (before, it is the full-precision base's, the same
+for every row), and the run's tokens/s.
 """
 
 from __future__ import annotations
@@ -22,6 +33,10 @@ import time
 from pathlib import Path
 
 MODES = ("full", "lora", "qlora")
+# (row, lora.quantize_base, lora.init)
+LOWBIT_ROWS = [("full precision", "false", "kaiming"), *((f, f, "kaiming") for f in ("nf4", "int4", "int3", "int2")),
+               *((f"{f} + LoftQ", f, "loftq") for f in ("nf4", "int4", "int3", "int2"))]
+LOWBIT_RESULTS = "benchmarks/results/finetune_lowbit.json"
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -77,6 +92,44 @@ def child(args: argparse.Namespace) -> dict:
     }
 
 
+def lowbit(args: argparse.Namespace) -> None:
+    from record import header, now, write_result
+
+    from lmforge.checkpoints.load import load_model
+    from lmforge.core.config import load_config
+    from lmforge.peft.lora import apply_lora
+    from lmforge.peft.quant import base_memory
+    from lmforge.stages.sft import SFTRecipe, run_sft
+
+    started, rows = now(), []
+    for name, fmt, init in [row for row in LOWBIT_ROWS if not args.rows or row[0] in args.rows]:
+        slug = name.replace(" + ", "-").replace(" ", "-").lower()
+        lora = f"lora={{r: 16, alpha: 32, quantize_base: {fmt}, init: {init}, group_size: {args.group_size}}}"
+        recipe = load_config(SFTRecipe, Path(args.recipe), [
+            f"checkpoint={args.base}", f"run_dir={Path(args.runs) / slug}", lora, "train.lr=3e-3",
+            f"train.max_steps={args.sft_steps}", f"train.eval_every={args.sft_steps}",
+            f"train.checkpoint_every={args.sft_steps}", *args.set])
+        summary = run_sft(recipe)
+        model, _ = load_model(args.base)
+        apply_lora(model, recipe.lora)  # the same base and adapters, to measure what the run held
+        memory = base_memory(model)
+        before, after = summary["before"], summary["after"]
+        rows.append({"row": name, "quantize_base": fmt, "init": init, **memory,
+                     "val_loss_before": before.get("val_loss"), "val_loss_after": after.get("val_loss"),
+                     "exact_match_before": before.get("exact_match", {}).get("exact_match"),
+                     "exact_match_after": after.get("exact_match", {}).get("exact_match"),
+                     "examples_scored": after.get("exact_match", {}).get("examples"),
+                     "tokens_per_s": round(summary["tokens_per_s"], 1), "steps": summary["step"]})
+        r = rows[-1]
+        print(f"{name:<16}{r['base_bytes'] / 2**20:>9.1f} MB{r['bits_per_quantized_weight'] or 32:>7.2f} bits"
+              f"  val {r['val_loss_before']:.4f} -> {r['val_loss_after']:.4f}  exact {r['exact_match_after']}"
+              f"  {r['tokens_per_s']:.0f} tok/s", flush=True)
+    config = {"base": str(args.base), "recipe": args.recipe, "sft_steps": args.sft_steps, "group_size": args.group_size,
+              "r": 16, "alpha": 32, "lr": 3e-3, "set": args.set, "rows": args.rows}
+    write_result({**header("finetune_lowbit", "finetune.py", None, started), "config": config, "rows": rows},
+                 Path(args.out or LOWBIT_RESULTS))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
@@ -89,8 +142,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", default="benchmarks/results/finetune.json")
+    p.add_argument("--out", help=f"results JSON (default benchmarks/results/finetune.json; --lowbit: {LOWBIT_RESULTS})")
+    p.add_argument("--lowbit", action="store_true", help="the low-bit bases table on the demo's SFT instead")
+    p.add_argument("--base", default="runs/demo/pretrain", help="--lowbit: the model fine-tuned (make demo's)")
+    p.add_argument("--recipe", default="recipes/demo/sft.yaml", help="--lowbit: the SFT recipe")
+    p.add_argument("--sft-steps", type=int, default=80, help="--lowbit: optimizer steps of each run")
+    p.add_argument("--group-size", type=int, default=64, help="--lowbit: int4/int3/int2 weights per group")
+    p.add_argument("--runs", default="runs/finetune_lowbit", help="--lowbit: where the runs write")
+    p.add_argument("--set", nargs="*", default=[], help="--lowbit: more dotted overrides of every run")
+    p.add_argument("--rows", nargs="*", choices=[r[0] for r in LOWBIT_ROWS], help="--lowbit: only these rows")
     args = p.parse_args()
+    if args.lowbit:
+        lowbit(args)
+        return
+    args.out = args.out or "benchmarks/results/finetune.json"
     if args.mode:
         print(json.dumps(child(args)))
         return
@@ -116,7 +181,8 @@ def main() -> None:
         "command": command("finetune.py", None),
         "commit": commit(),
         "machine": machine(args.device),
-        "config": {k: v for k, v in vars(args).items() if k not in ("mode", "out")},
+        "config": {k: v for k, v in vars(args).items() if k in ("preset", "model", "batch", "seq", "precision", "device",
+                                                                "steps", "rounds")},
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

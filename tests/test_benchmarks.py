@@ -171,6 +171,32 @@ def test_finetune_measures_full_lora_and_qlora(tmp_path):
     assert rows["qlora"]["weights_and_buffers_bytes"] < rows["full"]["weights_and_buffers_bytes"]
 
 
+def test_finetune_lowbit_tunes_over_each_base_and_records_its_memory_and_losses(tmp_path, small_tokenizer_dir):
+    from lmforge.data.sft_demo import write_demo
+
+    base = tiny_checkpoint(tmp_path / "base", small_tokenizer_dir, seed=0)
+    write_demo(tmp_path / "sft", 40, seed=0, val_fraction=0.2)
+    out = tmp_path / "lowbit.json"
+    run("finetune.py", "--lowbit", "--base", base, "--sft-steps", 2, "--group-size", 16, "--runs", tmp_path / "runs",
+        "--out", out, "--set", f"data.train=[{tmp_path / 'sft' / 'train.jsonl'}]", f"data.val=[{tmp_path / 'sft' / 'val.jsonl'}]",
+        "data.max_length=128", "train.warmup_steps=1", "train.micro_batch_size=4", "train.precision=fp32",
+        "train.eval_batches=1", "train.tensorboard=false", "score.max_examples=4", "score.max_new_tokens=4",
+        "lora.nf4_block_size=32", "lora.nf4_scaler_block_size=2",
+        "--rows", "full precision", "nf4", "int3", "int2 + LoftQ")  # 4 of the 9 rows, each a couple of seconds
+    result = read_json(out)
+    rows = {r["row"]: r for r in result["rows"]}
+    assert list(rows) == ["full precision", "nf4", "int3", "int2 + LoftQ"]
+    for r in rows.values():
+        assert positive(r["base_bytes"], r["val_loss_before"], r["val_loss_after"], r["tokens_per_s"]) and r["steps"] == 2
+        assert 0 <= r["exact_match_after"] <= 1 and r["examples_scored"] == 4
+    assert rows["full precision"]["bits_per_quantized_weight"] is None
+    # codes of 2 and 3.2 (ten per int32) bits, plus an fp32 scale and zero per 16 weights (4 bits a weight);
+    # (rows padded to ten); NF4: 4 bits, an int8 scale per 32 and an fp32 factor per 64, and a mean per layer
+    bits = [rows[f]["bits_per_quantized_weight"] for f in ("int2 + LoftQ", "int3", "nf4")]
+    assert bits == pytest.approx([2 + 4, 3.2 + 4, 4 + 8 / 32 + 32 / 64], rel=0.05)
+    assert all(rows[f]["base_bytes"] < rows["full precision"]["base_bytes"] for f in ("nf4", "int3", "int2 + LoftQ"))
+
+
 def tiny_checkpoint(path: Path, tokenizer_dir: Path, seed: int, reward_head: bool = False) -> Path:
     path.mkdir()
     torch.manual_seed(seed)

@@ -298,12 +298,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
         if isinstance(linear, nn.Linear) and uses[id(linear.weight)] > 1:
             raise ValueError(f"LoRA target {name!r} shares its weight with another module (tied embeddings); leave it out of target_modules")
         if fmt is not None and isinstance(linear, nn.Linear):
-            try:
-                fmt.check(linear.weight.shape)
-            except ValueError as e:
-                keys = "lora.group_size" if fmt.name != "nf4" else "lora.nf4_block_size/lora.nf4_scaler_block_size"
-                raise ValueError(f"QLoRA cannot quantise target {name!r} to {fmt.name}: {e}. Change {keys} or leave "
-                                 f"{name!r} out of target_modules") from e
+            check_fits(fmt, name, linear.weight.shape)
     if cfg.init == "loftq" and any(isinstance(m, QuantizedLinear) for m in linears.values()):
         raise ValueError("lora.init=loftq needs the full-precision weights, but some targets are quantised already")
     for name, linear in linears.items():
@@ -326,6 +321,28 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     for pname, p in model.named_parameters():
         p.requires_grad_(pname.endswith(ADAPTER_PARAMS))
     return names
+
+
+def check_fits(fmt: QuantFormat, name: str, shape: torch.Size) -> None:
+    """``ValueError`` naming target ``name`` and the keys to change when its weight does not fit ``fmt``'s blocks or groups."""
+    try:
+        fmt.check(shape)
+    except ValueError as e:
+        keys = "lora.group_size" if fmt.name != "nf4" else "lora.nf4_block_size/lora.nf4_scaler_block_size"
+        raise ValueError(f"QLoRA cannot quantise target {name!r} to {fmt.name}: {e}. Change {keys} or leave "
+                         f"{name!r} out of target_modules") from e
+
+
+def check_quantizable(cfg: LoraConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Before a stage writes anything: each targeted 2-D weight of a checkpoint (its parameter shapes
+    by name) fits ``cfg``'s base format (``check_fits``); ``apply_lora`` checks the built model again."""
+    fmt = cfg.base_format
+    if fmt is None:
+        return
+    for key, shape in shapes.items():
+        name = key.removesuffix(".weight")
+        if key.endswith(".weight") and len(shape) == 2 and matches_target(name, cfg.target_modules):
+            check_fits(fmt, name, torch.Size(shape))
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:

@@ -17,6 +17,7 @@ from lmforge.core.run import format_count, log
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
 from lmforge.peft.lora import LoraConfig, apply_lora
+from lmforge.peft.quant import base_memory
 from lmforge.train.loop import TrainConfig
 from lmforge.train.muon import hidden_matrices
 from lmforge.train.optim import width_mult
@@ -61,7 +62,12 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
     """Apply LoRA/DoRA/QLoRA adapters in place; configuration problems become ``ConfigError``."""
     try:
         wrapped = apply_lora(model, cfg)
-    except ValueError as exc:  # no matching target, a tied target, a shape NF4 cannot block
+    except ValueError as exc:  # no matching target, a tied target, a shape the format cannot block or group
         raise ConfigError(f"lora: {exc}") from exc
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("%s: LoRA r=%d on %d linears: %s trainable parameters", stage, cfg.r, len(wrapped), format_count(trainable))
+    memory = base_memory(model)
+    quantized = "" if memory["format"] == "none" else (
+        f", {memory['format']} ({memory['bits_per_quantized_weight']:.2f} bits per adapted weight, "
+        f"init {cfg.init})")
+    log.info("%s: LoRA r=%d on %d linears: %s trainable parameters; frozen base %.1f MB%s", stage, cfg.r, len(wrapped),
+             format_count(trainable), memory["base_bytes"] / 2**20, quantized)
