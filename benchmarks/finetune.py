@@ -121,7 +121,7 @@ def lowbit(args: argparse.Namespace) -> None:
                      "examples_scored": after.get("exact_match", {}).get("examples"),
                      "tokens_per_s": round(summary["tokens_per_s"], 1), "steps": summary["step"]})
         r = rows[-1]
-        print(f"{name:<16}{r['base_bytes'] / 2**20:>9.1f} MB{r['bits_per_quantized_weight'] or 32:>7.2f} bits"
+        print(f"{name:<16}{r['base_bytes'] / 2**20:>9.1f} MB{r['bits_per_adapted_weight']:>7.2f} bits"
               f"  val {r['val_loss_before']:.4f} -> {r['val_loss_after']:.4f}  exact {r['exact_match_after']}"
               f"  {r['tokens_per_s']:.0f} tok/s", flush=True)
     config = {"base": str(args.base), "recipe": args.recipe, "sft_steps": args.sft_steps, "group_size": args.group_size,

@@ -284,6 +284,28 @@ def render_finetune(r: dict) -> Rendered:
                     " / ".join(num(by[m]["speed_vs_full"]) for m in modes))
 
 
+def render_finetune_lowbit(r: dict) -> Rendered:
+    c = r["config"]
+    rows = r["rows"]
+    lines = [f"`{c['recipe']}` from `{c['base']}`, LoRA r={c['r']}, alpha={c['alpha']}, lr {c['lr']}, {c['sft_steps']} steps"
+             + (f" ({' '.join(c['set'])})" if c.get("set") else "") + f"; int groups of {c['group_size']} weights. Exact match "
+             f"before training (the full-precision base's): {num(rows[0]['exact_match_before'])} on "
+             f"{rows[0]['examples_scored']} held-out tasks.", ""]
+    lines += table(["base", "base memory (MB)", "adapted weights (MB)", "bits per adapted weight", "val loss before",
+                    "val loss after", "exact match after", "tokens/s"],
+                   [[x["row"], mb(x["base_bytes"]), mb(x["adapted_weight_bytes"]), num(x["bits_per_adapted_weight"]),
+                     num(x["val_loss_before"], 4), num(x["val_loss_after"], 4), num(x["exact_match_after"]),
+                     num(x["tokens_per_s"])] for x in rows])
+    by = {x["row"]: x for x in rows}
+    lines += ["", "Validation loss is nats per assistant token; \"before\" is measured on the quantised base with its "
+                  "adapters at their initial values, so it shows what quantisation costs and what LoftQ wins back."]
+    low = by.get("int2"), by.get("int2 + LoftQ")
+    headline = (f"int2 val loss {num(low[0]['val_loss_after'], 4)}, with LoftQ {num(low[1]['val_loss_after'], 4)}"
+                if all(low) else "-")
+    full = by.get("full precision")
+    return Rendered(lines, headline, f"full-precision base {num(full['val_loss_after'], 4)}" if full else "-")
+
+
 def render_curate(r: dict) -> Rendered:
     mh = r["minhash"]
     lines = [f"{r['documents']} documents ({num(r['text_megabytes'])} MB, {num(r['mean_words_per_document'])} words "
@@ -635,7 +657,8 @@ def render_doremi(r: dict) -> Rendered:
 
 RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "prepare": render_prepare, "train_step": render_train_step, "attention": render_attention,
-    "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune, "curate": render_curate,
+    "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune,
+    "finetune_lowbit": render_finetune_lowbit, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
     "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "rollout_correction": render_rollout_correction,

@@ -189,10 +189,10 @@ def test_finetune_lowbit_tunes_over_each_base_and_records_its_memory_and_losses(
     for r in rows.values():
         assert positive(r["base_bytes"], r["val_loss_before"], r["val_loss_after"], r["tokens_per_s"]) and r["steps"] == 2
         assert 0 <= r["exact_match_after"] <= 1 and r["examples_scored"] == 4
-    assert rows["full precision"]["bits_per_quantized_weight"] is None
+    assert rows["full precision"]["bits_per_adapted_weight"] == 32  # fp32
     # codes of 2 and 3.2 (ten per int32) bits, plus an fp32 scale and zero per 16 weights (4 bits a weight);
     # (rows padded to ten); NF4: 4 bits, an int8 scale per 32 and an fp32 factor per 64, and a mean per layer
-    bits = [rows[f]["bits_per_quantized_weight"] for f in ("int2 + LoftQ", "int3", "nf4")]
+    bits = [rows[f]["bits_per_adapted_weight"] for f in ("int2 + LoftQ", "int3", "nf4")]
     assert bits == pytest.approx([2 + 4, 3.2 + 4, 4 + 8 / 32 + 32 / 64], rel=0.05)
     assert all(rows[f]["base_bytes"] < rows["full precision"]["base_bytes"] for f in ("nf4", "int3", "int2 + LoftQ"))
 

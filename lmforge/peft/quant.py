@@ -184,15 +184,17 @@ def quantize_base_linears(model: nn.Module, fmt: QuantFormat,
 
 
 def base_memory(model: nn.Module) -> dict:
-    """What the frozen base holds: its bytes (every parameter and buffer but the adapters'), the bytes
-    of its quantised layers and their weights, bits per quantised weight, and the format's name."""
-    from lmforge.peft.lora import ADAPTER_PARAMS  # lora imports this module
+    """What the frozen base of a LoRA model holds: its bytes (every parameter and buffer but the
+    adapters'), the weights under the adapters and their bytes (codes, scales and zeros of a
+    quantised base; biases aside), bits per adapted weight, and the format's name (or none)."""
+    from lmforge.peft.lora import ADAPTER_PARAMS, lora_modules  # lora imports this module
 
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    bases = [m.base for m in lora_modules(model).values()]
     tensors = [t for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.endswith(ADAPTER_PARAMS)]
-    weights = sum(m.in_features * m.out_features for m in quantized)
-    stored = sum(m.nbytes() - (0 if m.bias is None else m.bias.numel() * m.bias.element_size()) for m in quantized)
-    names = sorted({m.fmt.name for m in quantized})
+    weights = sum(b.in_features * b.out_features for b in bases)
+    stored = sum(sum(t.numel() * t.element_size() for t in b.stored().values()) if isinstance(b, QuantizedLinear)
+                 else b.weight.numel() * b.weight.element_size() for b in bases)
+    names = sorted({b.fmt.name for b in bases if isinstance(b, QuantizedLinear)})
     return {"format": "/".join(names) or "none", "base_bytes": sum(t.numel() * t.element_size() for t in tensors),
-            "quantized_weights": weights, "quantized_bytes": stored,
-            "bits_per_quantized_weight": 8 * stored / weights if weights else None}
+            "adapted_weights": weights, "adapted_weight_bytes": stored,
+            "bits_per_adapted_weight": 8 * stored / weights if weights else None}

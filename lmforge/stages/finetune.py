@@ -54,7 +54,7 @@ from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.dp import PrivacyPlan, check_dp_recipe
 from lmforge.train.finetune import gathered_for_saving, row_accumulation_steps, save_finetuned, validation_batches
 from lmforge.train.loop import TrainConfig, autocast_context, evaluate, run_precision, train
-from lmforge.train.prepare import prepare_model
+from lmforge.train.prepare import check_lora_shapes, prepare_model
 
 BASE_EXPORT = "base-hf"  # a LoRA run's base as a Hugging Face folder, the base its adapter names
 
@@ -145,8 +145,8 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
     if getattr(recipe, "dp", None) is not None:
         problems.append("dp (DP-SGD) runs in one process only so far; launch it without torchrun")
     if recipe.lora is not None and recipe.lora.quantize_base:
-        problems.append("lora.quantize_base=true (QLoRA) runs in one process only so far; launch it without torchrun "
-                        "or set lora.quantize_base=false")
+        problems.append(f"lora.quantize_base={recipe.lora.base_format.name} (QLoRA) runs in one process only so far; "
+                        "launch it without torchrun or set lora.quantize_base=false")
     if problems:
         raise ConfigError(f"{stage} under torchrun ({layout}):\n  - " + "\n  - ".join(problems))
     with (parallel_session(recipe.parallel, recipe.train.device) as ctx,
@@ -306,6 +306,7 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     check_dp_recipe(dp, recipe.data.packing, count_records(recipe.data.train) if dp else None,
                     getattr(recipe, "ewc", None))
     check_ewc(getattr(recipe, "ewc", None), lambda: checkpoint_shapes(recipe.checkpoint))  # before anything is written
+    check_lora_shapes(recipe.lora, lambda: checkpoint_shapes(recipe.checkpoint))
     device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
     check_finetune_memory(recipe, device, parallel)
     logging_rank = parallel is None or parallel.is_logging_rank

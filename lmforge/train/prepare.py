@@ -16,7 +16,7 @@ from lmforge.core.config import ConfigError
 from lmforge.core.run import format_count, log
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.distributed.parallelize import apply_activation_checkpointing, parallelize_model
-from lmforge.peft.lora import LoraConfig, apply_lora
+from lmforge.peft.lora import LoraConfig, apply_lora, check_quantizable
 from lmforge.peft.quant import base_memory
 from lmforge.train.loop import TrainConfig
 from lmforge.train.muon import hidden_matrices
@@ -58,6 +58,17 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, parallel: ParallelContext 
     return model
 
 
+def check_lora_shapes(cfg: LoraConfig | None, shapes: Callable[[], dict[str, tuple[int, ...]]]) -> None:
+    """Before a stage writes anything: every target of a quantised base fits the format's blocks or groups
+    (``shapes()``: the checkpoint's parameter shapes by name, read only when ``cfg`` quantises)."""
+    if cfg is None or not cfg.quantize_base:
+        return
+    try:
+        check_quantizable(cfg, shapes())
+    except ValueError as exc:
+        raise ConfigError(f"lora: {exc}") from exc
+
+
 def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
     """Apply LoRA/DoRA/QLoRA adapters in place; configuration problems become ``ConfigError``."""
     try:
@@ -67,7 +78,6 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, stage: str) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     memory = base_memory(model)
     quantized = "" if memory["format"] == "none" else (
-        f", {memory['format']} ({memory['bits_per_quantized_weight']:.2f} bits per adapted weight, "
-        f"init {cfg.init})")
+        f", {memory['format']} ({memory['bits_per_adapted_weight']:.2f} bits per adapted weight, init {cfg.init})")
     log.info("%s: LoRA r=%d on %d linears: %s trainable parameters; frozen base %.1f MB%s", stage, cfg.r, len(wrapped),
              format_count(trainable), memory["base_bytes"] / 2**20, quantized)

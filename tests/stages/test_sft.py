@@ -140,13 +140,53 @@ def test_a_lora_adapter_names_a_base_that_peft_loads_and_matches_the_merged_mode
     assert torch.allclose(unmerged, merged, atol=1e-5) and not torch.allclose(merged, load_model(base_checkpoint)[0](ids))
 
 
-def test_qlora_fine_tuning_keeps_the_base_in_nf4_and_merges_at_the_end(tmp_path, base_checkpoint, sft_data):
-    lora = "lora={r: 4, alpha: 8, quantize_base: true, nf4_block_size: 64, nf4_scaler_block_size: 8}"
-    summary = run_sft(recipe(tmp_path, base_checkpoint, sft_data, lora, "train.max_steps=10", "train.lr=2e-2"))
+@pytest.mark.parametrize("lora", ["quantize_base: true, nf4_block_size: 64, nf4_scaler_block_size: 8",
+                                  "quantize_base: int2, group_size: 16, init: loftq"], ids=["nf4", "int2-loftq"])
+def test_qlora_fine_tuning_keeps_the_base_quantised_and_exports_it_dequantised(tmp_path, base_checkpoint, sft_data, lora):
+    from lmforge.peft.adapters import load_adapter
+    from lmforge.peft.lora import apply_lora
+
+    sft = recipe(tmp_path, base_checkpoint, sft_data, f"lora={{r: 4, alpha: 8, {lora}}}", "train.max_steps=10",
+                 "train.lr=2e-2")
+    summary = run_sft(sft)
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert summary["lora"] is True and losses[-1] < losses[0]
-    tuned, _ = load_model(tmp_path / "run")  # merged: dequant(W) + s·BA, a plain full-precision model
+    tuned, _ = load_model(tmp_path / "run")  # merged: dequant(W) + s·BA, a plain model in the training dtype
     assert all(type(m).__name__ != "QuantizedLinear" for m in tuned.modules())
+    assert {p.dtype for p in tuned.parameters()} == {torch.float32}
+    # the adapter over the same quantised base (quantising, and LoftQ's init, are deterministic) computes what the
+    # merged model does: fp32, W x + s B(A x) against (W + s BA) x, rounding only
+    qlora, _ = load_model(base_checkpoint)
+    apply_lora(qlora, sft.lora)
+    load_adapter(qlora, tmp_path / "run" / "adapter")
+    plain, _ = load_model(base_checkpoint)  # and over the full-precision base, as peft loads it over base-hf/
+    load_adapter(plain, tmp_path / "run" / "adapter")
+    x = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        merged = tuned(x)
+        torch.testing.assert_close(qlora(x), merged, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(plain(x), merged, atol=1e-3)  # the quantisation error of W, which the base keeps
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("lora={r: 4, quantize_base: int5}", r"'lora\.quantize_base' must be bool or one of 'nf4', 'int4', 'int3', 'int2', got 'int5'"),
+    ("lora={r: 4, quantize_base: int3, group_size: 24}",
+     r"lora: QLoRA cannot quantise target 'layers\.0\.attn\.wq' to int3: group_size=24 does not divide .* 32.*lora\.group_size"),
+    ("lora={r: 4, init: loftq}", r"lora\.init=loftq .* set lora\.quantize_base"),
+], ids=["bit-width", "group-size", "loftq-without-quantisation"])
+def test_a_quantised_base_the_quantiser_cannot_make_is_one_line_naming_the_key_exit_2_nothing_written(
+        tmp_path, base_checkpoint, sft_data, capsys, override, message):
+    import re
+
+    from lmforge.cli.main import main
+    from tests.conftest import REPO
+
+    args = [f"run_dir={tmp_path / 'run'}", f"checkpoint={base_checkpoint}", f"data.train=[{sft_data / 'train.jsonl'}]",
+            "data.max_length=128", "train.device=cpu", override]
+    assert main(["sft", str(REPO / "recipes/demo/sft.yaml"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("key", ["data.train", "data.val", "score.tasks"])
