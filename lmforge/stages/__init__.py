@@ -44,6 +44,8 @@ VERBS = [
          "lmforge.stages.grpo", distributed=True),
     Verb("ppo", "PPO-RLHF: policy, critic (value head), reward model and/or verifiers, KL in the reward, GAE",
          "lmforge.stages.ppo", distributed=True),
+    Verb("distill", "on-policy distillation (GKD): the student's samples scored by a teacher, reverse KL or JSD per token",
+         "lmforge.stages.distill"),
     Verb("rs", "rejection sampling: best of K samples per prompt by a reward, as SFT data or preference pairs",
          "lmforge.stages.rs"),
     Verb("cai", "Constitutional AI: critique -> revision SFT data (cai revise), AI preference labels (cai label)",

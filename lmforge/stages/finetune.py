@@ -47,6 +47,7 @@ from lmforge.distributed.mesh import (
 )
 from lmforge.distributed.parallelize import reshard
 from lmforge.model.transformer import Transformer
+from lmforge.objectives.distill_teacher import check_teacher, teacher_objective
 from lmforge.objectives.ewc import check_ewc, checkpoint_shapes, ewc_objective
 from lmforge.objectives.reference import Reference, precompute_logprobs
 from lmforge.stages.export import ExportRecipe, run_export
@@ -144,6 +145,8 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
                         "train.eval_tasks=[]")
     if getattr(recipe, "dp", None) is not None:
         problems.append("dp (DP-SGD) runs in one process only so far; launch it without torchrun")
+    if getattr(recipe, "distill", None) is not None:
+        problems.append("distill runs in one process only so far; launch it without torchrun or remove distill")
     if recipe.lora is not None and recipe.lora.quantize_base:
         problems.append(f"lora.quantize_base={recipe.lora.base_format.name} (QLoRA) runs in one process only so far; "
                         "launch it without torchrun or set lora.quantize_base=false")
@@ -193,7 +196,9 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         reference = references.policy_reference(model)
     if stage.reference_columns is not None and stage.precompute_reference:
         precompute_reference(model, [train_rows, val_rows], stage.reference_columns, cfg, device, parallel, stage.name)
-    objective = ewc_objective(stage.objective(reference), getattr(recipe, "ewc", None), model, parallel)
+    objective = teacher_objective(stage.objective(reference), getattr(recipe, "distill", None), device, run.run_dir,
+                                  lambda: RowLoader(train_rows, 2 * cfg.micro_batch_size, shuffle=False, loop=False))
+    objective = ewc_objective(objective, getattr(recipe, "ewc", None), model, parallel)
     val_batches = validation_batches(val_rows, cfg.micro_batch_size, rank, dp)
     if val_batches:
         before.update(evaluate(model, objective, val_batches(), device, precision, cfg.eval_batches, parallel))
@@ -303,10 +308,11 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     writes the run directory and chooses the precision for all."""
     check_data_paths(recipe, stage)
     dp = getattr(recipe, "dp", None)
-    check_dp_recipe(dp, recipe.data.packing, count_records(recipe.data.train) if dp else None,
+    check_dp_recipe(dp, getattr(recipe.data, "packing", False), count_records(recipe.data.train) if dp else None,
                     getattr(recipe, "ewc", None))
     check_ewc(getattr(recipe, "ewc", None), lambda: checkpoint_shapes(recipe.checkpoint))  # before anything is written
     check_lora_shapes(recipe.lora, lambda: checkpoint_shapes(recipe.checkpoint))
+    check_finetune_teacher(recipe)
     device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
     check_finetune_memory(recipe, device, parallel)
     logging_rank = parallel is None or parallel.is_logging_rank
@@ -330,6 +336,14 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
 def count_records(paths: list[str]) -> int:
     """Records in a recipe's data files (before any is tokenized or skipped): DP's N, checked early."""
     return sum(1 for _ in read_sft_records(paths))
+
+
+def check_finetune_teacher(recipe) -> None:
+    """A recipe's ``distill:`` teacher fits its base (tokenizer, vocabulary, context), before anything is written."""
+    distill = getattr(recipe, "distill", None)
+    if distill is not None:
+        base = resolve_checkpoint(recipe.checkpoint, verify=False)
+        check_teacher(distill.teacher, base, load_model_config(base).vocab_size, recipe.data.max_length, distill.top_k)
 
 
 def check_data_paths(recipe, stage: FinetuneStage) -> None:

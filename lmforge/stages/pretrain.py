@@ -40,7 +40,7 @@ from lmforge.core.config import ConfigError, option
 from lmforge.core.io import InputError, atomic_write_json
 from lmforge.core.run import completed_summary, format_count, log, run_dir_lock, start_run
 from lmforge.data.doremi import apply_domain_weights
-from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader, check_curriculum
+from lmforge.data.loader import DatasetSource, LoaderConfig, TokenDataset, TokenLoader, check_curriculum
 from lmforge.data.noising import MaskingConfig, Noise, NoisedLoader, SpanConfig, build_noise
 from lmforge.data.shards import count_tokens, entropy_of_counts, open_shards, read_manifest
 from lmforge.data.tokenizer import Tokenizer, token_byte_lengths
@@ -61,6 +61,8 @@ from lmforge.model.transformer import Transformer
 from lmforge.objectives.base import Objective
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
 from lmforge.objectives.denoising import DenoisingObjective
+from lmforge.objectives.distill import DistillConfig
+from lmforge.objectives.distill_teacher import check_teacher, teacher_objective
 from lmforge.objectives.ewc import EWCConfig, check_ewc, ewc_objective, model_shapes
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
 from lmforge.train.loop import TrainConfig, ValidationSet, accumulation_steps, precision_line, run_precision, train
@@ -95,6 +97,8 @@ class PretrainRecipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
                                    "`lmforge fisher` on the init checkpoint (docs/continual-learning.md)")
+    distill: DistillConfig | None = option(None, help="set to mix a teacher's softened next-token distribution into the "
+                                           "loss (Hinton et al. 2015; docs/distillation.md)")
 
 
 def unigram_entropy(directory: str | Path, vocab_size: int) -> float:
@@ -228,6 +232,33 @@ def pretrain_noise(recipe: PretrainRecipe, tok: Tokenizer, pipeline_stages: int)
     return build_noise(recipe.objective, recipe.mlm, recipe.span, tok, recipe.data.seq_len, recipe.tokenizer)
 
 
+def check_pretrain_teacher(recipe: PretrainRecipe, world_size: int) -> None:
+    """``distill:`` is possible here and its teacher fits the student, before anything is written."""
+    d = recipe.distill
+    if d is None:
+        return
+    if recipe.objective != "clm":
+        raise ConfigError(f"distill: the teacher's next-token distribution is a causal LM's, objective="
+                          f"{recipe.objective} is not; set objective=clm or remove distill")
+    if world_size > 1:
+        raise ConfigError(f"distill: runs in one process only so far ({world_size} processes launched); launch it "
+                          "without torchrun or remove distill")
+    if d.top_k and recipe.data.seq_len_warmup is not None:
+        raise ConfigError("distill.top_k stores the teacher's logits of whole windows, and data.seq_len_warmup cuts them "
+                          "into shorter rows it does not hold; set distill.top_k=0 (a live teacher) or remove the warm-up")
+    check_teacher(d.teacher, recipe.tokenizer, recipe.model.vocab_size, recipe.data.seq_len, d.top_k)
+
+
+def training_windows(data: LoaderConfig, batch_size: int) -> Iterator[torch.Tensor]:
+    """Every training window of every dataset in file order, as batches like the loader's (the rows whose teacher
+    top-k ``distill.top_k`` stores)."""
+    for source in data.sources():  # the replay sets too
+        windows = TokenDataset(source.path, "train", data.seq_len, data.bos_aligned)
+        for start in range(0, len(windows), batch_size):
+            stop = min(start + batch_size, len(windows))
+            yield torch.from_numpy(np.stack([windows.window(i) for i in range(start, stop)]).astype(np.int64))
+
+
 def pretrain_objective(recipe: PretrainRecipe, token_bytes: torch.Tensor) -> Objective:
     """The loss of ``recipe.objective``."""
     if recipe.objective == "clm":
@@ -273,6 +304,7 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         raise ConfigError(f"ewc: the penalty is added by the objective, which a pipeline's schedule does not call "
                           f"(parallel.pp={layout.pp}); set parallel.pp=1")
     check_ewc(recipe.ewc, lambda: model_shapes(recipe.model))
+    check_pretrain_teacher(recipe, layout.world_size)
 
     if layout.world_size > 1:
         if recipe.train.eval_tasks:
@@ -327,9 +359,13 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp,
                          samples_per_step=grad_accum * cfg.micro_batch_size * dp)
     val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp, noise)
+    objective = pretrain_objective(recipe, token_bytes)
+    if recipe.distill is not None:
+        objective = teacher_objective(objective, recipe.distill, next(model.parameters()).device, run_dir,
+                                      lambda: training_windows(data, 2 * cfg.micro_batch_size))
     summary = train(
         model=model,
-        objective=ewc_objective(pretrain_objective(recipe, token_bytes), recipe.ewc, model, ctx),
+        objective=ewc_objective(objective, recipe.ewc, model, ctx),
         train_batches=loader if noise is None else NoisedLoader(loader, noise),
         cfg=cfg,
         run_dir=run_dir,

@@ -30,6 +30,7 @@ from lmforge.data.chat import read_sft_examples
 from lmforge.data.packing import pack_examples, pad_examples
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
+from lmforge.objectives.distill import DistillConfig
 from lmforge.objectives.ewc import EWCConfig
 from lmforge.objectives.sft import SFTObjective
 from lmforge.peft.lora import LoraConfig
@@ -74,6 +75,9 @@ class SFTRecipe:
                                  "sampling, an accountant's ε): docs/privacy.md; needs data.packing=false")
     ewc: EWCConfig | None = option(None, help="set to add EWC's (λ/2)·Σ F(θ − θ*)² to the loss, F and θ* from "
                                    "`lmforge fisher` (docs/continual-learning.md)")
+    distill: DistillConfig | None = option(None, help="set to mix a teacher's softened next-token distribution into the "
+                                           "loss (Hinton et al. 2015); the pre-trained model as teacher is "
+                                           "self-distillation against forgetting (docs/distillation.md)")
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-4, warmup_steps=10, eval_every=50))
     score: ScoreConfig = option(default_factory=ScoreConfig, help="scored before and after training (none by default)")
     parallel: ParallelConfig = option(
