@@ -57,6 +57,7 @@ from lmforge.distributed.mesh import (
 from lmforge.distributed.pipeline import PipelineRunner, split_into_stage
 from lmforge.model import families
 from lmforge.model.config import ModelConfig
+from lmforge.model.mtp import check_depth
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.base import Objective
 from lmforge.objectives.clm import CausalLMObjective, causal_lm_loss
@@ -259,11 +260,25 @@ def training_windows(data: LoaderConfig, batch_size: int) -> Iterator[torch.Tens
             yield torch.from_numpy(np.stack([windows.window(i) for i in range(start, stop)]).astype(np.int64))
 
 
-def pretrain_objective(recipe: PretrainRecipe, token_bytes: torch.Tensor) -> Objective:
-    """The loss of ``recipe.objective``."""
+def pretrain_objective(recipe: PretrainRecipe, token_bytes: torch.Tensor, bos_id: int | None = None) -> Objective:
+    """The loss of ``recipe.objective`` (multi-token prediction's documents start at ``bos_id``)."""
     if recipe.objective == "clm":
-        return CausalLMObjective(token_bytes)
+        return CausalLMObjective(token_bytes, bos_id)
     return DenoisingObjective(recipe.objective, token_bytes)
+
+
+def check_mtp(recipe: PretrainRecipe) -> None:
+    """``model.mtp`` trains with the causal LM's windows, and its deepest depth needs a target in each."""
+    depth = recipe.model.mtp.depth
+    if depth and recipe.objective != "clm":
+        raise ConfigError(f"model.mtp.depth = {depth} trains with objective=clm only (its depths predict the tokens "
+                          f"ahead of a causal window); objective={recipe.objective}: set model.mtp.depth = 0")
+    if depth and recipe.distill is not None:
+        raise ConfigError(f"model.mtp.depth = {depth} with distill: the distillation loss reads the main head only, "
+                          "so the MTP modules would not train; remove distill or set model.mtp.depth = 0")
+    problem = check_depth(depth, recipe.data.seq_len)
+    if problem:
+        raise ConfigError(problem)
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:
@@ -293,6 +308,7 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         raise InputError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
     if recipe.data.seq_len > recipe.model.max_seq_len:
         raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds model.max_seq_len {recipe.model.max_seq_len}")
+    check_mtp(recipe)
 
     noise = pretrain_noise(recipe, tok, layout.pp)
     if recipe.data.seq_len_warmup is not None and (noise is not None or layout.pp > 1):
@@ -359,7 +375,7 @@ def train_on_shards(recipe: PretrainRecipe, manifests: list[dict], model: torch.
     loader = TokenLoader(data, cfg.micro_batch_size, split="train", rank=rank, world_size=dp,
                          samples_per_step=grad_accum * cfg.micro_batch_size * dp)
     val_batches = validation_sets(data, manifests, cfg.micro_batch_size, rank, dp, noise)
-    objective = pretrain_objective(recipe, token_bytes)
+    objective = pretrain_objective(recipe, token_bytes, manifests[0].get("bos_id"))  # documents start at BOS
     if recipe.distill is not None:
         objective = teacher_objective(objective, recipe.distill, next(model.parameters()).device, run_dir,
                                       lambda: training_windows(data, 2 * cfg.micro_batch_size))

@@ -21,10 +21,10 @@ BALANCED = {"n_experts": 4, "n_experts_per_token": 2, "aux_loss_coef": 0.1, "seq
             "z_loss_coef": 0.01, "bias_update_rate": 0.01}
 
 
-def tiny_moe(**moe) -> torch.nn.Module:
+def tiny_moe(mtp: int = 0, **moe) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = model_config(dict(family="mixtral", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                            ffn_hidden=48, max_seq_len=32, moe={**BALANCED, **moe}))
+                            ffn_hidden=48, max_seq_len=32, moe={**BALANCED, **moe}, mtp=dict(depth=mtp)))
     return build(cfg)
 
 
@@ -87,13 +87,14 @@ def test_the_bias_moves_once_per_step_by_the_sign_of_the_steps_summed_load_gap()
 
 
 def test_a_compiled_step_computes_the_eager_steps_losses_gradients_and_bias():
-    eager, compiled = tiny_moe(), tiny_moe()
+    # with a multi-token prediction module (model.mtp) too, whose block is routed: one compile covers both
+    eager, compiled = tiny_moe(mtp=1), tiny_moe(mtp=1)
     batches = [windows(2, 6)]
     eager_result = runner_of(eager).run_step(batches)
     compiled_runner = runner_of(compiled, compile=True)
     compiled_result = compiled_runner.run_step(batches)
     assert float(compiled_result.loss) == pytest.approx(float(eager_result.loss), abs=1e-5)
-    for key in ("moe/load_balance", "moe/seq_balance", "moe/z_loss"):
+    for key in ("moe/load_balance", "moe/seq_balance", "moe/z_loss", "mtp/depth1"):
         assert float(compiled_result.metrics[key]) == pytest.approx(float(eager_result.metrics[key]), abs=1e-6)
     for a, b in zip(moe_layers(eager), moe_layers(compiled)):
         assert torch.equal(a.router.expert_bias, b.router.expert_bias)
