@@ -17,7 +17,7 @@ machines the same design holds with ``torch.distributed``: the trainer's rank br
 state dict over a process group of itself and the rollout ranks (NCCL between GPUs, gloo on
 CPUs; ``dist.broadcast`` per tensor, or ``broadcast_object_list`` of the version first), each
 rollout rank polling for a new version between engine steps; the task and result queues become
-point-to-point ``send_object``/``recv_object`` messages (or a small TCP store). Only the
+point-to-point ``send_object_list``/``recv_object_list`` messages (or a small TCP store). Only the
 shared-memory transport is built here (one machine; ``torchrun`` data parallelism keeps
 in-process sampling).
 
