@@ -24,7 +24,7 @@ from lmforge.data.sft_demo import make_examples
 from lmforge.model.config import ModelConfig
 from lmforge.model.reward import RewardModel
 from lmforge.model.transformer import Transformer
-from tests.conftest import REPO, benchmark_docs_writer, write_jsonl
+from tests.conftest import REPO, benchmark_docs_writer, load_script, write_jsonl
 from tests.curate.warc_fixtures import PROSE, html_record, write_warc
 
 BENCHMARKS = REPO / "benchmarks"
@@ -291,7 +291,9 @@ def test_serve_answers_every_request_over_http_and_in_process(tmp_path):
 
 
 def test_copying_gain_is_none_at_init_and_large_once_a_model_learns_to_copy(tmp_path):
-    from benchmarks.copying import copying_nll
+    # by path: opacus's wheel installs a top-level `benchmarks` package, which `import benchmarks` finds
+    # before this folder (a namespace package)
+    copying_nll = load_script(BENCHMARKS / "copying.py", "copying_bench").copying_nll
 
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=160, max_seq_len=64)
