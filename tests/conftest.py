@@ -31,6 +31,63 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE_DIR / "torchinductor")
 Path(os.environ["TMPDIR"]).mkdir(parents=True, exist_ok=True)
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container's cpuset narrows; the CPU
+    quota of its cgroup where one is set), not the host's count that ``os.cpu_count`` reports."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``pytest -n auto``: one worker per usable core (xdist's own count is the host's physical
+    cores, which a container limited to 2 of 64 would take for 64), and at most one per 3 GiB of
+    memory (the largest process of a whole ``-n 2`` run here, a worker or a subprocess of one,
+    held 2.0 GiB)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return usable_cores()
+    return max(1, min(usable_cores(), memory // (3 << 30)))
+
+
+def pytest_configure(config) -> None:
+    """Under xdist, each worker gets ``cores // workers`` threads (at least one): torch's intra-op
+    pool here, and OMP/MKL/inductor's compile threads in the environment of every subprocess it
+    starts (the CLI, torchrun). Two workers of two threads each on two cores run several times
+    slower than one thread each. Serial, the thread counts are left as they are."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2:
+        return
+    threads = max(1, usable_cores() // workers)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # a smaller count set by hand is kept
+        threads = max(1, min(threads, int(os.environ["OMP_NUM_THREADS"])))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        os.environ[name] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under ``--dist loadgroup`` a worker builds a module-scoped fixture for each module it runs a
+    test of: the tests of a module that use one (a torchrun launch shared by the module's asserts,
+    a docs build) join one ``xdist_group``, so the fixture is built once. Tests that use none stay
+    spread one by one; an autouse module fixture (a check around the module) groups nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
+        if any(d.scope in ("module", "class", "package") and not getattr(d, "_autouse", False) for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 # Reference libraries kept out of site-packages (the Makefile installs them with pip --target):
 # torchao, whose PyPI build's CUDA extensions fail to load on the CPU torch, with a warning each
 # time, and which transformers and peft import whenever it is installed.
