@@ -149,7 +149,10 @@ class LoraLinear(nn.Module):
         if use_dora:  # m = ‖W + s·BA‖ = ‖W‖ at B = 0, so DoRA starts as the base model
             self.lora_magnitude_vector = nn.Parameter(self.weight_norm())
         self.merged = False
-        self.disabled = False  # set by disable_adapters(): the layer computes the frozen base alone
+        self.disabled = False  # set by disable_adapters(): the layer computes the model training started from
+        # LoftQ's initial s·B₀A₀, which the quantised base was chosen to go with (``start_from``); None otherwise
+        self.register_buffer("initial_lora_A", None)
+        self.register_buffer("initial_lora_B", None)
         self._merged_norm: torch.Tensor | None = None  # DoRA's n at merge time, needed to unmerge
 
     @property
@@ -191,8 +194,20 @@ class LoraLinear(nn.Module):
             lora_weight = self.lora_B.weight @ self.lora_A.weight
             return torch.linalg.norm(weight + self.scaling * lora_weight, dim=1).to(weight.dtype)
 
+    @torch.no_grad()
+    def start_from(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """Set A and B (LoftQ's), and keep them: with the adapters disabled the layer computes
+        W x + s·B₀A₀ x, where training started, since the quantised base alone is quant(W − B₀A₀)."""
+        self.lora_A.weight.copy_(lora_a)
+        self.lora_B.weight.copy_(lora_b)
+        self.initial_lora_A, self.initial_lora_B = self.lora_A.weight.clone(), self.lora_B.weight.clone()
+        if self.lora_magnitude_vector is not None:  # DoRA starts where LoRA does: m = ‖W + s·B₀A₀‖
+            self.lora_magnitude_vector.copy_(self.weight_norm())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
+        if self.disabled and self.initial_lora_A is not None:
+            return result + F.linear(F.linear(x, self.initial_lora_A), self.initial_lora_B) * self.scaling
         if self.merged or self.disabled:
             return result
         if self.lora_magnitude_vector is None:
@@ -312,11 +327,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
                 linear = QuantizedLinear.from_linear(linear, fmt)
         wrapped = LoraLinear(linear, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora, cfg.use_dora, init)
         if factors is not None:
-            with torch.no_grad():
-                wrapped.lora_A.weight.copy_(factors[0])
-                wrapped.lora_B.weight.copy_(factors[1])
-                if wrapped.lora_magnitude_vector is not None:  # DoRA starts where LoRA does: m = ‖Q + s·BA‖
-                    wrapped.lora_magnitude_vector.copy_(wrapped.weight_norm())
+            wrapped.start_from(*factors)
         model.set_submodule(name, wrapped)
     for pname, p in model.named_parameters():
         p.requires_grad_(pname.endswith(ADAPTER_PARAMS))
@@ -355,7 +366,9 @@ def disable_adapters(model: nn.Module) -> Iterator[None]:
     """Run ``model`` as its frozen base inside the block (PEFT's ``disable_adapter()``).
 
     The reference model of DPO/KTO with LoRA: the same weights without the adapters, so
-    no second copy of the model is held in memory. Merged adapters cannot be disabled.
+    no second copy of the model is held in memory. Merged adapters cannot be disabled. A LoftQ
+    layer keeps its initial adapter (``LoraLinear.start_from``), so the reference is the model
+    training started from, not its quantised residual.
     """
     layers = lora_modules(model).values()
     if any(layer.merged for layer in layers):

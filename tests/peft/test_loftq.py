@@ -16,7 +16,7 @@ import torch
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
 from lmforge.peft.loftq import loftq_init
-from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules
+from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules, lora_state_dict
 from lmforge.peft.quant import IntFormat, NF4Format
 
 FORMATS = ["nf4", "int4", "int3", "int2"]
@@ -92,3 +92,21 @@ def test_dora_with_loftq_starts_where_lora_with_loftq_does():
 def test_loftq_without_a_quantised_base_is_refused():
     with pytest.raises(ValueError, match="lora.init=loftq .* set lora.quantize_base"):
         LoraConfig(init="loftq")
+
+
+def test_with_adapters_disabled_a_loftq_model_is_the_model_training_started_from():
+    from lmforge.peft.lora import disable_adapters
+
+    model = tiny_model().eval()
+    apply_lora(model, cfg("int2", init="loftq"))
+    x = tokens()
+    with torch.no_grad():
+        start = model(x)
+        for module in lora_modules(model).values():  # as if trained
+            module.lora_B.weight.mul_(3.0)
+        with disable_adapters(model):
+            reference = model(x)
+        trained = model(x)
+    torch.testing.assert_close(reference, start, rtol=0, atol=0)  # the same ops on the same tensors
+    assert not torch.allclose(trained, start, atol=1e-3)
+    assert not any(k.startswith("initial_lora") for k in lora_state_dict(model))  # the adapter file holds A and B only
