@@ -27,14 +27,14 @@ On 2 cores shared with other work (load average 5-8) the training took 13 min (s
   float32, so only the cache's storage differs between rows. The machine is shared with other
   work: timings are noisy (the load average before and after is in the JSON).
 
-The GQA row is the same width with one KV head: its bytes are counted from the cache it would
-make; it was not trained here, so it has no perplexity. The sliding-window row is the trained
-model (full attention in training) decoding with a window of ``--window`` positions into a ring:
-bytes per token as bf16, but memory flat past the window. The MLA row (``kind: latent``) is
-multi-head latent attention of the same width (the ``deepseek_v3`` family, every layer dense; a
-latent of d_model/4 and a RoPE key of head_dim/4 per layer, DeepSeek-V2-Lite's latent ratio), whose
-cache stores only those two per token and decodes in the absorbed form; it is not trained here, so
-it has no perplexity, and its decode speed is measured on its random weights.
+The GQA row is its own model of the same width with one KV head, and the MLA row (``kind: latent``) its own
+model of multi-head latent attention of the same width (the ``deepseek_v3`` family, every layer dense; a
+latent of d_model/4 and a RoPE key of head_dim/4 per layer, DeepSeek-V2-Lite's latent ratio), whose cache
+stores only those two per token and decodes in the absorbed form: each trained exactly as the multi-head
+model, on the same windows (``VARIANTS``), so their perplexities compare the architectures, and their
+divergence from the fp32 cache (another model's) is not given. The sliding-window row is the trained
+multi-head model (full attention in training) decoding with a window of ``--window`` positions into a
+ring: bytes per token as bf16, but memory flat past the window.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from lmforge.checkpoints.load import load_model
 from lmforge.data.shards import open_shards
 from lmforge.inference.engine import decode_step, decoding_view, prefill
 from lmforge.model.families import build as build_model
-from lmforge.model.families import model_config
 from lmforge.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,6 +66,13 @@ MODEL = ["model.vocab_size=2048", "model.d_model=128", "model.n_heads=2", "model
 TRAIN = [f"data.seq_len={CONTEXT}", "train.micro_batch_size=1", "train.batch_tokens=1024", "train.max_steps=240",
          "train.warmup_steps=10", "train.lr=3e-3", "train.eval_every=240", "train.eval_batches=16", "train.log_every=20",
          "train.checkpoint_every=240", "train.compile=false", "train.max_minutes=8"]
+# the models the table compares, each trained alike on the same windows: the multi-head model (its cache
+# stored four ways, and decoding with a window), grouped-query attention of one KV head, and multi-head latent
+# attention of the same width (family deepseek_v3, every layer dense: a latent of d_model/4 and a RoPE key of
+# head_dim/4 per layer, DeepSeek-V2-Lite's latent ratio; heads of head_dim for queries, keys and values)
+VARIANTS = {"pretrain": [], "gqa": ["model.n_kv_heads=1"],
+            "mla": ["model.family=deepseek_v3", "model.kv_lora_rank=32", "model.qk_rope_head_dim=16",
+                    "model.qk_nope_head_dim=48", "model.v_head_dim=64", "model.moe.first_dense_layers=4"]}
 QUICK_TRAIN = ["data.seq_len=256", "model.max_seq_len=256", "train.micro_batch_size=2", "train.batch_tokens=null",
                "train.max_steps=3", "train.warmup_steps=1", "train.eval_every=3", "train.eval_batches=1",
                "train.log_every=1", "train.checkpoint_every=3", "train.compile=false"]
@@ -79,9 +85,10 @@ def lmforge(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "lmforge.cli.main", *argv], cwd=REPO, check=True)
 
 
-def trained_model(runs: Path, quick: bool) -> tuple[Path, Path]:
-    """The pretrain run and the prepared data: tokenizer, shards and a short pre-training, each skipped when done."""
-    tokenizer, data, pretrain = runs / "tokenizer", runs / "data", runs / "pretrain"
+def trained_model(runs: Path, quick: bool, variant: str = "pretrain") -> tuple[Path, Path]:
+    """A ``VARIANTS`` model's pretrain run and the prepared data: tokenizer, shards and a short pre-training, each
+    skipped when done."""
+    tokenizer, data, pretrain = runs / "tokenizer", runs / "data", runs / variant
     if not (tokenizer / "tokenizer.json").is_file():
         lmforge("tokenizer", "recipes/demo/tokenizer.yaml", f"run_dir={tokenizer}", "tokenizer.vocab_size=2048",
                 *(["data.paths=[data/pretrain/milton.jsonl]"] if quick else []))
@@ -94,7 +101,7 @@ def trained_model(runs: Path, quick: bool) -> tuple[Path, Path]:
     done = json.loads(summary.read_text()).get("step", 0) if summary.is_file() else None
     if done is None or done < steps:  # not trained, or stopped at train.max_minutes: resume
         lmforge("pretrain", "recipes/demo/pretrain.yaml", f"run_dir={pretrain}", f"tokenizer={tokenizer}",
-                f"data.datasets=[{{path: {data}, weight: 1.0}}]", *MODEL, *train,
+                f"data.datasets=[{{path: {data}, weight: 1.0}}]", *MODEL, *VARIANTS[variant], *train,
                 *(["train.resume=auto"] if done is not None else []))
     return pretrain, data
 
@@ -162,16 +169,6 @@ def with_config(model: Transformer, **fields) -> Transformer:
     return other
 
 
-def latent_model(cfg) -> Transformer:
-    """Multi-head latent attention of ``cfg``'s width and depth (family ``deepseek_v3``, every layer dense): a
-    latent of d_model/4 and a RoPE key of head_dim/4 per layer, heads of head_dim for queries, keys and values."""
-    rope = max(2, cfg.head_dim // 4 // 2 * 2)
-    return build_model(model_config(dict(
-        family="deepseek_v3", vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-        ffn_hidden=cfg.ffn_hidden, max_seq_len=cfg.max_seq_len, kv_lora_rank=cfg.d_model // 4, qk_rope_head_dim=rope,
-        qk_nope_head_dim=cfg.head_dim - rope, v_head_dim=cfg.head_dim, moe={"first_dense_layers": cfg.n_layers}))).eval()
-
-
 def scored(model: Transformer, windows: torch.Tensor, kind: str, reference: torch.Tensor | None) -> dict:
     """Perplexity of the windows over a ``kind`` cache, and how far its predictions are from ``reference``'s."""
     logprobs = window_logprobs(model, windows, kind)
@@ -179,10 +176,11 @@ def scored(model: Transformer, windows: torch.Tensor, kind: str, reference: torc
     return {"perplexity": perplexity(logprobs, windows), "kl_to_fp32": kl, "max_logprob_change": worst}
 
 
-NOT_SCORED = {"perplexity": None, "kl_to_fp32": None, "max_logprob_change": None, "decode_tokens_per_s": None}
+OTHER_MODEL = {"kl_to_fp32": None, "max_logprob_change": None}  # another model's predictions: no divergence from fp32's
 
 
-def rows_of(model: Transformer, windows: torch.Tensor, args: argparse.Namespace) -> list[dict]:
+def rows_of(model: Transformer, windows: torch.Tensor, args: argparse.Namespace, gqa: Transformer,
+            mla: Transformer) -> list[dict]:
     context = model.cfg.max_seq_len
     reference = window_logprobs(model, windows, "fp32")
     rows = []
@@ -190,21 +188,20 @@ def rows_of(model: Transformer, windows: torch.Tensor, args: argparse.Namespace)
         rows.append({"kind": "storage", "name": kind, "kv_cache_dtype": kind, **cache_figures(model, kind, context),
                      **scored(model, windows, kind, reference),
                      "decode_tokens_per_s": decode_tokens_per_s(model, kind, args)})
-    gqa = build_model(dataclasses.replace(model.cfg, n_kv_heads=1))
     rows.append({"kind": "gqa", "name": f"GQA, {gqa.cfg.n_kv_heads} KV head of {gqa.cfg.n_heads}", "kv_cache_dtype": "bf16",
-                 **cache_figures(gqa, "bf16", context), **NOT_SCORED,
-                 "note": "not trained here: bytes counted from the cache it makes"})
+                 **cache_figures(gqa, "bf16", context), **scored(gqa, windows, "bf16", None), **OTHER_MODEL,
+                 "decode_tokens_per_s": decode_tokens_per_s(gqa, "bf16", args),
+                 "note": "its own model, trained alike on the same windows"})
     window = min(args.window, context)
     slid = with_config(model, sliding_window=window)
     rows.append({"kind": "sliding_window", "name": f"sliding window {window}", "kv_cache_dtype": "bf16",
                  **cache_figures(slid, "bf16", context), **scored(slid, windows, "bf16", reference),
                  "decode_tokens_per_s": decode_tokens_per_s(slid, "bf16", args),
                  "note": "the full-attention model decoding with a window it was not trained with"})
-    mla = latent_model(model.cfg)
     rows.append({"kind": "latent", "name": "MLA latent cache", "kv_cache_dtype": "bf16", **cache_figures(mla, "bf16", context),
-                 **NOT_SCORED, "decode_tokens_per_s": decode_tokens_per_s(mla, "bf16", args),
-                 "note": f"latent {mla.cfg.kv_lora_rank} + RoPE key {mla.cfg.qk_rope_head_dim} per layer; not trained "
-                         "here: no perplexity, speed on random weights"})
+                 **scored(mla, windows, "bf16", None), **OTHER_MODEL, "decode_tokens_per_s": decode_tokens_per_s(mla, "bf16", args),
+                 "note": f"its own model (latent {mla.cfg.kv_lora_rank} + RoPE key {mla.cfg.qk_rope_head_dim} per layer), "
+                         "trained alike on the same windows"})
     bf16 = next(r for r in rows if r["name"] == "bf16")["bytes_per_token"]
     for r in rows:
         r["bytes_vs_bf16"] = None if r["bytes_per_token"] is None else round(r["bytes_per_token"] / bf16, 4)
@@ -231,8 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     pretrain, data = trained_model(runs, args.quick)
     model, checkpoint = load_model(str(pretrain), device="cpu")
     model = model.float().eval()
+    gqa, mla = (load_model(str(trained_model(runs, args.quick, v)[0]), device="cpu")[0].float().eval() for v in ("gqa", "mla"))
     windows = heldout_windows(data, args.windows, model.cfg.max_seq_len)
-    rows = rows_of(model, windows, args)
+    rows = rows_of(model, windows, args, gqa, mla)
     summary = json.loads((pretrain / "summary.json").read_text())
     cfg = model.cfg
     result = {

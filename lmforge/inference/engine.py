@@ -36,6 +36,7 @@ batch, ``take_failures`` reports it, and the other rows decode on as if it had n
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -690,5 +691,9 @@ def generate(
         generator = torch.Generator(model.embed.weight.device).manual_seed(config.seed)
     ids = [engine.submit(Request(p, config, generator)) for p in prompts]
     results = dict(engine.run())
+    if draft_tokens:
+        proposed, accepted = engine.draft_stats
+        logging.getLogger("lmforge").info("generate: %d tokens drafted by the MTP modules, %d accepted (%.1f%%)",
+                                          proposed, accepted, 100 * accepted / max(proposed, 1))
     return [g for i in ids for g in results[i]]
 

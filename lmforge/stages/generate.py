@@ -61,6 +61,9 @@ class GenerateRecipe:
     seed: int | None = seed_field(0, help="same seed, same prompts -> same completions; null = unseeded")
     dtype: Literal["float32", "bfloat16"] = option("float32", help="the model's weights and compute")
     kv_cache_dtype: KVCacheDtype = option("auto", help=KV_CACHE_DTYPE_HELP)
+    draft_tokens: int = at_least(0, 0, help="greedy decoding drafts this many tokens a step with the model's "
+                                 "multi-token prediction modules (model.mtp.depth at least this) and keeps those the model "
+                                 "would choose: the same tokens, one prompt at a time; 0 = off")
     device: str = option("auto", help="auto = cuda when available, else cpu")
     add_bos: bool = option(True, help="prompt = [bos] + encode(text), as documents were in pre-training (chat: always)")
     chat: bool = option(False, help="each prompt is a user turn: ChatML template applied, stop at <|im_end|>")
@@ -152,7 +155,8 @@ def run_generate(recipe: GenerateRecipe) -> list[dict]:
 
     t0 = time.perf_counter()
     try:
-        results = generate(model, prompt_ids, config, tokenizer, kv_cache_dtype=recipe.kv_cache_dtype)
+        results = generate(model, prompt_ids, config, tokenizer, kv_cache_dtype=recipe.kv_cache_dtype,
+                           draft_tokens=recipe.draft_tokens)
     except ValueError as exc:  # e.g. prompt + max_new_tokens longer than the model's context
         raise InputError(str(exc)) from exc
     seconds = time.perf_counter() - t0

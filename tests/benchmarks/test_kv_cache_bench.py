@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmforge.model.config import ModelConfig
+from lmforge.model.families import build, model_config
 from lmforge.model.transformer import Transformer
 from tests.conftest import REPO, benchmark_docs_writer, load_script
 
@@ -47,7 +48,11 @@ def test_the_rows_count_bytes_from_the_shapes_and_render_every_kind():
     model = tiny()
     windows = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(0))
     args = argparse.Namespace(window=8, batch=2, new_tokens=2, repeats=1)
-    rows = {r["name"]: r for r in bench.rows_of(model, windows, args)}
+    gqa = tiny(n_kv_heads=1)
+    mla = build(model_config(dict(family="deepseek_v3", vocab_size=96, d_model=64, n_layers=2, n_heads=2, max_seq_len=32,
+                                  kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=32,
+                                  moe={"first_dense_layers": 2}))).eval()
+    rows = {r["name"]: r for r in bench.rows_of(model, windows, args, gqa, mla)}
     d = model.cfg.head_dim  # 32: one int4 group
     assert [r["kind"] for r in rows.values()] == ["storage"] * 4 + ["gqa", "sliding_window", "latent"]
     assert rows["fp32"]["bytes_vs_bf16"] == 2.0 and rows["GQA, 1 KV head of 2"]["bytes_vs_bf16"] == 0.5
@@ -56,7 +61,9 @@ def test_the_rows_count_bytes_from_the_shapes_and_render_every_kind():
     assert rows["sliding window 8"]["capacity"] == 8 and rows["sliding window 8"]["cache_bytes_at_context"] == 8 * 2 * 2 * 2 * 2 * d
     # a latent of 64/4 and a RoPE key of 32/4 per layer, bf16: against MHA's 2 x 64
     assert rows["MLA latent cache"]["bytes_per_token"] == 2 * (16 + 8) * 2 and rows["MLA latent cache"]["bytes_vs_bf16"] == 0.1875
-    assert rows["MLA latent cache"]["perplexity"] is None and rows["MLA latent cache"]["decode_tokens_per_s"] > 0
+    # the GQA and MLA rows score their own models: a perplexity, no divergence from another model's fp32 cache
+    for name in ("GQA, 1 KV head of 2", "MLA latent cache"):
+        assert rows[name]["perplexity"] > 1 and rows[name]["kl_to_fp32"] is None and rows[name]["decode_tokens_per_s"] > 0
     assert rows["fp32"]["perplexity"] == pytest.approx(rows["bf16"]["perplexity"], rel=1e-2)
     assert rows["fp32"]["kl_to_fp32"] == 0 and 0 < rows["int8"]["kl_to_fp32"] < rows["int4"]["kl_to_fp32"]
     result = {"model": {"n_layers": 2, "n_heads": 2, "head_dim": d, "params": 1, "vocab_size": 96, "steps": 1,

@@ -16,7 +16,7 @@ from tests.train.conftest import tiny_pretrain_overrides
 MTP = {"model.mtp.depth": 2, "model.mtp.loss_weight": 0.3}
 
 
-def test_pretraining_logs_each_depth_and_resumes_exactly(make_recipe, tmp_path):
+def test_pretraining_logs_each_depth_and_resumes_exactly(make_recipe, tmp_path, capsys):
     run_pretrain(make_recipe(tmp_path / "full", **MTP, **{"train.max_steps": 8}))
     records = [r for r in read_metrics(tmp_path / "full") if "loss" in r]
     assert len(records) == 8 and all({"mtp/depth1", "mtp/depth2"} <= r.keys() for r in records)
@@ -34,6 +34,17 @@ def test_pretraining_logs_each_depth_and_resumes_exactly(make_recipe, tmp_path):
     config = GenerationConfig(max_new_tokens=12, temperature=0, stop_token_ids=[])
     assert [g.tokens for g in generate(model, prompts, config, draft_tokens=2)] == \
         [g.tokens for g in generate(model, prompts, config)]
+    # and `lmforge generate`'s draft_tokens: the same completions; more drafts than modules, one line, exit 2
+    ckpt = f"checkpoint={tmp_path / 'full'}"
+    capsys.readouterr()
+    assert main(["generate", ckpt, "temperature=0", "max_new_tokens=8", "--prompt", "To be"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", ckpt, "temperature=0", "max_new_tokens=8", "draft_tokens=2", "--prompt", "To be"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main(["generate", ckpt, "temperature=0", "draft_tokens=3", "--prompt", "To be"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "draft_tokens = 3 needs a model with at least 3 multi-token prediction modules" in err
+    assert len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("overrides, says", [
