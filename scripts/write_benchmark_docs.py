@@ -618,17 +618,20 @@ def render_forgetting(r: dict) -> Rendered:
     lines = [f"A {m['n_layers']}-layer model of width {m['d_model']} pre-trained {r['steps']} steps on {r['old']}, "
              f"then continued {r['steps']} steps on {r['new']} ({num(r['tokens_per_step'])} tokens a step) from the "
              f"same weights on the same windows in each setting; EWC's Fisher over {num(r['fisher_tokens'])} tokens "
-             f"of the first task. Bits per byte on {r['validation_windows']} validation windows of each; forgetting is "
+             f"of the first task" + (f"; self-distillation's teacher the pre-trained model, at τ = "
+                                     f"{num(r['distill_temperature'])}" if "distill_temperature" in r else "")
+             + ". Bits per byte on {r['validation_windows']} validation windows of each; forgetting is "
              f"the first task's rise from the pre-trained model's {num(r['base_old_bpb'], 4)}, gain the second's fall "
              f"from {num(r['base_new_bpb'], 4)}.", ""]
-    lines += table(["setting", "old task (bpb)", "new task (bpb)", "forgetting", "gain", "penalty at the end"], rows)
+    last = "penalty or τ²·KL at the end" if "distill_temperature" in r else "penalty at the end"
+    lines += table(["setting", "old task (bpb)", "new task (bpb)", "forgetting", "gain", last], rows)
     best = s["best_setting"]
     if best:
         ratio = s["best_forgetting_over_naive"]
         lines += ["", f"Of the settings that keep at least 3/4 of naive continuation's gain, {best} forgets least"
                   + (f" ({num(ratio, 3)}x naive's forgetting)." if ratio is not None else ".")]
     else:
-        lines += ["", "No EWC setting keeps 3/4 of naive continuation's gain."]
+        lines += ["", "No setting keeps 3/4 of naive continuation's gain."]
     ratio = s["best_forgetting_over_naive"]
     return Rendered(lines, f"{best}: {num(ratio, 3)}x naive forgetting" if best and ratio is not None else "-",
                     f"naive forgetting {num(s['naive_forgetting_bpb'], 3)} bpb", "-")

@@ -392,7 +392,7 @@ def test_forgetting_continues_a_model_in_each_setting_and_measures_both_tasks(tm
                  "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "f.png")
     result = read_json(out)
     rows = {r["setting"]: r for r in result["rows"]}
-    assert list(rows)[0] == "naive" and len(rows) == 6 and rows["naive"]["final_penalty"] is None
+    assert list(rows)[0] == "naive" and len(rows) == 8 and rows["naive"]["final_penalty"] is None
     assert all(positive(r["old_bpb"], r["new_bpb"]) for r in rows.values())
     assert all(r["final_penalty"] > 0 for name, r in rows.items() if name != "naive")
     for r in rows.values():
@@ -400,3 +400,4 @@ def test_forgetting_continues_a_model_in_each_setting_and_measures_both_tasks(tm
     assert (tmp_path / "f.png").is_file() and "wrote" in stdout
     table = rendered(result)
     assert "| naive |" in table and "| ewc λ=1000 |" in table and "forgetting" in table
+    assert "| self-distill α=0.9 |" in table and "the pre-trained model, at τ = 2" in table
