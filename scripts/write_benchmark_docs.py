@@ -620,7 +620,7 @@ def render_forgetting(r: dict) -> Rendered:
              f"same weights on the same windows in each setting; EWC's Fisher over {num(r['fisher_tokens'])} tokens "
              f"of the first task" + (f"; self-distillation's teacher the pre-trained model, at τ = "
                                      f"{num(r['distill_temperature'])}" if "distill_temperature" in r else "")
-             + ". Bits per byte on {r['validation_windows']} validation windows of each; forgetting is "
+             + f". Bits per byte on {r['validation_windows']} validation windows of each; forgetting is "
              f"the first task's rise from the pre-trained model's {num(r['base_old_bpb'], 4)}, gain the second's fall "
              f"from {num(r['base_new_bpb'], 4)}.", ""]
     last = "penalty or τ²·KL at the end" if "distill_temperature" in r else "penalty at the end"
