@@ -306,6 +306,24 @@ def render_finetune_lowbit(r: dict) -> Rendered:
     return Rendered(lines, headline, f"full-precision base {num(full['val_loss_after'], 4)}" if full else "-")
 
 
+def render_dp(r: dict) -> Rendered:
+    c, rows = r["config"], r["rows"]
+    lines = [f"`{c['recipe']}` from `{c['base']}`, LoRA r={c['r']}, lr {c['lr']}, {c['steps']} steps of {c['batch']} "
+             f"unpacked rows (DP: the expected size of a Poisson sample) of at most {c['max_length']} tokens; DP-SGD "
+             f"clips each example's gradient to C = {c['max_grad_norm']}, δ = {c['delta']:g}, σ from Opacus's "
+             f"{r['accountant'].upper()} accountant for each ε over the steps. Exact match before training (the base's): "
+             f"{num(rows[0]['exact_match_before'])} on {rows[0]['examples_scored']} held-out tasks.", ""]
+    lines += table(["ε", "σ", "ε spent", "val loss", "exact match", "tokens/s"],
+                   [["∞" if x["epsilon"] is None else f"{x['epsilon']:g}", num(x["noise_multiplier"]),
+                     num(x["epsilon_spent"]), num(x["val_loss_after"], 4), num(x["exact_match_after"]),
+                     num(x["tokens_per_s"])] for x in rows])
+    by = {x["epsilon"]: x for x in rows}
+    private = [x for x in rows if x["epsilon"] is not None]
+    headline = ", ".join(f"ε={x['epsilon']:g}: {num(x['exact_match_after'])}" for x in private) or "-"
+    plain = by.get(None)
+    return Rendered(lines, f"exact match {headline}", f"ε=∞ {num(plain['exact_match_after'])}" if plain else "-")
+
+
 def render_curate(r: dict) -> Rendered:
     mh = r["minhash"]
     lines = [f"{r['documents']} documents ({num(r['text_megabytes'])} MB, {num(r['mean_words_per_document'])} words "
@@ -665,7 +683,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
     "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "rollout_correction": render_rollout_correction,
-    "forgetting": render_forgetting, "doremi": render_doremi,
+    "forgetting": render_forgetting, "dp": render_dp, "doremi": render_doremi,
 }
 
 
