@@ -399,13 +399,13 @@ class AsyncRolloutBatches(RolloutBatches):
         rollouts = []
         for sample, (ids, logprobs, finish, text, versions) in enumerate(payload["samples"]):
             rollouts.append(Rollout(prompt, group, sample, list(ids), list(logprobs), finish, text, list(versions)))
-        self.figures["restarts"] += payload["restarts"]
+        self.figures["partial_restarts"] += payload["restarts"]
         return ScoredGroup(rollouts, list(payload["totals"]), {k: list(v) for k, v in payload["terms"].items()})
 
     def draw_groups(self) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
         step = self.drawn // self.grad_accum
         began = time.perf_counter()
-        self.figures = {"stale_dropped": 0.0, "restarts": 0.0}
+        self.figures = {"stale_dropped": 0.0, "partial_restarts": 0.0}
         target, kept, dropped, sampled = self.per_rank, [], [], []
         for _ in range(1 + (self.cfg.max_refills if self.cfg.zero_variance == "drop" else 0)):
             need = target - len(kept)

@@ -114,7 +114,7 @@ def test_a_group_past_the_bound_is_dropped_counted_and_its_prompt_sent_again(sma
                                  GRPOConfig(prompts_per_step=2), PolicyLossConfig(), LengthReward(), 4, spec=None,
                                  workers=1, max_off_policy_steps=1, trainer_threads=1)
     source.pool = pool = FakePool()
-    source.figures = {"stale_dropped": 0.0, "restarts": 0.0}
+    source.figures = {"stale_dropped": 0.0, "partial_restarts": 0.0}
     first = source.state.take(3)  # three prompts already in flight, sampled by versions 0, 2 and 3
     source.in_flight = {t[0]: t for t in first}
     pool.arriving = [payload(first[0], 0), payload(first[1], 2), payload(first[2], 3)]
