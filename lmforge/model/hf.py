@@ -44,8 +44,14 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32", **extra: Any) -> di
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights under HF names and layouts; a tied output matrix is left out, as ``save_pretrained`` does.
-    A µP model's multipliers are folded into its weights first (``fold_mup``)."""
-    return _mapping(cfg).state_to_hf(fold_mup(state, cfg), cfg)
+    A µP model's multipliers are folded into its weights first (``fold_mup``). The multi-token prediction
+    modules (``model.mtp``) are left out: no class lmforge exports to runs them (``main_weights``)."""
+    return _mapping(cfg).state_to_hf(fold_mup(main_weights(state), cfg), cfg)
+
+
+def main_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the multi-token prediction modules' weights (``mtp.*``): the model generation runs."""
+    return {k: v for k, v in state.items() if not k.startswith("mtp.")}
 
 
 def fold_mup(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

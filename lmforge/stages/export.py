@@ -107,6 +107,9 @@ def _write_export(recipe: ExportRecipe, ckpt: Path, out: Path, chat: bool) -> Pa
     except ValueError as exc:
         raise InputError(f"{ckpt}: cannot export to Hugging Face format: {exc}") from exc
 
+    if cfg.mtp.enabled:
+        log.warning("export: %s's %d multi-token prediction modules (model.mtp) are left out: %s does not run them, and "
+                    "generation ignores them", ckpt, cfg.mtp.depth, hf_config["architectures"][0])
     with atomic_run_dir(out) as tmp:  # carries a held lock into the new folder
         hf_state = {k: v.contiguous() for k, v in state_dict_to_hf(state, cfg).items()}
         save_file(hf_state, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})

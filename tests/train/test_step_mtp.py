@@ -5,6 +5,8 @@ before anything is written. (A compiled step with an MTP module: tests/train/tes
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
 from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
@@ -45,6 +47,12 @@ def test_pretraining_logs_each_depth_and_resumes_exactly(make_recipe, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert "draft_tokens = 3 needs a model with at least 3 multi-token prediction modules" in err
     assert len(err.splitlines()) == 1
+    # export leaves the modules out (LlamaForCausalLM has none): transformers computes the main model's logits
+    assert main(["export", str(tmp_path / "full"), str(tmp_path / "hf")]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor(prompts[:1])
+    with torch.no_grad():
+        assert (theirs(ids).logits - model(ids)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("overrides, says", [
