@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from lmforge.core.io import InputError
 from lmforge.data.skipped import SkippedSamples
+
+if TYPE_CHECKING:
+    from lmforge.data.replay import RowGroups
 
 
 class RowLoader:
@@ -18,8 +23,10 @@ class RowLoader:
     """
 
     def __init__(self, rows: dict[str, torch.Tensor], batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 loop: bool = True, rank: int = 0, world_size: int = 1):
+                 loop: bool = True, rank: int = 0, world_size: int = 1, groups: RowGroups | None = None):
         self.rows, self.batch_size, self.seed, self.shuffle, self.loop = rows, batch_size, seed, shuffle, loop
+        self.groups = groups  # which group each row is of (sft's replay), for the shares drawn
+        self._drawn = np.zeros(len(groups.names) if groups is not None else 0, dtype=np.int64)
         self.rank, self.world_size = rank, world_size
         self.n = len(next(iter(rows.values())))
         if self.n == 0:
@@ -63,11 +70,22 @@ class RowLoader:
             self.pos += take
         if not picks:
             raise StopIteration
+        if self.groups is not None:
+            np.add.at(self._drawn, self.groups.of_row[picks], 1)
         mine = torch.as_tensor(picks[self.rank * self.batch_size : (self.rank + 1) * self.batch_size], dtype=torch.long)
         return {k: v[mine] for k, v in self.rows.items()}
 
     def __len__(self) -> int:
         return self.n
+
+    def pop_metrics(self) -> dict[str, float]:
+        """With ``groups``: each group's share of the rows served (all ranks') since the last call
+        (``data/drawn/<name>``), what metrics.jsonl logs per step."""
+        total = int(self._drawn.sum())
+        if self.groups is None or not total:
+            return {}
+        drawn, self._drawn = self._drawn, np.zeros_like(self._drawn)
+        return {f"data/drawn/{name}": count / total for name, count in zip(self.groups.names, drawn.tolist())}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "rows": self.n, "seed": self.seed,

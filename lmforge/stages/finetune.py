@@ -34,6 +34,7 @@ from lmforge.core.run import completed_summary, log, run_dir_lock, start_run
 from lmforge.data.chat import add_chat_template, read_sft_records
 from lmforge.data.documents import SkipLog
 from lmforge.data.poisson import PoissonRowLoader
+from lmforge.data.replay import RowGroups
 from lmforge.data.rows import RowLoader
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.memory import check_memory_fits
@@ -100,6 +101,8 @@ class FinetuneStage:
     precompute_reference: bool = True  # its log-probs in one pass before training, else a live reference
     head: Callable[[Transformer], nn.Module] | None = None  # a module trained around the base (RewardModel)
     check_examples: Callable[[list], None] | None = None  # on rank 0, once the training examples are read
+    # rows mixed into the training rows, and each row's group (sft's replay of pre-training windows)
+    replay: Callable[[dict[str, torch.Tensor]], tuple[dict[str, torch.Tensor], RowGroups]] | None = None
     data_paths: dict[str, list[str]] = field(default_factory=dict)  # more recipe keys naming files (kto's `pairs`)
     summary: dict = field(default_factory=dict)  # fixed entries of the summary (dpo's `loss`)
     # a batch source in place of the RowLoader over ``rows`` (RL: rollouts of the policy being trained),
@@ -179,7 +182,9 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         stage.check_examples(run.train_examples)
     cfg, d, device, precision = run.train_config(recipe.train), recipe.data, run.device, run.precision
     rank, dp = data_parallel_rank(parallel)
-    train_rows = stage.rows(run.train_examples, run.tok)
+    train_rows, groups = stage.rows(run.train_examples, run.tok), None
+    if stage.replay is not None:
+        train_rows, groups = stage.replay(train_rows)
     val_rows = stage.rows(run.val_examples, run.tok) if run.val_examples else None
     scorer = stage.scorer(run, val_rows) if stage.scorer is not None else None
     in_loop = in_loop_scorer(cfg, run.tok, stage)
@@ -209,7 +214,7 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
         train_batches, grad_accum = stage.batches(run, model, cfg)
     else:
         grad_accum = row_accumulation_steps(cfg, d.max_length, stage.rows_per_example, world_size=dp)
-        train_batches = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp)
+        train_batches = RowLoader(train_rows, cfg.micro_batch_size, seed=d.seed, rank=rank, world_size=dp, groups=groups)
     if getattr(recipe, "dp", None) is not None:  # DP-SGD: a Poisson sample of the rows, the recipe's batch on average
         privacy = PrivacyPlan(recipe.dp, len(run.train_examples), grad_accum * cfg.micro_batch_size * dp, cfg.max_steps)
         train_batches = PoissonRowLoader(train_rows, privacy.sample_rate, seed=recipe.dp.seed, rank=rank, world_size=dp)

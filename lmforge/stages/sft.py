@@ -24,10 +24,14 @@ from typing import ClassVar, Literal
 
 import torch
 
+from lmforge.checkpoints.load import resolve_checkpoint
 from lmforge.core.config import Renamed, option, positive, seed_field
 from lmforge.core.run import log
 from lmforge.data.chat import read_sft_examples
+from lmforge.data.loader import ReplaySource
 from lmforge.data.packing import pack_examples, pad_examples
+from lmforge.data.replay import check_replay, replay_rows
+from lmforge.data.tokenizer import Tokenizer
 from lmforge.distributed.config import ParallelConfig
 from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.distill import DistillConfig
@@ -52,6 +56,16 @@ class SFTDataConfig:
         "error", help="an example past max_length: an error, its first max_length tokens kept, or skipped and counted"
     )
     seed: int = seed_field(0, help="the seed of the training rows' order")
+    replay: list[ReplaySource] = option(
+        default_factory=list,
+        help="pre-training data (`lmforge prepare` directories) replayed at a share of the training rows, windows of "
+        "max_length tokens trained with the plain LM loss on every token (docs/continual-learning.md)",
+    )
+
+    def __post_init__(self) -> None:
+        if sum(r.share for r in self.replay) >= 1:
+            raise ValueError(f"replay shares sum to {sum(r.share for r in self.replay):g}; they must leave the chat "
+                             "examples a share (sum below 1)")
 
 
 @dataclass
@@ -107,10 +121,13 @@ def sft_stage(recipe: SFTRecipe, parallel: ParallelContext | None = None) -> Fin
         return built
 
     return FinetuneStage("sft", read_examples, rows, objective=lambda _reference: SFTObjective(),
-                         scorer=lambda run, _val_rows: named_scorer(recipe.score, run.tok, d.val))
+                         scorer=lambda run, _val_rows: named_scorer(recipe.score, run.tok, d.val),
+                         replay=(lambda built: replay_rows(built, d.replay, d.seed)) if d.replay else None)
 
 
 def run_sft(recipe: SFTRecipe) -> dict:
+    if recipe.data.replay:  # before anything is written: each set is there, of the model's tokenizer
+        check_replay(recipe.data.replay, Tokenizer.load(resolve_checkpoint(recipe.checkpoint, verify=False)).sha256)
     return run_finetune(recipe, "sft", sft_stage)
 
 
