@@ -400,4 +400,4 @@ def test_forgetting_continues_a_model_in_each_setting_and_measures_both_tasks(tm
     assert (tmp_path / "f.png").is_file() and "wrote" in stdout
     table = rendered(result)
     assert "| naive |" in table and "| ewc λ=1000 |" in table and "forgetting" in table
-    assert "| self-distill α=0.9 |" in table and "the pre-trained model, at τ = 2" in table
+    assert "| self-distill α=0.9 |" in table and "the pre-trained model, at τ = 2" in table and "on 16 validation windows" in table

@@ -1,8 +1,9 @@
 """Distillation in the stages: `distill:` in sft (α = 0 trains as plain SFT; a teacher pulls the student towards
-it; the pre-trained model as teacher keeps more of pre-training than naive SFT) and in pretrain (a live teacher
-and a stored top k, each resumed exactly mid-run, the top-k file read back rather than recomputed), `lmforge
-distill` (on-policy: the reverse KL to the teacher falls), the example recipes loading, and bad teachers refused
-in one line, exit 2, nothing written."""
+it, and its stored top k of the whole vocabulary trains as the live teacher; the pre-trained model as teacher
+keeps more of pre-training than naive SFT) and in pretrain (a live teacher and a stored top k, each resumed
+exactly mid-run, the top-k file read back rather than recomputed), `lmforge distill` (on-policy: the reverse KL
+to the teacher falls), the example recipes loading, and bad teachers refused in one line, exit 2, nothing
+written."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def test_sft_with_alpha_zero_trains_as_plain_sft_and_a_teacher_pulls_the_student
     run_sft(sft_recipe(tmp_path, "zero", base_checkpoint, sft_data, f"distill={{teacher: {teacher}, alpha: 0}}"))
     run_sft(sft_recipe(tmp_path, "kd", base_checkpoint, sft_data,
                        f"distill={{teacher: {teacher}, alpha: 0.5, temperature: 2}}"))
+    run_sft(sft_recipe(tmp_path, "topk", base_checkpoint, sft_data,  # k = the vocabulary: the full KL, stored
+                       f"distill={{teacher: {teacher}, alpha: 0.5, temperature: 2, top_k: 512}}"))
     plain, zero = steps(tmp_path / "plain", "loss"), steps(tmp_path / "zero", "loss", "distill/data_loss")
     # α = 0: the loss is the data loss, computed from the logits of the target positions alone (the same
     # arithmetic per position as SFT's full logits, up to float32 rounding of the head's matmul)
@@ -77,6 +80,12 @@ def test_sft_with_alpha_zero_trains_as_plain_sft_and_a_teacher_pulls_the_student
     kd = steps(tmp_path / "kd", "loss", "distill/kd", "distill/data_loss")
     assert all(loss == pytest.approx(0.5 * k + 0.5 * d, rel=1e-5) for loss, k, d in kd)
     assert kd[-1][1] < 0.8 * kd[0][1], kd  # τ²·KL(teacher ‖ student) falls
+    stored = steps(tmp_path / "topk", "loss", "distill/kd", "distill/data_loss")
+    assert (tmp_path / "topk" / TOPK_FILE).is_file()
+    # the teacher's logits stored in float32 from its full forward, against the live ones at the target positions:
+    # the same values up to the rounding of the head's matmul, which 8 steps of training carry into the weights
+    for a, b in zip(stored, kd):
+        assert a == pytest.approx(b, rel=1e-4)
 
 
 def pretraining_loss(checkpoint, shards) -> float:  # noqa: F811
