@@ -155,6 +155,16 @@ def train(name: str, run_dir: Path, keys: list[str], extra: list[str]) -> dict:
     return run
 
 
+def side_by_side(jobs: int, calls: list[tuple]) -> list[dict]:
+    """``train(*call)`` for each call, one after another, or with ``jobs=2`` in two processes at once."""
+    if jobs == 1:
+        return [train(*call) for call in calls]
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return pool.starmap(train, calls)
+
+
 def draw_plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -182,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--documents", nargs="*", help="the pre-training documents (default: the demo's prose and web pages)")
     p.add_argument("--chat", nargs="*", default=CHAT, help="the chat tasks as documents (TRL messages)")
     p.add_argument("--tokenizer", help="a tokenizer directory (default: the demo's, trained once)")
+    p.add_argument("--jobs", type=int, default=1, choices=(1, 2),
+                   help="2: the shuffled and warm-up runs side by side, then the two orders (their tokens/s shared)")
     return parse_training_args(p, "curriculum", RESULTS, PLOT, "4 steps", argv)
 
 
@@ -199,13 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     common = [f"tokenizer={tok}", f"data.datasets={datasets(plain)}"]
     max_steps = load_config(PretrainRecipe, REPO / RECIPE, extra).train.max_steps
     warmup = f"data.seq_len_warmup={{steps: {max(1, round(WARMUP_SHARE * max_steps))}, start: {WARMUP_START}}}"
-    runs = [train("shuffled", args.runs / "shuffled", common, extra)]
-    runs.append(train("seq_len_warmup", args.runs / "seq_len_warmup", [*common, warmup], extra))
+    runs = side_by_side(args.jobs, [("shuffled", args.runs / "shuffled", common, extra),
+                                    ("seq_len_warmup", args.runs / "seq_len_warmup", [*common, warmup], extra)])
     scored = {name: scored_copy(plain[name], cfg, args.runs / "shuffled", args.runs / "data" / f"{name}_scored")
               for name, cfg in docs.items()}
     ordered = [f"tokenizer={tok}", f"data.datasets={datasets(scored)}"]
-    for name, order in (("easy_to_hard", "ascending"), ("hard_to_easy", "descending")):
-        runs.append(train(name, args.runs / name, [*ordered, f"data.score_order={order}"], extra))
+    runs += side_by_side(args.jobs, [(name, args.runs / name, [*ordered, f"data.score_order={order}"], extra)
+                                     for name, order in (("easy_to_hard", "ascending"), ("hard_to_easy", "descending"))])
     base = runs[0]
     summary = {"val_loss_minus_shuffled": {r["name"]: r["val_loss"] - base["val_loss"] for r in runs[1:]},
                "best": min(runs, key=lambda r: r["val_loss"])["name"],
