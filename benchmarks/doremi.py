@@ -6,12 +6,15 @@ are prepared one dataset each; then, with the recipes of recipes/mixtures/:
 - a reference model pre-trained on the uniform mixture (reference.yaml);
 - the DoReMi proxy (doremi.yaml: Group DRO against the reference) for three seeds, each writing
   its domain weights (the mean over its updates);
-- the main model (main.yaml) trained on each mixture on the same budget (steps, tokens a step, model):
-  uniform, stratified (each domain's share of the training tokens) and each seed's DoReMi weights.
+- the main model (main.yaml) trained on each mixture on the same budget (steps, tokens a step, model)
+  for three seeds (initialisation and data order): uniform (its seed 0 is the reference run itself),
+  stratified (each domain's share of the training tokens) and DoReMi (seed s: proxy seed s's weights).
 
 Recorded: each mixture's weights, each main model's validation loss per domain (the same validation
 windows for every mixture), their unweighted mean over the domains (the paper's average) and the worst
-domain; the three seeds' weights and their spread. The figure (docs/img/doremi.png) draws both.
+domain, per run and as each mixture's mean over its seeds (a tiny model's loss at a fixed step moves
+with the seed); the three proxies' weights and their spread. The
+figure (docs/img/doremi.png) draws both.
 
     .venv/bin/python benchmarks/doremi.py            # ~15-25 min on 2 CPU cores
     .venv/bin/python benchmarks/doremi.py --quick --tokenizer T --domains a=SHARDS b=SHARDS   # a smoke run
@@ -90,6 +93,15 @@ def evaluated(summary: dict, names: list[str]) -> dict:
             "worst_loss": max(loss.values()), "worst_domain": max(loss, key=loss.get)}
 
 
+def mixture_row(label: str, runs: list[dict], names: list[str]) -> dict:
+    """A mixture's main runs (one per seed) as their means, with the range of the mean over the domains."""
+    mean = {n: sum(r["val_loss"][n] for r in runs) / len(runs) for n in names}
+    means = [r["mean_loss"] for r in runs]
+    return {"mixture": label, "seeds": [r["seed"] for r in runs], "val_loss": mean,
+            "mean_loss": sum(means) / len(means), "mean_loss_range": [min(means), max(means)],
+            "worst_loss": sum(r["worst_loss"] for r in runs) / len(runs), "worst_domain": max(mean, key=mean.get)}
+
+
 def draw_plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -102,12 +114,15 @@ def draw_plot(result: dict, path: Path) -> None:
     width = 0.8 / len(rows)
     for i, row in enumerate(rows):
         xs = [j + i * width for j in range(len(names) + 1)]
+        lo, hi = row["mean_loss_range"]
         left.bar(xs, [row["val_loss"][n] for n in names] + [row["mean_loss"]], width, label=row["mixture"])
+        left.errorbar(xs[-1], row["mean_loss"], yerr=[[row["mean_loss"] - lo], [hi - row["mean_loss"]]],
+                      color="black", capsize=3)
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(names) + 1)], [*names, "mean"], fontsize=8)
     low = min(min(r["val_loss"].values()) for r in rows)
     left.set_ylim(low * 0.9, max(r["worst_loss"] for r in rows) * 1.03)
     left.set_ylabel("validation loss (nats/token)")
-    left.set_title("main model per mixture, same budget")
+    left.set_title(f"main model per mixture, same budget (mean of {result['seeds_per_mixture']} seeds)")
     left.legend(fontsize=7)
     weights = [("uniform", result["uniform"]), ("stratified", result["stratified"])] + [
         (f"DoReMi seed {s['seed']}", s["weights"]) for s in result["seeds"]]
@@ -147,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             f"run_dir={run_dir}", *common, "data.weights_from=null", datasets_key(domains), *keys]))
 
     reference = args.runs / "reference"
-    pretrain(reference)
+    reference_summary = pretrain(reference)
     seeds = []
     for seed in SEEDS:
         run_dir = args.runs / f"doremi-seed{seed}"
@@ -160,39 +175,44 @@ def main(argv: list[str] | None = None) -> None:
         print(f"DoReMi seed {seed}: " + ", ".join(f"{n} {w:.3f}" for n, w in written["weights"].items()), flush=True)
         loads.append(load_average())
     uniform = {n: 1 / len(names) for n in names}
-    mixtures = [("uniform", "uniform", uniform, None), ("stratified", "stratified", stratified(domains), None)] + [
-        (f"DoReMi (seed {s['seed']})", f"doremi-seed{s['seed']}", s["weights"], s["weights_file"]) for s in seeds]
-    rows = []
-    for label, name, weights, weights_file in mixtures:
-        run_dir = args.runs / f"main-{name}"
+    # (mixture, run name, weights, weights file, main seed); the uniform mixture's seed-0 run is the reference
+    plan = [("uniform", "uniform", uniform, None, seed) for seed in SEEDS]
+    plan += [("stratified", "stratified", stratified(domains), None, seed) for seed in SEEDS]
+    plan += [("DoReMi", "doremi", s["weights"], s["weights_file"], s["seed"]) for s in seeds]
+    runs = []
+    for label, name, weights, weights_file, seed in plan:
+        run_dir = reference if (name, seed) == ("uniform", 0) else args.runs / f"main-{name}-seed{seed}"
         keys = [f"data.weights_from={weights_file}"] if weights_file else [datasets_key(domains, weights)]
-        summary = pretrain(run_dir, *keys)
-        rows.append({"mixture": label, "weights": weights, **evaluated(summary, names), "run_dir": str(run_dir)})
-        print(f"{label:18s} mean val loss {rows[-1]['mean_loss']:.4f}, worst {rows[-1]['worst_loss']:.4f} "
-              f"({rows[-1]['worst_domain']})", flush=True)
+        summary = reference_summary if run_dir == reference else pretrain(run_dir, *keys, f"train.seed={seed}",
+                                                                          f"data.seed={seed}")
+        runs.append({"mixture": label, "seed": seed, "weights": weights, **evaluated(summary, names),
+                     "run_dir": str(run_dir)})
+        print(f"{label:10s} seed {seed}: mean val loss {runs[-1]['mean_loss']:.4f}, worst {runs[-1]['worst_loss']:.4f} "
+              f"({runs[-1]['worst_domain']})", flush=True)
         loads.append(load_average())
+    rows = [mixture_row(label, [r for r in runs if r["mixture"] == label], names)
+            for label in ("uniform", "stratified", "DoReMi")]
     spread = {n: max(s["weights"][n] for s in seeds) - min(s["weights"][n] for s in seeds) for n in names}
-    doremi_rows = [r for r in rows if r["mixture"].startswith("DoReMi")]
     recipe = load_config(PretrainRecipe, RECIPES / "main.yaml", [*common, "data.weights_from=null",
                                                                  datasets_key(domains)])
     tokens_per_step = recipe.train.batch_tokens or recipe.train.micro_batch_size * recipe.data.seq_len
-    result = {**header("doremi", "doremi.py", argv, started), "domains": names,
+    result = {**header("doremi", "doremi.py", argv, started), "domains": names, "seeds_per_mixture": len(SEEDS),
               "steps": recipe.train.max_steps, "tokens_per_step": tokens_per_step, "seq_len": recipe.data.seq_len,
               "model": {"d_model": recipe.model.d_model, "n_layers": recipe.model.n_layers,
                         "vocab_size": recipe.model.vocab_size},
               "eval_windows_per_domain": recipe.train.eval_batches * recipe.train.micro_batch_size,
-              "step_size": 1.0, "smoothing": 1e-3, "uniform": uniform, "stratified": mixtures[1][2],
-              "seeds": seeds, "weight_spread": spread, "rows": rows,
+              "step_size": 1.0, "smoothing": 1e-3, "uniform": uniform, "stratified": plan[len(SEEDS)][2],
+              "seeds": seeds, "weight_spread": spread, "rows": rows, "runs": runs,
               "summary": {"best_mean": min(rows, key=lambda r: r["mean_loss"])["mixture"],
                           "best_worst": min(rows, key=lambda r: r["worst_loss"])["mixture"],
-                          "doremi_mean_loss": sum(r["mean_loss"] for r in doremi_rows) / len(doremi_rows),
-                          "uniform_mean_loss": rows[0]["mean_loss"], "stratified_mean_loss": rows[1]["mean_loss"],
+                          **{f"{r['mixture'].lower()}_mean_loss": r["mean_loss"] for r in rows},
                           "largest_spread": max(spread.values())},
               "load_average": loads,
-              "figure": "validation loss per domain of the main model per mixture, and the mixtures' weights"}
+              "figure": "validation loss per domain of the main model per mixture (mean and range over three seeds), "
+                        "and the mixtures' weights"}
     write_result(result, args.out)
     draw_plot(result, args.plot)
-    print(f"lowest mean validation loss: {result['summary']['best_mean']}; largest spread of a domain's weight over "
+    print(f"lowest mean validation loss (mean over seeds): {result['summary']['best_mean']}; largest spread of a domain's weight over "
           f"the seeds {result['summary']['largest_spread']:.3f}")
     print(f"wrote {args.out} and {args.plot}")
 

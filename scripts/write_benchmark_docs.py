@@ -658,19 +658,23 @@ def render_forgetting(r: dict) -> Rendered:
 def render_doremi(r: dict) -> Rendered:
     names, m, s = r["domains"], r["model"], r["summary"]
     lines = [f"A {m['n_layers']}-layer model of width {m['d_model']} trained {r['steps']} steps of "
-             f"{num(r['tokens_per_step'])} tokens on each mixture of the {len(names)} domains; the validation loss "
-             f"(nats/token) of each domain on the same {r['eval_windows_per_domain']} windows of {r['seq_len']} tokens, "
-             "their unweighted mean over the domains and the worst. DoReMi's weights: the mean over a proxy's "
-             f"updates (η = {num(r['step_size'])}, c = {num(r['smoothing'])}) against a reference trained on the "
-             "uniform mixture, the proxy and reference of the main model's shape.", ""]
-    rows = [[x["mixture"], " / ".join(num(x["weights"][n], 2) for n in names),
-             *(num(x["val_loss"][n], 4) for n in names), f"**{num(x['mean_loss'], 4)}**", num(x["worst_loss"], 4)]
-            for x in r["rows"]]
-    lines += table(["mixture", "weights (" + " / ".join(names) + ")", *names, "mean", "worst"], rows)
-    lines += ["", "DoReMi's weights from three seeds (proxy and data order), and the largest minus the smallest:", ""]
-    seeds = [[f"seed {x['seed']}", *(num(x["weights"][n], 3) for n in names)] for x in r["seeds"]]
-    seeds.append(["spread", *(num(r["weight_spread"][n], 3) for n in names)])
-    lines += table(["DoReMi", *names], seeds)
+             f"{num(r['tokens_per_step'])} tokens on each mixture of the {len(names)} domains, "
+             f"{r['seeds_per_mixture']} seeds each (initialisation and data order); the validation loss "
+             f"(nats/token) of each domain on the same {r['eval_windows_per_domain']} windows of {r['seq_len']} tokens "
+             "averaged over the seeds, their unweighted mean over the domains (with its range over the seeds) and "
+             "the worst domain's. DoReMi seed s: the main model of seed s on the weights of proxy seed s (the mean "
+             f"of α over its updates, η = {num(r['step_size'])}, c = {num(r['smoothing'])}) against a reference "
+             "trained on the uniform mixture, proxy and reference of the main model's shape.", ""]
+    rows = [[x["mixture"], *(num(x["val_loss"][n], 4) for n in names),
+             f"**{num(x['mean_loss'], 4)}** ({num(x['mean_loss_range'][0], 4)}-{num(x['mean_loss_range'][1], 4)})",
+             num(x["worst_loss"], 4)] for x in r["rows"]]
+    lines += table(["mixture", *names, "mean (range over seeds)", "worst"], rows)
+    lines += ["", "The mixtures' weights: DoReMi's from three proxy seeds, and the largest minus the smallest:", ""]
+    weights = [["uniform", *(num(r["uniform"][n], 3) for n in names)],
+               ["stratified", *(num(r["stratified"][n], 3) for n in names)]]
+    weights += [[f"DoReMi seed {x['seed']}", *(num(x["weights"][n], 3) for n in names)] for x in r["seeds"]]
+    weights.append(["DoReMi spread", *(num(r["weight_spread"][n], 3) for n in names)])
+    lines += table(["weights", *names], weights)
     lines += ["", f"Lowest mean loss: {s['best_mean']}; lowest worst-domain loss: {s['best_worst']}."]
     return Rendered(lines, f"DoReMi mean loss {num(s['doremi_mean_loss'], 4)}",
                     f"uniform {num(s['uniform_mean_loss'], 4)}, stratified {num(s['stratified_mean_loss'], 4)}", "-")

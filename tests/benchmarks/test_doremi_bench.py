@@ -41,19 +41,27 @@ def test_doremi_compares_the_mixtures_on_one_budget_and_records_three_seeds(tmp_
     assert result["benchmark"] == "doremi" and result["command"].startswith("python benchmarks/doremi.py")
     assert result["domains"] == ["early", "late"] and [s["seed"] for s in result["seeds"]] == [0, 1, 2]
     rows = {r["mixture"]: r for r in result["rows"]}
-    assert list(rows) == ["uniform", "stratified", "DoReMi (seed 0)", "DoReMi (seed 1)", "DoReMi (seed 2)"]
+    assert list(rows) == ["uniform", "stratified", "DoReMi"] and all(r["seeds"] == [0, 1, 2] for r in rows.values())
     manifests = [json.loads((tmp_path / n / "manifest.json").read_text())["splits"]["train"]["n_tokens"]
                  for n in ("early", "late")]
-    assert rows["stratified"]["weights"]["early"] == pytest.approx(manifests[0] / sum(manifests), rel=1e-12)
+    assert result["stratified"]["early"] == pytest.approx(manifests[0] / sum(manifests), rel=1e-12)
+    runs = result["runs"]
+    assert [(r["mixture"], r["seed"]) for r in runs] == [(m, s) for m in rows for s in (0, 1, 2)]
     for seed in result["seeds"]:
         assert sum(seed["weights"].values()) == pytest.approx(1.0, abs=1e-12)
-        assert rows[f"DoReMi (seed {seed['seed']})"]["weights"] == seed["weights"]
+        assert next(r for r in runs if r["mixture"] == "DoReMi" and r["seed"] == seed["seed"])["weights"] == \
+            seed["weights"]
+    for run in runs:
+        assert run["mean_loss"] == pytest.approx(sum(run["val_loss"].values()) / 2, rel=1e-12)
+        assert run["worst_loss"] == max(run["val_loss"].values())
     for row in rows.values():
-        assert row["mean_loss"] == pytest.approx(sum(row["val_loss"].values()) / 2, rel=1e-12)
-        assert row["worst_loss"] == max(row["val_loss"].values())
-    # each main run trained on its mixture: the recorded config holds the weights
+        mine = [r["mean_loss"] for r in runs if r["mixture"] == row["mixture"]]
+        assert row["mean_loss"] == pytest.approx(sum(mine) / 3, rel=1e-12)
+        assert row["mean_loss_range"] == [min(mine), max(mine)]
+    # the uniform mixture's seed 0 is the reference run; each other run trained on its mixture and seed
+    assert runs[0]["run_dir"] == str(tmp_path / "runs" / "reference")
     recorded = (tmp_path / "runs" / "main-doremi-seed1" / "config.yaml").read_text()
-    assert "weights_from" in recorded and "doremi-seed1/domain_weights.json" in recorded
+    assert "doremi-seed1/domain_weights.json" in recorded and "seed: 1" in recorded
     assert (tmp_path / "d.png").is_file()
     table = "\n".join(benchmark_docs_writer().render("doremi", result).lines)
-    assert "| DoReMi (seed 2) |" in table and "| spread |" in table and "Lowest mean loss" in table
+    assert "| DoReMi seed 2 |" in table and "| DoReMi spread |" in table and "Lowest mean loss" in table
