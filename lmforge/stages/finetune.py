@@ -146,8 +146,6 @@ def run_data_parallel(recipe, stage: str, body: Callable[[ParallelContext | None
     if recipe.train.eval_tasks:
         problems.append("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
                         "train.eval_tasks=[]")
-    if getattr(recipe, "dp", None) is not None:
-        problems.append("dp (DP-SGD) runs in one process only so far; launch it without torchrun")
     if getattr(recipe, "distill", None) is not None:
         problems.append("distill runs in one process only so far; launch it without torchrun or remove distill")
     if recipe.lora is not None and recipe.lora.quantize_base:
@@ -196,7 +194,9 @@ def train_finetune(recipe, stage: FinetuneStage, parallel: ParallelContext | Non
     if live and recipe.lora is None:  # a frozen copy of the base, prepared as the policy is but never trained
         reference = references.frozen_copy_reference(
             model, prepare=lambda copy: prepare_model(copy, cfg, parallel, frozen=True))
-    model = prepare_model(model, cfg, parallel, lora=recipe.lora, head=stage.head, stage=stage.name)
+    # DP-SGD's per-example gradients need every weight on each rank: its model is replicated, not sharded
+    private = getattr(recipe, "dp", None) is not None
+    model = prepare_model(model, cfg, None if private else parallel, lora=recipe.lora, head=stage.head, stage=stage.name)
     if live and recipe.lora is not None:  # the policy with its adapters disabled: no second copy
         reference = references.policy_reference(model)
     if stage.reference_columns is not None and stage.precompute_reference:

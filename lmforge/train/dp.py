@@ -35,6 +35,7 @@ from lmforge.core.config import ConfigError, at_least, option, positive, seed_fi
 from lmforge.core.io import InputError
 from lmforge.core.run import log
 from lmforge.data.packing import IGNORE_INDEX
+from lmforge.distributed.mesh import ParallelContext
 from lmforge.objectives.base import Objective
 from lmforge.objectives.clm import causal_lm_loss
 from lmforge.objectives.sft import SFTObjective
@@ -300,19 +301,37 @@ def privacy_line(summary: dict) -> list[str]:
 
 
 class DPStepRunner(StepRunner):
-    """The step runner of a DP-SGD run in one process: ``backward`` sums the clipped per-example
-    gradients of the step's rows (in chunks of ``train.micro_batch_size``), adds the Gaussian noise
-    once and divides by the expected batch; the plain runner's optimizer step follows."""
+    """The step runner of a DP-SGD run: ``backward`` sums the clipped per-example gradients of the
+    step's rows (in chunks of ``train.micro_batch_size``), adds the Gaussian noise once and divides
+    by the expected batch; the plain runner's optimizer step follows.
+
+    Under torchrun (``parallel``) every rank holds the whole model (not sharded: per-example
+    gradients need every weight), draws its share of the step's Poisson sample, and sums its
+    clipped gradients; data-parallel rank 0 alone adds the noise before the sums are all-reduced,
+    so the ranks together take the one process's step."""
 
     def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer, precision: str,
-                 plan: PrivacyPlan, chunk: int):
+                 plan: PrivacyPlan, chunk: int, parallel: ParallelContext | None = None):
         if precision == "fp16":
             raise ConfigError("dp with train.precision=fp16: the loss scaler's skipped steps would still spend "
                               "privacy; use bf16 or fp32")
         check_objective(objective)
+        if parallel is not None:
+            self.parallel, self.dp, self.world_size = parallel, parallel.layout.dp, parallel.layout.world_size
         super().__init__(model, objective, optimizer, precision, grad_clip=0.0)
         self.privacy, self.chunk = plan, chunk
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def run_device(self) -> torch.device:
+        return self.parallel.device if self.parallel is not None else super().run_device()
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce_dp(value) if self.parallel is not None else value
+
+    def tokens(self, micro_batches: list) -> int:
+        local = torch.tensor(float(sum(self.objective.num_tokens(b) for b in micro_batches)), dtype=torch.float64,
+                             device=self.device)
+        return int(self.sum_over_ranks(local).item())
 
     def noise(self, step: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """N(0, σ²C²) like a parameter, from the generator of step ``step`` (the same on resume)."""
@@ -320,17 +339,11 @@ class DPStepRunner(StepRunner):
         std = self.privacy.noise_multiplier * self.privacy.cfg.max_grad_norm
         return lambda p: (torch.randn(p.shape, generator=generator, dtype=torch.float32) * std).to(p)
 
-    def add_noise(self, sums: dict[str, torch.Tensor], step: int) -> None:
-        draw = self.noise(step)
-        for name in self.names:
-            sums[name] += draw(sums[name])
-
-    def backward(self, micro_batches: list, first_gradient=None):
-        params = dict(self.model.named_parameters())
-        trained = {n: params[n].detach() for n in self.names}
+    def clipped_sums(self, micro_batches: list) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Σ_i g_i · min(1, C/‖g_i‖) over this rank's rows, and (loss sum, targets, rows, rows clipped)."""
+        trained = {n: p.detach() for n, p in self.model.named_parameters() if n in self.names}
         sums = {n: torch.zeros_like(p, dtype=accumulation_dtype(p)) for n, p in trained.items()}
-        loss_total = torch.zeros((), dtype=torch.float64)
-        n_targets, clipped, n_rows = 0, 0, 0
+        totals = torch.zeros(4, dtype=torch.float64)
         for micro in micro_batches:
             for rows in split_rows(example_rows(micro), self.chunk):
                 counts = [self.objective.num_targets({k: v[i:i + 1] for k, v in rows.items()})
@@ -343,18 +356,30 @@ class DPStepRunner(StepRunner):
                 factors, norms = clip_factors(grads, self.privacy.cfg.max_grad_norm)
                 for name, g in grads.items():
                     sums[name] += torch.einsum("b,b...->...", factors.to(sums[name].dtype), g.to(sums[name].dtype))
-                loss_total += (losses.detach().double().cpu() * torch.tensor(counts, dtype=torch.float64)).sum()
-                n_targets += sum(counts)
-                clipped += int((norms > self.privacy.cfg.max_grad_norm).sum())
-                n_rows += len(counts)
-        self.add_noise(sums, self.privacy.steps)
+                weights = torch.tensor(counts, dtype=torch.float64)
+                totals += torch.stack([(losses.detach().double().cpu() * weights).sum(), weights.sum(),
+                                       torch.tensor(float(len(counts)), dtype=torch.float64),
+                                       (norms > self.privacy.cfg.max_grad_norm).sum().double().cpu()])
+        return sums, totals
+
+    def backward(self, micro_batches: list, first_gradient=None):
+        sums, totals = self.clipped_sums(micro_batches)
+        if self.parallel is None or self.parallel.dp_rank == 0:  # the noise once, on one rank
+            draw = self.noise(self.privacy.steps)
+            for name in self.names:
+                sums[name] += draw(sums[name])
+        flat = self.sum_over_ranks(torch.cat([sums[n].flatten() for n in self.names] + [totals.to(self.device)]))
+        params = dict(self.model.named_parameters())
+        offset = 0
         for name in self.names:
-            params[name].grad = (sums[name] / self.privacy.expected_batch).to(params[name].dtype)
+            p = params[name]
+            p.grad = (flat[offset:offset + p.numel()].view_as(p) / self.privacy.expected_batch).to(p.dtype)
+            offset += p.numel()
+        loss_sum, n_targets, n_rows, clipped = flat[offset:].double().cpu().tolist()
         self.privacy.step()
-        self.dp_metrics = {"dp/epsilon": torch.tensor(self.privacy.epsilon(), dtype=torch.float64), "dp/batch_rows": torch.tensor(n_rows),
-                           "dp/clipped_fraction": torch.tensor(clipped / max(n_rows, 1))}
-        loss = (loss_total / max(n_targets, 1)).float()
-        return loss, n_targets, {}, {}
+        self.dp_metrics = {"dp/epsilon": torch.tensor(self.privacy.epsilon(), dtype=torch.float64),
+                           "dp/batch_rows": torch.tensor(n_rows), "dp/clipped_fraction": torch.tensor(clipped / max(n_rows, 1))}
+        return torch.tensor(loss_sum / max(n_targets, 1)), int(n_targets), {}, {}
 
     def clip_gradients(self) -> torch.Tensor:
         """The noised gradient's norm: each example's gradient was clipped in ``backward``."""
@@ -370,9 +395,3 @@ class DPStepRunner(StepRunner):
                              "there; another step would spend more")
         result = super().run_step(micro_batches, accept)
         return result._replace(metrics={**result.metrics, **self.dp_metrics})
-
-    def stop_requested(self) -> bool:
-        return self.privacy.over_budget()
-
-    def summary(self) -> dict:
-        return self.privacy.summary()

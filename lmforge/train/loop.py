@@ -225,7 +225,7 @@ def train(
     found = checkpointer.find()
     precision, reason = choose_precision(cfg, found[1].trainer_state.get("precision") if found else None,
                                          training_device(model, parallel))
-    runner = (DPStepRunner(model, objective, optimizer, precision, privacy, cfg.micro_batch_size) if privacy else
+    runner = (DPStepRunner(model, objective, optimizer, precision, privacy, cfg.micro_batch_size, parallel) if privacy else
               build_step_runner(model, objective, optimizer, precision, cfg.grad_clip, cfg.compile, parallel, pipeline))
     spikes = SpikeGuard(cfg.spikes)
     spikes.check_loader(train_batches)
