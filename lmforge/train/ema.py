@@ -145,11 +145,14 @@ class ModelAverage:
         self.updates = int(saved["updates"])
 
 
-def build_average(cfg: AverageConfig | None, model: nn.Module, max_steps: int, distributed: bool) -> ModelAverage | None:
-    """The run's ``ModelAverage`` (None without ``train.average``); refused under ``torchrun``."""
-    if cfg is None:
-        return None
-    if distributed:
+def check_average(cfg: AverageConfig | None, distributed: bool) -> None:
+    """Refuse ``train.average`` under ``torchrun`` (a stage calls this before any work)."""
+    if cfg is not None and distributed:
         raise ConfigError("train.average keeps its average in one process so far: launch without torchrun, or "
                           "remove train.average (average finished checkpoints with `lmforge merge` instead)")
-    return ModelAverage(model, cfg, max_steps)
+
+
+def build_average(cfg: AverageConfig | None, model: nn.Module, max_steps: int, distributed: bool) -> ModelAverage | None:
+    """The run's ``ModelAverage`` (None without ``train.average``); refused under ``torchrun``."""
+    check_average(cfg, distributed)
+    return ModelAverage(model, cfg, max_steps) if cfg is not None else None
