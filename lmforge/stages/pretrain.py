@@ -66,6 +66,7 @@ from lmforge.objectives.distill import DistillConfig
 from lmforge.objectives.distill_teacher import check_teacher, teacher_objective
 from lmforge.objectives.ewc import EWCConfig, check_ewc, ewc_objective, model_shapes
 from lmforge.stages.scoring import Scorer, eval_tasks_scorer
+from lmforge.train.ema import check_average
 from lmforge.train.loop import TrainConfig, ValidationSet, accumulation_steps, precision_line, run_precision, train
 from lmforge.train.metrics import is_domain_loss, loss_curve_lines
 from lmforge.train.optim import check_mup_optimizer
@@ -326,6 +327,7 @@ def run_pretrain(recipe: PretrainRecipe) -> dict:
         if recipe.train.eval_tasks:
             raise ConfigError("train.eval_tasks scores in one process only so far; launch it without torchrun or set "
                               "train.eval_tasks=[]")
+        check_average(recipe.train.average, distributed=True)  # before any work
         return run_pretrain_distributed(recipe, tok, manifests, init, noise)
     with run_dir_lock(recipe.run_dir):  # a second run into it fails at once, naming this one
         return run_pretrain_local(recipe, tok, manifests, init, noise)
