@@ -461,7 +461,9 @@ class RolloutBatches:
                                          "prompt": r.prompt.prompt, "response": r.text, "reward": g.totals[i],
                                          "terms": {k: v[i] for k, v in g.terms.items()},
                                          "tokens": len(r.response_ids), "finish_reason": r.finish_reason,
-                                         "trained": id(g) in keep}, ensure_ascii=False) + "\n")
+                                         "trained": id(g) in keep,
+                                         **({"versions": r.versions} if r.versions is not None else {})},
+                                        ensure_ascii=False) + "\n")
         every = self.gather(lines)
         if self.rank == 0:
             atomic_write_text(self.run_dir / SAMPLES / f"step-{step:06d}.jsonl", "".join(x for r in every for x in r))

@@ -50,9 +50,12 @@ def test_one_step_ahead_every_trained_sample_is_at_most_one_step_old(tmp_path, b
     records = read_metrics(tmp_path / "grpo")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["off_policy_steps_max"] <= 1 for r in records)
-    groups = [json.loads(line)["group"] for p in sorted((tmp_path / "grpo" / "samples").iterdir())
-              for line in p.read_text().splitlines()]
+    lines = [json.loads(line) for p in sorted((tmp_path / "grpo" / "samples").iterdir())
+             for line in p.read_text().splitlines()]
+    groups = [line["group"] for line in lines]
     assert sorted(set(groups)) == list(range(16)) and len(groups) == 16 * 4  # 4 steps x 4 prompts, n = 4 each
+    for line in lines:  # each token's policy version, at most one step before the step that trains on it
+        assert len(line["versions"]) == line["tokens"] and line["step"] - 2 <= min(line["versions"]) <= line["step"] - 1
 
 
 def test_a_worker_that_dies_stops_the_run_with_a_clear_error(tmp_path, base_checkpoint, prompts, monkeypatch):
