@@ -31,7 +31,7 @@ prompts in flight beyond the one it is drawing (prime-rl's ``max_off_policy_step
 next batches while the trainer trains. k = 0 sends a batch's prompts only once its weights are
 published and waits for them: the synchronous run, and with one worker the same rollouts (the
 same seeds, one engine over the same requests) and so the same losses, bit for bit, as
-in-process sampling (``rl.rollout_workers: 0``, ``tests/stages/test_grpo_async.py``).
+in-process sampling (``rl.rollout_workers: 0``) on as many threads (``tests/stages/test_grpo_async.py``).
 
 **Partial rollouts.** New weights can arrive while a worker's requests are decoding.
 ``rl.partial_rollouts: continue`` (PipelineRL's and prime-rl's in-flight updates) loads them
