@@ -85,6 +85,8 @@ def plan_memory(model, parallel: ParallelConfig, layout: Layout, *, micro_batch_
     best = None
     for stage, layers in enumerate(stage_layer_ranges(model.n_layers, pp)):
         first, last = stage == 0, stage == pp - 1
+        if last:  # the multi-token prediction modules' blocks (model.mtp) follow the last layer
+            layers = [*layers, *range(model.n_layers, len(counts.layers))]
         n_layers = len(layers)
         mats = sum(counts.layers[i].matrices for i in layers)
         norms = sum(counts.layers[i].norms for i in layers)

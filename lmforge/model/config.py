@@ -339,13 +339,20 @@ class ModelConfig:
         """Every parameter by where it sits: the one count ``num_params``, the memory planner, MFU and scaling read."""
         embedding = self.vocab_size * self.d_model
         return ParamCounts(
-            layers=tuple(self.layer_counts(i) for i in range(self.n_layers)),
+            layers=tuple(self.layer_counts(i) for i in range(self.n_layers)) + (self.mtp_counts(),) * self.mtp.depth,
             embedding=embedding,
             positions=self.max_seq_len * self.d_model if self.positions == "learned" else 0,
             head=0 if self.tie_embeddings else embedding,
             head_matmul=embedding,
             final_norm=self.norm_params(self.d_model),
         )
+
+    def mtp_counts(self) -> LayerCounts:
+        """One multi-token prediction module (``model.mtp``): a block of the last layer's kind, the d x 2d projection
+        and three RMSNorm gains; its matmuls in training also run the shared head once more."""
+        block, d = self.layer_counts(self.n_layers - 1), self.d_model
+        return LayerCounts(matrices=block.matrices + 2 * d * d, norms=block.norms + 3 * d,
+                           matmul=block.matmul + 2 * d * d + self.vocab_size * d)
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Parameter count; the (possibly tied) output matrix is counted once."""
@@ -359,6 +366,7 @@ class ModelConfig:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·Dh·T for attention (PaLM, App. B),
         where a sliding layer's T is at most its window."""
         keys = sum(min(seq_len, self.sliding_window) if s else seq_len for s in self.sliding_layers())
+        keys += seq_len * self.mtp.depth  # the MTP modules' blocks attend to the whole window
         return 6 * self.matmul_params() + 12 * self.n_heads * self.head_dim * keys
 
 

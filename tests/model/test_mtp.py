@@ -133,5 +133,26 @@ def test_mtp_parameters_are_initialised_and_counted_in_the_state_dict():
     names = [n for n in model.state_dict() if n.startswith("mtp.")]
     assert "mtp.0.proj.weight" in names and "mtp.0.block.attn.wq.weight" in names and "mtp.0.norm.weight" in names
     # hidden matrices as the blocks' (init_std), the residual projections scaled by 1/sqrt(2·layers)
-    assert float(model.mtp[0].proj.weight.std()) == pytest.approx(0.02, rel=0.1)
-    assert float(model.mtp[0].block.attn.wo.weight.std()) == pytest.approx(0.02 / 2, rel=0.15)
+    assert float(model.mtp[0].proj.weight.detach().std()) == pytest.approx(0.02, rel=0.1)
+    assert float(model.mtp[0].block.attn.wo.weight.detach().std()) == pytest.approx(0.02 / 2, rel=0.15)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_parameter_counts_and_the_planner_hold_the_mtp_modules(family):
+    from lmforge.distributed.config import ParallelConfig
+    from lmforge.distributed.memory import plan_memory
+    from lmforge.distributed.mesh import Layout
+
+    model = tiny(family, depth=2)
+    plain = tiny(family, depth=0)
+    assert model.cfg.num_params() == sum(p.numel() for p in model.parameters())  # tied nothing: every tensor once
+    assert model.cfg.num_params() - plain.cfg.num_params() == sum(p.numel() for p in model.mtp.parameters())
+    # training FLOPs: each depth's block, projection and another pass of the head, 6 per weight, and its attention
+    extra = model.cfg.flops_per_token(16) - plain.cfg.flops_per_token(16)
+    per_depth = model.cfg.mtp_counts().matmul
+    assert extra > 6 * 2 * per_depth and per_depth > 61 * 32  # the head's V·d is in each depth's matmuls
+    args = dict(parallel=ParallelConfig(), layout=Layout(), micro_batch_size=2, seq_len=16, precision="fp32",
+                activation_checkpointing=False)
+    with_mtp, without = plan_memory(model.cfg, **args), plan_memory(plain.cfg, **args)
+    assert with_mtp.params_on_device - without.params_on_device == model.cfg.num_params() - plain.cfg.num_params()
+    assert with_mtp.activations > without.activations and with_mtp.detail["layers"] == 4

@@ -142,4 +142,5 @@ class DeepseekV3Config(ModelConfig):
         """Training FLOPs per token: 6N for the matmuls, plus attention's scores (qk_head_dim wide) and
         weighted values (v_head_dim wide) over the sequence, 6·L·H·(qk_head_dim + v_head_dim)·T (PaLM's
         12·L·H·Dh·T when the two widths are equal; the latents expanded, as training computes)."""
-        return 6 * self.matmul_params() + 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        layers = self.n_layers + self.mtp.depth  # the MTP modules' blocks too
+        return 6 * self.matmul_params() + 6 * layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
