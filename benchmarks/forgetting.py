@@ -1,5 +1,5 @@
-"""Forgetting in continued pre-training, and how much EWC and self-distillation keep (issue 38's part (a);
-the other fixes the issue names, replay and LoRA + merge, are not rows yet, nor part (b), the demo's SFT).
+"""Forgetting in continued pre-training, and how much EWC, self-distillation and replay keep (issue 38's
+part (a); LoRA + merge is not a row yet, nor part (b), the demo's SFT).
 
 A model is pre-trained on the bundled prose (Shakespeare and Milton), then continued on the Python docs
 for the same number of steps in each setting, from the same weights, on the same windows:
@@ -9,7 +9,10 @@ for the same number of steps in each setting, from the same weights, on the same
   windows (``lmforge fisher``, labels sampled from the model: the true Fisher), for several λ;
 - ``ewc empirical λ=...``: the same with the empirical Fisher (the data's labels) at one λ;
 - ``self-distill α=...``: with ``distill: {teacher, alpha, temperature}``, the prose model as the teacher
-  of its own continuation (Hinton's τ²·KL at τ = 2 on the new windows, weight α), for two α.
+  of its own continuation (Hinton's τ²·KL at τ = 2 on the new windows, weight α), for two α;
+- ``replay share=...``: with ``data.replay: [{path: <the prose>, share}]``, that share of the
+  continuation's windows drawn from the prose again (the same steps and tokens, fewer of them new), for
+  several shares.
 
 Recorded per setting: bits per byte on the prose's and the Python docs' validation windows after the
 continuation, their change from the prose model (forgetting: the prose's rise; gain: the docs' fall), and
@@ -54,6 +57,7 @@ LAMBDAS = (1.0, 10.0, 100.0, 1000.0)
 EMPIRICAL_LAMBDA = 100.0
 DISTILL_ALPHAS = (0.5, 0.9)
 DISTILL_TEMPERATURE = 2.0
+REPLAY_SHARES = (0.1, 0.25, 0.5)
 MODEL = {"model.vocab_size": 512, "model.d_model": 96, "model.n_layers": 2, "model.n_heads": 4,
          "model.n_kv_heads": 2, "model.ffn_hidden": 256, "model.max_seq_len": 128}
 QUICK_MODEL = {"model.vocab_size": 512, "model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2,
@@ -161,21 +165,25 @@ def main(argv: list[str] | None = None) -> None:
     base_old, base_new = bits_per_byte(base, old, tok, seq, windows), bits_per_byte(base, new, tok, seq, windows)
     settings = [("naive", None, None)] + [(f"ewc λ={lam:g}", "sampled", lam) for lam in LAMBDAS] + [
         (f"ewc empirical λ={EMPIRICAL_LAMBDA:g}", "empirical", EMPIRICAL_LAMBDA)] + [
-        (f"self-distill α={alpha:g}", "distill", alpha) for alpha in DISTILL_ALPHAS]
+        (f"self-distill α={alpha:g}", "distill", alpha) for alpha in DISTILL_ALPHAS] + [
+        (f"replay share={share:g}", "replay", share) for share in REPLAY_SHARES]
     rows = []
     for setting, labels, lam in settings:
         extra = {"init": str(base)}
         if labels == "distill":  # the prose model teaches its own continuation
             extra["distill"] = f"{{teacher: {base}, alpha: {lam}, temperature: {DISTILL_TEMPERATURE}}}"
+        elif labels == "replay":  # the prose drawn again at that share of the continuation's windows
+            extra["data.replay"] = f"[{{path: {old}, share: {lam}, name: replay}}]"
         elif labels is not None:
             extra["ewc"] = f"{{fisher: {fishers[labels]['out']}, lambda_: {lam}}}"
         run_dir = args.runs / ("continue-naive" if labels is None else f"continue-{labels}-{lam:g}")
         final = pretrain(run_dir, tokenizer, new, args.steps, args, **extra)
         old_bpb, new_bpb = bits_per_byte(final, old, tok, seq, windows), bits_per_byte(final, new, tok, seq, windows)
         last = [r for r in read_metrics(run_dir) if "loss" in r][-1]
-        distilled = labels == "distill"
-        rows.append({"setting": setting, "fisher": None if distilled else labels, "lambda": None if distilled else lam,
-                     "distill_alpha": lam if distilled else None, "old_bpb": old_bpb, "new_bpb": new_bpb,
+        distilled, replayed = labels == "distill", labels == "replay"
+        rows.append({"setting": setting, "fisher": None if distilled or replayed else labels,
+                     "lambda": None if distilled or replayed else lam, "distill_alpha": lam if distilled else None,
+                     "replay_share": lam if replayed else None, "old_bpb": old_bpb, "new_bpb": new_bpb,
                      "forgetting_bpb": old_bpb - base_old, "gain_bpb": base_new - new_bpb,
                      "final_penalty": last.get("ewc/penalty", last.get("distill/kd")), "final_loss": last["loss"]})
         print(f"{setting:24s} prose {old_bpb:.4f} bpb (forgetting {old_bpb - base_old:+.4f}), python docs "

@@ -392,9 +392,11 @@ def test_forgetting_continues_a_model_in_each_setting_and_measures_both_tasks(tm
                  "--runs", tmp_path / "runs", "--out", out, "--plot", tmp_path / "f.png")
     result = read_json(out)
     rows = {r["setting"]: r for r in result["rows"]}
-    assert list(rows)[0] == "naive" and len(rows) == 8 and rows["naive"]["final_penalty"] is None
+    assert list(rows)[0] == "naive" and len(rows) == 11 and rows["naive"]["final_penalty"] is None
     assert all(positive(r["old_bpb"], r["new_bpb"]) for r in rows.values())
-    assert all(r["final_penalty"] > 0 for name, r in rows.items() if name != "naive")
+    assert all(r["final_penalty"] > 0 for name, r in rows.items() if name != "naive" and r["replay_share"] is None)
+    assert [r["replay_share"] for r in rows.values() if r["replay_share"]] == [0.1, 0.25, 0.5]
+    assert rows["replay share=0.5"]["old_bpb"] != rows["naive"]["old_bpb"]  # the replayed windows were trained on
     for r in rows.values():
         assert r["forgetting_bpb"] == pytest.approx(r["old_bpb"] - result["base_old_bpb"], abs=1e-12)
     assert (tmp_path / "f.png").is_file() and "wrote" in stdout
