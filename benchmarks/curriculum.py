@@ -63,7 +63,7 @@ RUNS = {"shuffled": "the plain loader: windows in a seeded order",
         "easy_to_hard": "ordered by quality score, lowest perplexity first",
         "hard_to_easy": "ordered by quality score, highest perplexity first"}
 QUICK = ["train.max_steps=4", "train.warmup_steps=1", "train.eval_every=2", "train.eval_batches=2"]
-FIXED = ["train.compile=false", "train.max_minutes=null", "train.resume=never", "train.checkpoint_every=0"]
+FIXED = ["train.compile=false", "train.max_minutes=null", "train.checkpoint_every=0"]
 
 
 def tokenizer_dir(args: argparse.Namespace) -> Path:
@@ -135,7 +135,7 @@ def train(name: str, run_dir: Path, keys: list[str], extra: list[str]) -> dict:
     loads_before = load_average()
     started = time.perf_counter()
     cfg = load_config(PretrainRecipe, REPO / RECIPE, [f"run_dir={run_dir}", *FIXED, *keys, *extra])
-    run_pretrain(cfg)
+    reused = bool(run_pretrain(cfg).get("already_complete"))  # --keep-runs and a run complete before
     seconds = time.perf_counter() - started
     records = read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
@@ -150,7 +150,7 @@ def train(name: str, run_dir: Path, keys: list[str], extra: list[str]) -> dict:
            "train_curve": [{"step": r["step"], "loss": r["loss"], **{k: r[k] for k in ("data/seq_len", "data/score")
                                                                      if k in r}} for r in steps],
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps[1:]) if len(steps) > 1 else math.nan,
-           "seconds": round(seconds, 1), "load_average": [loads_before, load_average()]}
+           "seconds": round(seconds, 1), "reused": reused, "load_average": [loads_before, load_average()]}
     print(f"   validation loss {run['val_loss']:.4f} after {run['tokens']} tokens ({seconds:.0f} s)", flush=True)
     return run
 
@@ -192,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--documents", nargs="*", help="the pre-training documents (default: the demo's prose and web pages)")
     p.add_argument("--chat", nargs="*", default=CHAT, help="the chat tasks as documents (TRL messages)")
     p.add_argument("--tokenizer", help="a tokenizer directory (default: the demo's, trained once)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="a run already complete in its run directory is read, not trained again (train.resume=auto)")
     p.add_argument("--jobs", type=int, default=1, choices=(1, 2),
                    help="2: the shuffled and warm-up runs side by side, then the two orders (their tokens/s shared)")
     return parse_training_args(p, "curriculum", RESULTS, PLOT, "4 steps", argv)
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if replotted(args, draw_plot):
         return
-    extra = (QUICK if args.quick else []) + args.set
+    extra = (QUICK if args.quick else []) + [f"train.resume={'auto' if args.keep_runs else 'never'}", *args.set]
     started = now()
     tok = tokenizer_dir(args)
     docs = {"data": DocumentsConfig(paths=documents(args)),
