@@ -210,10 +210,13 @@ class OnPolicyDistillObjective(Objective):
     A micro-batch is a rollout batch's (``rl.trainer.RolloutBatches``): ``input_ids``, ``attention_mask`` and the
     ``loss_mask`` of the response tokens; each model's logits are computed only at the positions that predict
     them. Logged as means per response token: ``reverse_kl`` and ``forward_kl`` at τ = 1 (what the run is meant
-    to drive down) and ``teacher_logprob``, the teacher's log-probability of the student's token."""
+    to drive down) and ``teacher_logprob``, the teacher's log-probability of the student's token; and the rollout
+    batch's own figures, its columns named ``stat_prefix`` + name (one value repeated per row), as they are (those
+    in ``stat_maxima`` as maxima)."""
 
-    def __init__(self, cfg: GKDConfig, teacher: TeacherLogits):
-        self.cfg, self.teacher = cfg, teacher
+    def __init__(self, cfg: GKDConfig, teacher: TeacherLogits, stat_prefix: str = "stat_",
+                 stat_maxima: tuple[str, ...] = ()):
+        self.cfg, self.teacher, self.stat_prefix, self.stat_maxima = cfg, teacher, stat_prefix, stat_maxima
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["loss_mask"].sum())
@@ -235,5 +238,13 @@ class OnPolicyDistillObjective(Objective):
             metrics = {"reverse_kl": reverse_kl(student, teacher).sum(),
                        "forward_kl": generalized_jsd(student, teacher, 0.0).sum(),
                        "teacher_logprob": F.log_softmax(teacher.float(), -1).gather(-1, tokens[:, None]).sum()}
-        return LossOutput(loss, self.num_targets(batch), metrics=metrics)
+        n_targets, maxima = self.num_targets(batch), {}
+        for key, column in batch.items():
+            if key.startswith(self.stat_prefix):
+                name = key[len(self.stat_prefix):]
+                if name in self.stat_maxima:
+                    maxima[name] = column[0].float()
+                else:  # a sum over the step's targets, whose mean the loop logs: the figure itself
+                    metrics[name] = column[0].float() * n_targets
+        return LossOutput(loss, n_targets, metrics=metrics, maxima=maxima)
 

@@ -36,6 +36,7 @@ from lmforge.objectives.distill_teacher import check_teacher, load_teacher
 from lmforge.peft.lora import LoraConfig
 from lmforge.rl.correction import RLConfig
 from lmforge.rl.losses import PolicyLossConfig
+from lmforge.rl.objective import STAT_MAXIMA, STAT_PREFIX
 from lmforge.rl.prompts import read_prompts
 from lmforge.rl.rewards import Scores
 from lmforge.rl.rollout import RolloutConfig
@@ -118,7 +119,7 @@ def distill_stage(recipe: DistillRecipe, parallel: ParallelContext | None = None
 
     def objective(_reference):
         teacher = load_teacher(teacher_dir, resolve_device(recipe.train.device))
-        return OnPolicyDistillObjective(recipe.objective, live_teacher(teacher))
+        return OnPolicyDistillObjective(recipe.objective, live_teacher(teacher), STAT_PREFIX, STAT_MAXIMA)
 
     def batches(run, model, cfg: TrainConfig):
         source = RolloutBatches(model, run.tok, run.train_examples, recipe.rollout, recipe.gkd,

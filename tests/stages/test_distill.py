@@ -154,6 +154,24 @@ def test_on_policy_distillation_lowers_the_reverse_kl_to_the_teacher(tmp_path, b
     assert f"{rows[0]['reverse_kl']:.4f} at the first step, {rows[-1]['reverse_kl']:.4f} at the last" in lines[2]
 
 
+def test_on_policy_distillation_resumes_exactly_mid_run(tmp_path, base_checkpoint, teacher, prompts):
+    def recipe(name: str, *overrides: str) -> DistillRecipe:
+        return load_config(DistillRecipe, None, [
+            f"run_dir={tmp_path / name}", f"checkpoint={base_checkpoint}", f"teacher={teacher}",
+            f"data.train=[{prompts}]", "data.max_length=96", "rollout.max_new_tokens=8", "gkd.prompts_per_step=4",
+            "gkd.updates_per_batch=2", "train.max_steps=6", "train.checkpoint_every=3", "train.lr=1e-2",
+            "train.micro_batch_size=2", "train.precision=fp32", "train.device=cpu", "train.tensorboard=false",
+            *overrides])
+
+    run_distill(recipe("whole"))
+    run_distill(recipe("resumed", "train.stop_at_step=3"))  # inside a rollout batch served twice (μ = 2)
+    run_distill(recipe("resumed"))
+    keys = ("step", "loss", "reverse_kl", "teacher_logprob", "response_length_mean")
+    whole, resumed = steps(tmp_path / "whole", *keys), steps(tmp_path / "resumed", *keys)
+    assert [s[0] for s in whole] == list(range(1, 7))
+    assert resumed == whole  # the same samples and the same updates, bit for bit
+
+
 def test_distill_is_a_verb_and_the_example_recipes_load():
     assert VERBS_BY_NAME["distill"].load().RECIPE is DistillRecipe
     recipe = load_config(DistillRecipe, "recipes/distill/gkd.yaml")
