@@ -21,6 +21,7 @@ run draws what an uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -78,6 +79,7 @@ def accountant_class(kind: str):
     return {"rdp": RDPAccountant, "prv": PRVAccountant}[kind]
 
 
+@functools.lru_cache(maxsize=4096)  # PRV's ε takes about a second on a CPU; a run asks for each step's twice
 def epsilon_spent(kind: str, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """ε at ``delta`` after ``steps`` steps of the subsampled Gaussian mechanism (``kind``'s accountant)."""
     if steps == 0:
@@ -158,14 +160,8 @@ class PrivacyPlan:
         return epsilon_spent(self.cfg.accountant, self.noise_multiplier, self.sample_rate, steps, self.cfg.delta)
 
     def epsilon(self) -> float:
-        """ε spent so far (the accountant over its history)."""
-        if not self.history:
-            return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        accountant = accountant_class(self.cfg.accountant)()
-        accountant.history = [tuple(h) for h in self.history]
-        return float(accountant.get_epsilon(delta=self.cfg.delta))
+        """ε spent so far: the accountant over its history, whose σ and q are the plan's throughout."""
+        return self.epsilon_after(self.steps)
 
     def step(self) -> None:
         accountant = accountant_class(self.cfg.accountant)()
