@@ -47,6 +47,7 @@ from lmforge.distributed.mesh import (
     resolve_layout,
 )
 from lmforge.distributed.parallelize import reshard
+from lmforge.model.mtp import check_depth
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.distill_teacher import check_teacher, teacher_objective
 from lmforge.objectives.ewc import check_ewc, checkpoint_shapes, ewc_objective
@@ -318,6 +319,7 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     check_ewc(getattr(recipe, "ewc", None), lambda: checkpoint_shapes(recipe.checkpoint))  # before anything is written
     check_lora_shapes(recipe.lora, lambda: checkpoint_shapes(recipe.checkpoint))
     check_finetune_teacher(recipe)
+    check_finetune_mtp(recipe, stage)
     device = parallel.device if parallel is not None else resolve_device(recipe.train.device)
     check_finetune_memory(recipe, device, parallel)
     logging_rank = parallel is None or parallel.is_logging_rank
@@ -341,6 +343,24 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
 def count_records(paths: list[str]) -> int:
     """Records in a recipe's data files (before any is tokenized or skipped): DP's N, checked early."""
     return sum(1 for _ in read_sft_records(paths))
+
+
+def check_finetune_mtp(recipe, stage: FinetuneStage) -> None:
+    """A base with multi-token prediction modules (``model.mtp``): SFT trains them, so its rows must leave the
+    deepest depth a target, and DP-SGD and distillation, whose losses read the main head only, are refused."""
+    try:
+        depth = load_model_config(resolve_checkpoint(recipe.checkpoint, verify=False)).mtp.depth
+    except InputError:
+        return  # no checkpoint there: load_base says so
+    if not depth or stage.name != "sft":
+        return  # the preference and reward stages leave the modules as they are (no gradient reaches them)
+    problem = check_depth(depth, recipe.data.max_length, "data.max_length")
+    for key in ("dp", "distill"):
+        if getattr(recipe, key, None) is not None:
+            problem = (f"{key}: the base {recipe.checkpoint} has model.mtp.depth = {depth} modules, which {key}'s loss "
+                       "(the main head's only) would leave untrained; remove it, or fine-tune a base without them")
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_finetune_teacher(recipe) -> None:
