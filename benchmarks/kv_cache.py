@@ -9,7 +9,7 @@ for grouped-query attention, for a sliding window, and a row for a latent (MLA) 
 The model is trained here, briefly, on the demo corpus (data/pretrain/: a 2048-token BPE, shards,
 then ``lmforge pretrain recipes/demo/pretrain.yaml`` narrowed to 4 layers of 2 heads of 64 at
 ``max_seq_len`` 1024: 240 steps of one 1024-token window); a finished run under --runs is reused,
-and one stopped short of its steps by ``train.max_minutes`` is resumed (``train.resume=auto``).
+and one stopped short of its steps by ``train.max_minutes`` is resumed (``train.resume=auto``) until done.
 On 2 cores shared with other work (load average 5-8) the training took 13 min (stopped once at
 8 min and resumed) and the measuring 6 min of wall time for 2.5 min of CPU time. Each row:
 
@@ -98,12 +98,13 @@ def trained_model(runs: Path, quick: bool, variant: str = "pretrain") -> tuple[P
     train = QUICK_TRAIN if quick else TRAIN
     steps = int(next(a for a in reversed(train) if a.startswith("train.max_steps=")).split("=")[1])
     summary = pretrain / "summary.json"
-    done = json.loads(summary.read_text()).get("step", 0) if summary.is_file() else None
-    if done is None or done < steps:  # not trained, or stopped at train.max_minutes: resume
+    while True:  # not trained, or stopped at train.max_minutes: resume until it has its steps
+        done = json.loads(summary.read_text()).get("step", 0) if summary.is_file() else None
+        if done is not None and done >= steps:
+            return pretrain, data
         lmforge("pretrain", "recipes/demo/pretrain.yaml", f"run_dir={pretrain}", f"tokenizer={tokenizer}",
                 f"data.datasets=[{{path: {data}, weight: 1.0}}]", *MODEL, *VARIANTS[variant], *train,
                 *(["train.resume=auto"] if done is not None else []))
-    return pretrain, data
 
 
 def heldout_windows(data: Path, n: int, length: int) -> torch.Tensor:
