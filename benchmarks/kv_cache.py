@@ -98,10 +98,14 @@ def trained_model(runs: Path, quick: bool, variant: str = "pretrain") -> tuple[P
     train = QUICK_TRAIN if quick else TRAIN
     steps = int(next(a for a in reversed(train) if a.startswith("train.max_steps=")).split("=")[1])
     summary = pretrain / "summary.json"
+    before = -1
     while True:  # not trained, or stopped at train.max_minutes: resume until it has its steps
         done = json.loads(summary.read_text()).get("step", 0) if summary.is_file() else None
         if done is not None and done >= steps:
             return pretrain, data
+        if done is not None and done <= before:
+            raise RuntimeError(f"{pretrain} stays at step {done} of {steps} when resumed; see its log")
+        before = -1 if done is None else done
         lmforge("pretrain", "recipes/demo/pretrain.yaml", f"run_dir={pretrain}", f"tokenizer={tokenizer}",
                 f"data.datasets=[{{path: {data}, weight: 1.0}}]", *MODEL, *VARIANTS[variant], *train,
                 *(["train.resume=auto"] if done is not None else []))
