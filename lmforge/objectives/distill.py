@@ -50,6 +50,13 @@ class DistillConfig:
     top_k: int = at_least(0, 0, help="0: the teacher's full logits, computed live each step; k > 0: its k largest "
                           "logits per position computed once and stored in run_dir/teacher_topk.safetensors, the KL "
                           "over those k tokens renormalised")
+    replay: list[str] = option(default_factory=list, help="sft: token shards (`lmforge prepare`'s, the pre-training "
+                               "data) whose windows the live teacher also distils each training micro-batch: "
+                               "self-distillation on replayed pre-training text")
+    replay_windows: int = positive(4, help="replayed windows per training micro-batch")
+    replay_seq_len: int = positive(128, help="tokens per replayed window")
+    replay_weight: float = at_least(0.0, 1.0, help="w of the loss's + w·τ²·KL per replayed token (each micro-batch's "
+                                    "replay term weighted by its share of the step's targets)")
 
 
 # --------------------------------------------------------------------------- the losses
@@ -141,13 +148,38 @@ class DistillObjective(Objective):
     ``inner`` is a causal-LM objective with ``inputs(batch) -> (input_ids, model kwargs, targets)``
     (``CausalLMObjective``, ``SFTObjective``): the student's logits at the target positions give both the
     cross-entropy and the KL. The teacher is ``teacher`` (live logits) or ``topk`` (the stored top k).
-    Logged: ``distill/kd`` (τ²·KL) and ``distill/data_loss``, means per target."""
+    Logged: ``distill/kd`` (τ²·KL) and ``distill/data_loss``, means per target.
+
+    With ``replay`` (an iterator of token windows (R, L + 1) with ``state_dict``, the live teacher's) each
+    training micro-batch m of n_m targets also distils R·L replayed tokens, adding
+
+        w · (n_m / (R·L)) · τ² · Σ_replayed KL(p_T ‖ p_S)
+
+    to its sum: the step's loss is the data's mixture plus w times the target-weighted mean of each
+    micro-batch's replayed KL per token (logged as ``distill/replay_kd``). The replay's position is the
+    objective's state, saved with the checkpoint, so a run resumes on the same windows."""
 
     def __init__(self, inner: Objective, cfg: DistillConfig, teacher: TeacherLogits | None = None,
-                 topk: TopKLookup | None = None):
+                 topk: TopKLookup | None = None, replay: Any = None):
         if (teacher is None) == (topk is None):
             raise ValueError("give a live teacher or a top-k cache, one of the two")
-        self.inner, self.cfg, self.teacher, self.topk = inner, cfg, teacher, topk
+        if replay is not None and teacher is None:
+            raise ValueError("replayed windows need the live teacher")
+        self.inner, self.cfg, self.teacher, self.topk, self.replay = inner, cfg, teacher, topk, replay
+
+    def state_dict(self) -> dict | None:
+        if self.replay is None:
+            return self.inner.state_dict()
+        return {"replay": self.replay.state_dict(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.replay is None:
+            return self.inner.load_state_dict(state)
+        if state is None or "replay" not in state:
+            raise ValueError("distill.replay: the checkpoint holds no position in the replayed windows (it was "
+                             "written without distill.replay); resume it as it was, or use a new run_dir")
+        self.replay.load_state_dict(state["replay"])
+        self.inner.load_state_dict(state.get("inner"))
 
     @property
     def static_shapes(self) -> bool:  # type: ignore[override]
@@ -178,8 +210,17 @@ class DistillObjective(Objective):
             kd = kd_loss(logits, self.teacher(ids, at, kwargs), tau)
         alpha = self.cfg.alpha
         loss = (1 - alpha) * data + alpha * kd
-        return LossOutput(loss, self.inner.num_targets(batch),
-                          metrics={"distill/kd": kd.detach(), "distill/data_loss": data.detach()})
+        n_targets = self.inner.num_targets(batch)
+        metrics = {"distill/kd": kd.detach(), "distill/data_loss": data.detach()}
+        if self.replay is not None:
+            windows = next(self.replay).to(ids.device)
+            inputs = windows[:, :-1]
+            everywhere = torch.ones(inputs.shape, dtype=torch.bool, device=ids.device)
+            replayed = kd_loss(model(inputs, head_at=everywhere), self.teacher(inputs, everywhere, {}), tau)
+            term = replayed * (n_targets / inputs.numel())
+            loss = loss + self.cfg.replay_weight * term
+            metrics["distill/replay_kd"] = term.detach()
+        return LossOutput(loss, n_targets, metrics=metrics)
 
 
 def distill_objective(inner: Objective, cfg: DistillConfig | None, teacher: TeacherLogits | None = None,

@@ -32,6 +32,8 @@ from lmforge.checkpoints.files import CHECKSUMS, load_model_config
 from lmforge.checkpoints.load import load_model, resolve_checkpoint
 from lmforge.core.io import InputError, atomic_write_bytes, sha256_file
 from lmforge.core.run import log
+from lmforge.data.loader import DatasetSource, LoaderConfig, TokenLoader
+from lmforge.data.shards import read_manifest
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.transformer import Transformer
 from lmforge.objectives.base import Objective
@@ -156,6 +158,37 @@ def topk_cache(path: Path, teacher: nn.Module, rows: Iterable[tuple[torch.Tensor
     return TopKCache(tensors["keys"], tensors["ids"], tensors["logits"], path)
 
 
+def check_replay(cfg: DistillConfig, tokenizer_dir: str | Path) -> None:
+    """``distill.replay``'s shards exist, hold a window, were tokenized with the student's tokenizer, and go with a
+    live teacher; before anything is written."""
+    if not cfg.replay:
+        return
+    if cfg.top_k:
+        raise InputError("distill.replay distils replayed windows with the live teacher, which distill.top_k replaces; "
+                         "set distill.top_k=0 or remove distill.replay")
+    ours = Tokenizer.load(tokenizer_dir).sha256
+    for i, path in enumerate(cfg.replay):
+        if read_manifest_sha(path, f"distill.replay[{i}]") != ours:
+            raise InputError(f"distill.replay[{i}]: {path} was tokenized with another tokenizer than the student's")
+
+
+def read_manifest_sha(path: str, key: str) -> str:
+    """The tokenizer sha256 of prepared shards at ``path``; an ``InputError`` naming ``key`` when there are none."""
+    try:
+        return read_manifest(path)["tokenizer_sha256"]
+    except InputError as exc:
+        raise InputError(f"{key}: {exc}") from exc
+
+
+def replay_windows(cfg: DistillConfig) -> TokenLoader | None:
+    """The replayed windows of ``distill.replay`` (None without): an endless seeded stream over its shards, equally
+    mixed, ``replay_windows`` of ``replay_seq_len`` + 1 tokens per draw."""
+    if not cfg.replay:
+        return None
+    data = LoaderConfig(datasets=[DatasetSource(path) for path in cfg.replay], seq_len=cfg.replay_seq_len)
+    return TokenLoader(data, cfg.replay_windows, split="train")
+
+
 def teacher_objective(inner: Objective, cfg: DistillConfig | None, device: torch.device, run_dir: Path,
                       training_batches: Callable[[], Iterable]) -> Objective:
     """``inner`` mixed with the teacher's term (``inner`` itself without ``distill:``): ``cfg.teacher`` live, or
@@ -166,7 +199,7 @@ def teacher_objective(inner: Objective, cfg: DistillConfig | None, device: torch
     directory = teacher_checkpoint(cfg.teacher)
     teacher = load_teacher(directory, device)
     if cfg.top_k == 0:
-        return DistillObjective(inner, cfg, teacher=live_teacher(teacher))
+        return DistillObjective(inner, cfg, teacher=live_teacher(teacher), replay=replay_windows(cfg))
     rows = ((ids, kwargs) for ids, kwargs, _ in map(inner.inputs, training_batches()))
     cache = topk_cache(run_dir / TOPK_FILE, teacher, rows, cfg.top_k, teacher_identity(directory))
     return DistillObjective(inner, cfg, topk=cache)

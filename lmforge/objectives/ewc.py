@@ -275,6 +275,12 @@ class EWCObjective(Objective):
     def num_tokens(self, batch: Any) -> int:
         return self.inner.num_tokens(batch)
 
+    def state_dict(self) -> dict | None:  # the penalty keeps none; the inner objective may (distill.replay)
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.inner.load_state_dict(state)
+
     def weight(self, n_targets: int, device: torch.device) -> torch.Tensor:
         """n_m / D: this micro-batch's target count over the data-parallel ranks, over D."""
         count = torch.tensor(float(n_targets), dtype=torch.float64, device=device)

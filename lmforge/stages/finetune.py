@@ -49,7 +49,7 @@ from lmforge.distributed.mesh import (
 from lmforge.distributed.parallelize import reshard
 from lmforge.model.mtp import check_depth
 from lmforge.model.transformer import Transformer
-from lmforge.objectives.distill_teacher import check_teacher, teacher_objective
+from lmforge.objectives.distill_teacher import check_replay, check_teacher, teacher_objective
 from lmforge.objectives.ewc import check_ewc, checkpoint_shapes, ewc_objective
 from lmforge.objectives.reference import Reference, precompute_logprobs
 from lmforge.stages.export import ExportRecipe, run_export
@@ -368,7 +368,13 @@ def check_finetune_teacher(recipe) -> None:
     distill = getattr(recipe, "distill", None)
     if distill is not None:
         base = resolve_checkpoint(recipe.checkpoint, verify=False)
-        check_teacher(distill.teacher, base, load_model_config(base).vocab_size, recipe.data.max_length, distill.top_k)
+        model = load_model_config(base)
+        check_teacher(distill.teacher, base, model.vocab_size, max(recipe.data.max_length, distill.replay_seq_len)
+                      if distill.replay else recipe.data.max_length, distill.top_k)
+        check_replay(distill, base)
+        if distill.replay and distill.replay_seq_len > model.max_seq_len:
+            raise InputError(f"distill.replay_seq_len {distill.replay_seq_len} exceeds the model's max_seq_len "
+                             f"{model.max_seq_len}")
 
 
 def check_data_paths(recipe, stage: FinetuneStage) -> None:

@@ -245,6 +245,9 @@ def check_pretrain_teacher(recipe: PretrainRecipe, world_size: int) -> None:
     if world_size > 1:
         raise ConfigError(f"distill: runs in one process only so far ({world_size} processes launched); launch it "
                           "without torchrun or remove distill")
+    if d.replay:
+        raise ConfigError("distill.replay is sft's; in pretrain the teacher distils every window the loader draws, "
+                          "data.replay's included: list the replayed shards there")
     if d.top_k and recipe.data.seq_len_warmup is not None:
         raise ConfigError("distill.top_k stores the teacher's logits of whole windows, and data.seq_len_warmup cuts them "
                           "into shorter rows it does not hold; set distill.top_k=0 (a live teacher) or remove the warm-up")

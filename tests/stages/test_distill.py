@@ -1,9 +1,9 @@
 """Distillation in the stages: `distill:` in sft (α = 0 trains as plain SFT; a teacher pulls the student towards
 it, and its stored top k of the whole vocabulary trains as the live teacher; the pre-trained model as teacher
-keeps more of pre-training than naive SFT) and in pretrain (a live teacher and a stored top k, each resumed
-exactly mid-run, the top-k file read back rather than recomputed), `lmforge distill` (on-policy: the reverse KL
-to the teacher falls), the example recipes loading, and bad teachers refused in one line, exit 2, nothing
-written."""
+keeps more of pre-training than naive SFT, on the SFT tokens and on replayed pre-training windows, resumed
+exactly) and in pretrain (a live teacher and a stored top k, each resumed exactly mid-run, the top-k file read
+back rather than recomputed), `lmforge distill` (on-policy: the reverse KL to the teacher falls; exact resume),
+the example recipes loading, and bad teachers refused in one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -111,6 +111,28 @@ def test_the_pretrained_model_as_its_own_teacher_keeps_more_of_pretraining_than_
     assert rows[-1][1] < rows[0][1] - 0.1  # while the SFT loss still falls
 
 
+def test_self_distillation_on_replayed_pretraining_windows_keeps_pretraining_and_resumes_exactly(
+        tmp_path, teacher, shards_dir, sft_data):  # noqa: F811
+    replay = f"replay: [{shards_dir}], replay_windows: 4, replay_seq_len: 32"
+    naive = run_sft(sft_recipe(tmp_path, "naive", teacher, sft_data))
+    kept = run_sft(sft_recipe(tmp_path, "replay", teacher, sft_data, f"distill={{teacher: {teacher}, alpha: 0, {replay}}}",
+                              "train.checkpoint_every=4"))
+    before = pretraining_loss(teacher, shards_dir)
+    after_naive = pretraining_loss(naive["final_checkpoint"], shards_dir)
+    after_replay = pretraining_loss(kept["final_checkpoint"], shards_dir)
+    assert after_naive - before > 0.05, (before, after_naive)
+    assert after_replay - before < 0.5 * (after_naive - before), (before, after_naive, after_replay)
+    keys = ("step", "loss", "distill/replay_kd", "distill/data_loss")
+    rows = steps(tmp_path / "replay", *keys)
+    assert rows[0][2] == pytest.approx(0.0, abs=1e-6) and rows[-1][2] > 0  # the student starts as its teacher
+    assert all(loss == pytest.approx(data + kd, rel=1e-5) for _, loss, kd, data in rows)  # α = 0, w = 1
+    run_sft(sft_recipe(tmp_path, "resumed", teacher, sft_data, f"distill={{teacher: {teacher}, alpha: 0, {replay}}}",
+                       "train.checkpoint_every=4", "train.stop_at_step=4"))
+    run_sft(sft_recipe(tmp_path, "resumed", teacher, sft_data, f"distill={{teacher: {teacher}, alpha: 0, {replay}}}",
+                       "train.checkpoint_every=4"))
+    assert steps(tmp_path / "resumed", *keys) == rows  # the replayed windows resume where they stopped
+
+
 @pytest.mark.parametrize("top_k", [0, 16])
 def test_pretraining_with_a_teacher_resumes_exactly_mid_run(tmp_path, teacher, shards_dir, small_tokenizer_dir,  # noqa: F811
                                                             top_k):
@@ -214,7 +236,7 @@ def test_bad_teachers_are_one_line_exit_2_and_nothing_written(tmp_path, base_che
     missing = tmp_path / "missing"
     run = tmp_path / "run"
     sft = ["sft", f"run_dir={run}", f"checkpoint={base_checkpoint}", f"data.train=[{sft_data / 'train.jsonl'}]",
-           "train.device=cpu"]
+           "data.max_length=128", "train.device=cpu"]
     refused([*sft, f"distill={{teacher: {swapped}}}"], capsys,
             f"distill.teacher: {swapped} was trained with another tokenizer than the student's", run)
     refused([*sft, f"distill={{teacher: {wide}}}"], capsys,
@@ -224,11 +246,16 @@ def test_bad_teachers_are_one_line_exit_2_and_nothing_written(tmp_path, base_che
             "'distill.temperature' = 0", run)
     refused([*sft, f"distill={{teacher: {base_checkpoint}, temperature: -1}}"], capsys,
             "'distill.temperature' = -1", run)
+    refused([*sft, f"distill={{teacher: {base_checkpoint}, replay: [{missing}]}}"], capsys, "distill.replay[0]: ", run)
+    refused([*sft, f"distill={{teacher: {base_checkpoint}, replay: [{shards_dir}], top_k: 8}}"], capsys,
+            "distill.replay distils replayed windows with the live teacher", run)
     pre = ["pretrain", *tiny_pretrain_overrides(run, shards_dir, small_tokenizer_dir, **{"train.max_steps": 2})]
     refused([*pre, f"distill={{teacher: {wide}}}"], capsys, f"distill.teacher: {wide} has a vocabulary of 640", run)
     refused([*pre, f"distill={{teacher: {swapped}}}"], capsys, "was trained with another tokenizer", run)
     refused([*pre, f"distill={{teacher: {base_checkpoint}, top_k: 600}}"], capsys,
             "distill.top_k 600 exceeds the vocabulary's 512 entries", run)
+    refused([*pre, f"distill={{teacher: {base_checkpoint}, replay: [{shards_dir}]}}"], capsys,
+            "distill.replay is sft's", run)
     gkd = ["distill", f"run_dir={run}", f"checkpoint={base_checkpoint}", f"data.train=[{prompts}]", "train.device=cpu"]
     refused([*gkd, f"teacher={missing}"], capsys, f"teacher: {missing}: not a checkpoint", run)
     refused([*gkd, f"teacher={swapped}"], capsys, f"teacher: {swapped} was trained with another tokenizer", run)
