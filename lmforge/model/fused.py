@@ -116,6 +116,8 @@ def fused_copy(model: Transformer, pack: bool) -> Transformer:
             attn.wo, mlp.w2 = joined_linear([attn.wo], pack), joined_linear([mlp.w2], pack)
     if pack:
         fused.lm_head = joined_linear([fused.lm_head], pack)
+        for module in fused.mtp or ():  # the MTP modules' projections (drafting)
+            module.proj = joined_linear([module.proj], pack)
     return fused
 
 
