@@ -85,7 +85,8 @@ def serve_process(checkpoint: Path, options: list[str], quiet: bool = False) -> 
             raise RuntimeError(f"lmforge serve did not start (exit {proc.wait()}): {line!r}")
         url = line.split(" on ")[1].split()[0]
         for _ in range(3000):
-            with contextlib.suppress(requests.ConnectionError):
+            # not up yet, or slow to answer on a busy machine (a read timeout): ask again
+            with contextlib.suppress(requests.ConnectionError, requests.Timeout):
                 if requests.get(url + "/health", timeout=1).ok:
                     break
             time.sleep(0.01)
