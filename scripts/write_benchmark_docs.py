@@ -613,6 +613,28 @@ def render_moe(r: dict) -> Rendered:
                     f"{num(s['tokens_per_s_moe_over_dense'], 3)}x tokens/s")
 
 
+def render_mtp(r: dict) -> Rendered:
+    s, dec = r["summary"], r["decoding"]
+    rows = [[x["name"], x["depth"], num(x["val_loss"], 4), num(x["tokens_per_s"]), span(x["load_average"], 2),
+             num(x["params"]), ", ".join(f"{k.split('/')[1]} {num(v, 4)}" for k, v in x["final_depth_losses"].items()) or "-"]
+            for x in r["runs"]]
+    lines = [f"{r['steps']} steps of `{r['recipe']}` per model on the same tokens ({num(r['runs'][0]['tokens'])}): the main "
+             "head's validation loss at the last step, the median training tokens/s after the first step with the "
+             "machine's load average (1 min) before and after the run (a shared machine: the speeds are noisy, the "
+             "losses are not), and each depth's training loss at the last step.", ""]
+    lines += table(["model", "MTP depth", "validation loss", "tokens/s", "load", "parameters", "depth losses"], rows)
+    drows = [[x["draft_tokens"] or "none", num(x["tokens_per_s"]), num(x["speedup"], 3),
+              "-" if x["acceptance"] is None else num(x["acceptance"], 3), num(x["identical_to_greedy"])]
+             for x in r["drafting"]]
+    lines += ["", f"Greedy decoding of {dec['prompts']} held-out prompts of {dec['prompt_len']} tokens, one at a time, "
+              f"{dec['new_tokens']} new tokens each, best of {dec['repeats']} (runs alternating), the `mtp` model's "
+              "modules drafting; accepted: the share of drafts kept.", ""]
+    lines += table(["drafts a step", "tokens/s", "speed-up", "accepted", "tokens equal to greedy"], drows)
+    return Rendered(lines, f"MTP - plain val loss {num(s['val_loss_mtp_minus_plain'], 3)}",
+                    f"plain {num(next(x['val_loss'] for x in r['runs'] if x['name'] == 'plain'), 4)}",
+                    f"drafting {num(s['best_speedup'], 3)}x")
+
+
 def grid_moves(steps: int) -> str:
     """How far a best rate moved along the grid, in words: "stays", "moves 1 step down"."""
     if steps == 0:
@@ -686,7 +708,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "finetune_lowbit": render_finetune_lowbit, "curate": render_curate,
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
-    "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "rollout_correction": render_rollout_correction,
+    "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "mtp": render_mtp, "rollout_correction": render_rollout_correction,
     "forgetting": render_forgetting, "dp": render_dp, "doremi": render_doremi,
 }
 
