@@ -315,7 +315,7 @@ def start_finetune_run(recipe, stage: FinetuneStage, parallel: ParallelContext |
     check_data_paths(recipe, stage)
     dp = getattr(recipe, "dp", None)
     check_dp_recipe(dp, getattr(recipe.data, "packing", False), count_records(recipe.data.train) if dp else None,
-                    getattr(recipe, "ewc", None))
+                    getattr(recipe, "ewc", None), recipe.lora)
     check_ewc(getattr(recipe, "ewc", None), lambda: checkpoint_shapes(recipe.checkpoint))  # before anything is written
     check_lora_shapes(recipe.lora, lambda: checkpoint_shapes(recipe.checkpoint))
     check_finetune_teacher(recipe)

@@ -213,10 +213,14 @@ def check_delta(cfg: DPConfig, n_examples: int) -> None:
                          "training examples (a δ that large allows publishing an example): lower dp.delta")
 
 
-def check_dp_recipe(dp: DPConfig | None, packing: bool, n_records: int | None, ewc) -> None:
+def check_dp_recipe(dp: DPConfig | None, packing: bool, n_records: int | None, ewc, lora=None) -> None:
     """A DP recipe's problems found before anything is written."""
     if dp is None:
         return
+    if lora is not None and lora.quantize_base:
+        raise ConfigError(f"dp with lora.quantize_base={lora.quantize_base}: the quantised base's autograd function "
+                          "has no torch.func rule, so no per-example gradient passes through it; set "
+                          "lora.quantize_base=false")
     if packing:
         raise ConfigError("dp with data.packing=true: packing puts several examples in a row, so a row's gradient is "
                           "no one example's and per-example clipping would not bound any one's; set data.packing=false")

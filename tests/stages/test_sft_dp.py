@@ -11,6 +11,7 @@ import torch
 from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.core.config import load_config
+from lmforge.core.io import InputError
 from lmforge.data.sft_demo import write_demo
 from lmforge.stages.sft import SFTRecipe, report, run_sft
 from lmforge.train.dp import epsilon_spent
@@ -64,7 +65,7 @@ def test_the_budget_stops_training_before_the_step_that_would_exceed_it_or_warns
         assert 0 < dp["steps"] < 6 and summary["step"] == dp["steps"] and dp["budget_exhausted"]
         assert dp["epsilon"] <= 1.4 < epsilon_spent("rdp", 0.8, q, dp["steps"] + 1, 1e-3)
         assert (tmp_path / "run" / "checkpoints" / f"step_{dp['steps']:08d}").is_dir()  # where it stopped
-        with pytest.raises(Exception, match=r"dp: this run has spent its privacy budget"):  # a rerun takes no step
+        with pytest.raises(InputError, match=r"dp: this run has spent its privacy budget"):  # a rerun takes no step
             run_sft(recipe(tmp_path / "run", base_checkpoint, sft_data, "dp.epsilon=1.4", "dp.noise_multiplier=0.8"))
     else:
         assert dp["steps"] == 6 and dp["epsilon"] > 1.4
@@ -92,7 +93,8 @@ def test_an_interrupted_dp_run_resumes_to_the_weights_and_epsilon_of_an_uninterr
     (["dp.epsilon=-1"], "dp.epsilon"),
     (["dp.epsilon=1", "dp.delta=0.05"], "dp.delta = 0.05 is not below 1/N"),
     (["dp.epsilon=1", "data.packing=true"], "dp with data.packing=true"),
-], ids=["epsilon-zero", "epsilon-negative", "delta-over-1/N", "packing"])
+    (["dp.epsilon=1", "lora={r: 4, alpha: 8, quantize_base: nf4}"], "dp with lora.quantize_base=nf4"),
+], ids=["epsilon-zero", "epsilon-negative", "delta-over-1/N", "packing", "quantised-base"])
 def test_bad_dp_input_is_one_line_naming_the_key_exit_2_and_nothing_written(tmp_path, base_checkpoint, sft_data,
                                                                             extra, message, capsys):
     run_dir = tmp_path / "run"
