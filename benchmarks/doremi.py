@@ -120,10 +120,10 @@ def draw_plot(result: dict, path: Path) -> None:
                       color="black", capsize=3)
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(names) + 1)], [*names, "mean"], fontsize=8)
     low = min(min(r["val_loss"].values()) for r in rows)
-    left.set_ylim(low * 0.9, max(r["worst_loss"] for r in rows) * 1.03)
+    left.set_ylim(low * 0.9, max(max(r["worst_loss"], r["mean_loss_range"][1]) for r in rows) * 1.03)
     left.set_ylabel("validation loss (nats/token)")
     left.set_title(f"main model per mixture, same budget (mean of {result['seeds_per_mixture']} seeds)")
-    left.legend(fontsize=7)
+    left.legend(fontsize=7, loc="lower left")
     weights = [("uniform", result["uniform"]), ("stratified", result["stratified"])] + [
         (f"DoReMi seed {s['seed']}", s["weights"]) for s in result["seeds"]]
     width = 0.8 / len(weights)
