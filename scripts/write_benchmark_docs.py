@@ -702,6 +702,24 @@ def render_doremi(r: dict) -> Rendered:
                     f"uniform {num(s['uniform_mean_loss'], 4)}, stratified {num(s['stratified_mean_loss'], 4)}", "-")
 
 
+def render_curriculum(r: dict) -> Rendered:
+    runs, s = r["runs"], r["summary"]
+    names = sorted(runs[0]["val_by_dataset"])
+    base = runs[0]["val_loss"]
+    lines = [f"`{r['recipe']}` for {r['steps']} steps ({num(r['tokens'])} tokens, the same for every run"
+             f"{'' if s['same_tokens'] else ': NOT the same'}), with the overrides `{' '.join(r['overrides'])}`; "
+             f"seeded alike, on shards of the same tokens. {r['warmup'].removeprefix('data.')}; the order's score: "
+             f"{r['score']}. Validation loss (nats/token) at the last step: the mixture's weighted mean and each "
+             "dataset's; the difference from the shuffled loader; median tokens/s after the first step.", ""]
+    rows = [[x["name"], x["what"], f"**{num(x['val_loss'], 4)}**", *(num(x["val_by_dataset"][n], 4) for n in names),
+             num(x["val_loss"] - base, 3) if i else "-", num(x["tokens_per_s"])] for i, x in enumerate(runs)]
+    lines += table(["loader", "what", "validation loss", *names, "minus shuffled", "tokens/s"], rows)
+    loads = [v for x in runs for v in x.get("load_average", [])]
+    lines += ["", f"Lowest validation loss: {s['best']}. The machine's load average (1 min) around the runs: "
+              f"{span(loads, 2)}; tokens/s move with it, the losses do not."]
+    return Rendered(lines, f"best {s['best']}", f"shuffled {num(base, 4)}", "-")
+
+
 RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "prepare": render_prepare, "train_step": render_train_step, "attention": render_attention,
     "generate": render_generate, "rollout": render_rollout, "finetune": render_finetune,
@@ -710,6 +728,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
     "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "mtp": render_mtp, "rollout_correction": render_rollout_correction,
     "forgetting": render_forgetting, "dp": render_dp, "doremi": render_doremi,
+    "curriculum": render_curriculum,
 }
 
 
