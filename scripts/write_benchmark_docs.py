@@ -702,6 +702,44 @@ def render_doremi(r: dict) -> Rendered:
                     f"uniform {num(s['uniform_mean_loss'], 4)}, stratified {num(s['stratified_mean_loss'], 4)}", "-")
 
 
+def render_rl_async(r: dict) -> Rendered:
+    settings = {x["setting"]: x for x in r["settings"]}
+    base, one_thread = settings.get("sync"), settings.get("sync-1t")
+
+    def times(x: dict, b: dict | None) -> str:
+        return num(x["tokens_per_s"] / b["tokens_per_s"], 3) if b else "-"
+
+    lines = [f"`{r['recipe']}` from `{r['checkpoint']}` for {r['steps']} steps per setting ({r['repeats']} round(s), "
+             "the mean). sync: in-process sampling then training (torch's default threads; sync-1t on one thread); "
+             "wW-kK: W rollout workers (`rl.rollout_workers`), `rl.max_off_policy_steps` K. Trained tokens per second "
+             "over the steps after the first (the first holds the workers' start); seconds of a step and of its rollout "
+             "wait (the trainer waiting for groups; in-process, the sampling) and training (forward, backward, "
+             "optimizer, scoring forwards); the final reward is the mean reward of the last quarter of the steps; "
+             "the oldest sample trained on, in optimizer steps.", ""]
+    rows = [[x["setting"], x["workers"], x["max_off_policy_steps"], num(x["tokens_per_s"]), times(x, base),
+             times(x, one_thread), num(x["step_s"]), num(x["rollout_s"]), num(x["train_s"]), num(x["first_step_s"]),
+             num(x["final_reward"]), num(int(x["off_policy_steps_max"])), num(int(x["stale_dropped"]))]
+            for x in r["settings"]]
+    lines += table(["setting", "workers", "staleness", "tokens/s", "x sync", "x sync-1t", "step (s)", "rollout wait (s)",
+                    "train (s)", "first step (s)", "final reward", "oldest sample", "stale dropped"], rows)
+    lines += ["", f"Load average {num(r['load_before'])} before the runs and {num(r['load_after'])} after, on a machine "
+                  "the other sessions' jobs share: every setting's seconds move with that load, a two-thread trainer's "
+                  "most (it waits on both of its threads), and on a machine with more runnable processes than cores "
+                  "a setting of more processes (the trainer and its workers) is given more of the CPUs than one "
+                  "process, so its ratio is not what an idle machine would give. Read the ratios with sync-1t beside "
+                  "sync, and rerun on an idle machine before trusting them.",
+              "", "![reward against wall time and each step's split](img/rl_async.png)"]
+    one = settings.get("w1-k1")
+    fair = one_thread or base  # the one-thread in-process run: the same threads as the trainer beside one worker
+    if not (fair and one):
+        return Rendered(lines)
+    ratio = one["tokens_per_s"] / fair["tokens_per_s"]
+    return Rendered(lines, f"staleness 1, one worker: {num(one['tokens_per_s'])} tokens/s, final reward "
+                    f"{num(one['final_reward'])}", f"{fair['setting']} {num(fair['tokens_per_s'])} tokens/s, final "
+                    f"reward {num(fair['final_reward'])}", f"{num(ratio)}x", ">= 1.5x, no lower reward",
+                    met([ratio >= 1.5, one["final_reward"] >= fair["final_reward"]]))
+
+
 def render_curriculum(r: dict) -> Rendered:
     runs, s = r["runs"], r["summary"]
     names = sorted(runs[0]["val_by_dataset"])
@@ -727,7 +765,7 @@ RENDERERS: dict[str, Callable[[dict], Rendered]] = {
     "curate_read": render_curate_read, "serve": render_serve, "serve_abuse": render_serve_abuse,
     "alignment": render_alignment, "long_context": render_long_context, "optimizers": render_optimizers,
     "mup": render_mup, "nanogpt": render_nanogpt, "kv_cache": render_kv_cache, "moe": render_moe, "mtp": render_mtp, "rollout_correction": render_rollout_correction,
-    "forgetting": render_forgetting, "dp": render_dp, "doremi": render_doremi,
+    "forgetting": render_forgetting, "dp": render_dp, "doremi": render_doremi, "rl_async": render_rl_async,
     "curriculum": render_curriculum,
 }
 
