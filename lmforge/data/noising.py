@@ -251,6 +251,10 @@ class NoisedLoader:
     def skip_samples(self, start: int, stop: int) -> None:
         self.loader.skip_samples(start, stop)
 
+    def pop_metrics(self) -> dict[str, float]:
+        """The loader's: what the step's windows were drawn from (a mixture's shares, the order's scores)."""
+        return self.loader.pop_metrics()
+
     def state_dict(self) -> dict:
         return self.loader.state_dict()
 

@@ -205,3 +205,12 @@ def test_a_document_without_the_score_field_names_the_file_and_line_and_writes_n
         run_prepare(PrepareRecipe(run_dir=str(out), tokenizer=str(small_tokenizer_dir),
                                   data=DocumentsConfig(paths=[str(docs)], score_field="q")))
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_noised_loader_logs_what_its_loader_drew(prepared):
+    from lmforge.data.noising import NoisedLoader
+
+    inner = TokenLoader(config(prepared, replay=[ReplaySource(prepared["C"], share=0.3)]), 4)
+    next(inner)
+    metrics = NoisedLoader(inner, noise=None).pop_metrics()  # the objective's corruption draws nothing itself
+    assert metrics["data/weight/C"] == pytest.approx(0.3) and sum(metrics[f"data/drawn/{n}"] for n in "ABC") == 1
