@@ -185,12 +185,14 @@ def quantize_base_linears(model: nn.Module, fmt: QuantFormat,
 
 def base_memory(model: nn.Module) -> dict:
     """What the frozen base of a LoRA model holds: its bytes (every parameter and buffer but the
-    adapters'), the weights under the adapters and their bytes (codes, scales and zeros of a
-    quantised base; biases aside), bits per adapted weight, and the format's name (or none)."""
+    adapters' and LoftQ's copy of the initial adapter), the weights under the adapters and their
+    bytes (codes, scales and zeros of a quantised base; biases aside), bits per adapted weight, and
+    the format's name (or none)."""
     from lmforge.peft.lora import ADAPTER_PARAMS, lora_modules  # lora imports this module
 
     bases = [m.base for m in lora_modules(model).values()]
-    tensors = [t for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.endswith(ADAPTER_PARAMS)]
+    adapters = (*ADAPTER_PARAMS, "initial_lora_A", "initial_lora_B")
+    tensors = [t for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.endswith(adapters)]
     weights = sum(b.in_features * b.out_features for b in bases)
     stored = sum(sum(t.numel() * t.element_size() for t in b.stored().values()) if isinstance(b, QuantizedLinear)
                  else b.weight.numel() * b.weight.element_size() for b in bases)
