@@ -300,10 +300,11 @@ def render_finetune_lowbit(r: dict) -> Rendered:
     lines += ["", "Validation loss is nats per assistant token; \"before\" is measured on the quantised base with its "
                   "adapters at their initial values, so it shows what quantisation costs and what LoftQ wins back."]
     low = by.get("int2"), by.get("int2 + LoftQ")
-    headline = (f"int2 val loss {num(low[0]['val_loss_after'], 4)}, with LoftQ {num(low[1]['val_loss_after'], 4)}"
-                if all(low) else "-")
+    headline = ("int2 val loss " + ", with LoftQ ".join(f"{num(x['val_loss_before'], 4)} -> {num(x['val_loss_after'], 4)}"
+                                                    for x in low) if all(low) else "-")
     full = by.get("full precision")
-    return Rendered(lines, headline, f"full-precision base {num(full['val_loss_after'], 4)}" if full else "-")
+    return Rendered(lines, headline, f"full-precision base {num(full['val_loss_before'], 4)} -> "
+                                     f"{num(full['val_loss_after'], 4)}" if full else "-")
 
 
 def render_dp(r: dict) -> Rendered:
