@@ -92,6 +92,9 @@ class PPORecipe:
 def check_recipe(recipe: PPORecipe) -> Path | None:
     """What can be refused before any model is loaded or any rollout sampled; returns the critic's
     init checkpoint (None: shared)."""
+    if recipe.rl.rollout_workers:
+        raise ConfigError("rl.rollout_workers: asynchronous rollouts are grpo's; ppo samples in-process "
+                          "(rl.rollout_workers=0)")
     recipe.ppo.check(recipe.rollout)
     check_rollout_recipe(recipe)
     if recipe.objective.kl_coef > 0:

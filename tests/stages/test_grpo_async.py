@@ -82,6 +82,13 @@ def test_bad_async_keys_are_refused(tmp_path, base_checkpoint, prompts, override
         recipe(tmp_path, base_checkpoint, prompts, override)
 
 
+def test_ppo_refuses_rollout_workers_before_any_model_is_loaded():
+    from lmforge.stages.ppo import PPORecipe, check_recipe
+
+    with pytest.raises(ConfigError, match="ppo samples in-process"):
+        check_recipe(load_config(PPORecipe, None, ["rl.rollout_workers=1"]))
+
+
 def test_a_negative_staleness_is_one_line_and_exit_2_on_the_command_line(tmp_path, base_checkpoint, prompts):
     out = subprocess.run([sys.executable, "-m", "lmforge", "grpo", f"run_dir={tmp_path / 'r'}",
                           f"checkpoint={base_checkpoint}", f"data.train=[{prompts}]", "rl.max_off_policy_steps=-1"],
