@@ -39,8 +39,10 @@ $(STAMP): pyproject.toml constraints.txt | $(TMPDIR)
 demo: $(STAMP) | $(TMPDIR)
 	$(LMFORGE) run recipes/demo/lifecycle.yaml
 
+# the suite in one worker per usable core (tests/conftest.py counts them and splits the threads);
+# loadgroup keeps the tests that share a module-scoped fixture on one worker (docs/demo.md)
 test: $(STAMP) | $(TMPDIR)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n auto --dist loadgroup
 
 # the docs site (mkdocs.yml) at http://127.0.0.1:8000, rebuilt as docs/ changes; `make test` builds it
 # with --strict (tests/test_docs_site.py)
