@@ -3,7 +3,8 @@ pre-training with a masked objective. Reads TRL's formats from JSONL or Parquet:
 conversational `messages` (system/user/assistant turns) or `prompt`/`completion`, renders
 ChatML, trains on assistant tokens only (`objective.assistant_only`; end-of-turn included) and
 packs several examples per row without cross-attention. Full fine-tuning, or LoRA/DoRA with
-`lora:` (QLoRA with `lora.quantize_base=true`: the adapted linears are stored in NF4). Reports
+`lora:` (QLoRA with `lora.quantize_base`: the adapted linears are stored in NF4, or in HQQ's
+int4/int3/int2; `lora.init: loftq` starts the adapters from the quantisation residual). Reports
 validation loss and, with `score.name=exact_match`, greedy exact-match accuracy before and
 after training on examples whose last turn is the assistant's answer.
 
