@@ -43,10 +43,16 @@ def model_family(model: torch.nn.Module) -> str:
     return getattr(getattr(model, "cfg", None), "family", "llama")
 
 
+def exported_adapters(model: torch.nn.Module) -> dict:
+    """The adapters a PEFT folder holds: all but those of the multi-token prediction modules (``model.mtp``),
+    which the Hugging Face class, like lmforge's export, does not have (they stay in the merged checkpoint)."""
+    return {n: m for n, m in lora_modules(model).items() if not n.startswith("mtp.")}
+
+
 def peft_unsupported(model: torch.nn.Module) -> str | None:
     """Why ``model``'s adapters cannot be saved in PEFT's format (a wrapped module the family's Hugging
     Face class lacks, e.g. Phi-3's joined q/k/v), or None when ``save_adapter`` can write them."""
-    for name in lora_modules(model):
+    for name in exported_adapters(model):
         try:
             hf_module_name(name, model_family(model))
         except KeyError as exc:
@@ -100,8 +106,9 @@ def peft_config_dict(cfg: LoraConfig, target_modules: list[str], base_model_name
 
 
 def save_adapter(model: torch.nn.Module, cfg: LoraConfig, directory: str | Path, base_model_name_or_path: str | None = None) -> Path:
-    """Write ``model``'s adapters (applied with ``cfg``) as a PEFT adapter folder; replaces an earlier one."""
-    modules = lora_modules(model)
+    """Write ``model``'s adapters (applied with ``cfg``) as a PEFT adapter folder; replaces an earlier one
+    (``exported_adapters``: the MTP modules' are left out)."""
+    modules = exported_adapters(model)
     if not modules:
         raise ValueError("save_adapter: the model has no LoRA layers; call apply_lora(model, cfg) first")
     merged = [n for n, m in modules.items() if m.merged]

@@ -31,7 +31,7 @@ def cycle_model(depth: int) -> tuple[torch.nn.Module, list[int]]:
     stream = cycle.repeat(40)
     runner = StepRunner(model, CausalLMObjective(), torch.optim.Adam(model.parameters(), lr=1e-2), "fp32", grad_clip=1.0)
     model.train()
-    for step in range(120):
+    for _ in range(120):
         starts = torch.randint(0, len(stream) - 25, (8,))
         runner.run_step([torch.stack([stream[s : s + 25] for s in starts])])
     return model.eval(), cycle.tolist()

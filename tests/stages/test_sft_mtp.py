@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lmforge.checkpoints.files import write_checksums, write_model_files
+from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.model.config import ModelConfig
 from lmforge.model.transformer import Transformer
@@ -45,3 +46,17 @@ def test_keys_that_leave_the_modules_untrained_are_refused_first(tmp_path, mtp_b
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_sft_of_an_mtp_base_exports_the_main_models_adapters_that_peft_loads(tmp_path, mtp_base, sft_data):  # noqa: F811
+    from peft import AutoPeftModelForCausalLM
+
+    run_sft(recipe(tmp_path, mtp_base, sft_data, "train.max_steps=3", "score.max_examples=2", "lora={r: 4, alpha: 8}"))
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert all("mtp/depth2" in r for r in records)  # the modules' adapters train too (kept in the merged model)
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "run" / "adapter")).eval()
+    tuned, _ = load_model(tmp_path / "run")  # final/: the adapters merged, the MTP modules' included
+    assert tuned.cfg.mtp.depth == 2
+    ids = torch.tensor([[1, 40, 41, 42, 43]])
+    with torch.no_grad():  # fp32: W x + s B(A x) against (W + s BA) x differ by rounding only
+        assert torch.allclose(peft_model(ids).logits, tuned(ids), atol=1e-5)
