@@ -6,9 +6,6 @@ generation, LoRA, tensor parallelism's plan, training and its refusals."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import inspect
 import json
 import os
 import re
@@ -25,16 +22,15 @@ from lmforge.core.io import InputError
 from lmforge.inference.engine import GenerationConfig, generate
 from lmforge.model.families import build, model_config
 from lmforge.model.families.deepseek_v3 import DeepseekV3, DeepseekV3Config
-from lmforge.model.hf import HF_CONFIG_KEYS, hf_config_dict, model_config_from_hf, state_dict_to_hf, to_hf_name
-from lmforge.model.hf_parts import HONOURED, INERT, REFUSED, supports
+from lmforge.model.hf import hf_config_dict, model_config_from_hf, state_dict_to_hf, to_hf_name
 from lmforge.model.mla import MLA, rotate_interleaved
 from lmforge.model.transformer import apply_rope, rotation_tables
 from lmforge.peft.lora import LoraConfig, apply_lora, merge_lora
 from lmforge.stages.import_hf import ImportRecipe, run_import
 from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.train.metrics import read_metrics
+from tests.model.families.hf_keys import INERT_SAMPLES, HfKeys, from_folder, logits, randomize_
 from tests.model.families.test_mixtral import hf_in_memory
-from tests.model.test_hf_fields import INERT_SAMPLES, logits, randomize_
 from tests.train.conftest import shards_dir, tiny_pretrain_overrides  # noqa: F401  (shards_dir: a fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -215,7 +211,6 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, moe_intermediate_size=16, n_group=2,
             topk_group=1, num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=None, eos_token_id=None)
-KEYS = HF_CONFIG_KEYS["deepseek_v3"]
 # key -> (what else the pair of configs sets, the value away from the default)
 VARIANTS: dict[str, tuple[dict, object]] = {
     "vocab_size": ({}, 301),
@@ -266,109 +261,22 @@ NOT_ON_EVAL_LOGITS = {  # keys whose change a tiny model cannot show on its eval
 }
 
 
+# tests/model/families/test_hf_config_keys.py holds every key against transformers by this; qk_head_dim and
+# num_nextn_predict_layers are inert keys with samples of their own; num_local_experts, DeepseekV3Config's
+# attribute_map name of n_routed_experts, is not classified: lmforge refuses it as a key it does not know
+HF_KEYS = HfKeys(family="deepseek_v3", classes={"deepseek_v3": transformers.DeepseekV3Config}, base={"deepseek_v3": BASE},
+                 variants=VARIANTS, not_on_eval_logits=NOT_ON_EVAL_LOGITS, model_class=DeepseekV3,
+                 inert_samples={**INERT_SAMPLES, "qk_head_dim": 40, "num_nextn_predict_layers": 2},
+                 inert_must_check=frozenset({"qk_head_dim", "num_nextn_predict_layers"}),
+                 unclassified_aliases=frozenset({"num_local_experts"}))
+
+
 def make_config(**fields) -> transformers.DeepseekV3Config:
-    """The class's config of ``fields``, copied first: transformers' classes edit the dicts they are given."""
-    return transformers.DeepseekV3Config(**copy.deepcopy({**BASE, **fields}))
+    return HF_KEYS.make_config("deepseek_v3", **fields)
 
 
 def build_folder(path: Path, fields: dict, patch: dict) -> torch.nn.Module:
-    """A random model of ``fields`` saved by transformers, its config.json then holding ``patch`` verbatim."""
-    model = randomize_(transformers.AutoModelForCausalLM.from_config(make_config(**fields), attn_implementation="eager"))
-    model.save_pretrained(path)
-    saved = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**saved, **patch}))
-    return model
-
-
-def from_folder(path: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-
-
-def arithmetic_keys() -> list[str]:
-    return sorted(k for k, spec in KEYS.items() if spec.kind != INERT and k not in ("model_type", "architectures"))
-
-
-def test_every_key_transformers_defines_is_classified():
-    """A key a newer transformers adds to DeepseekV3Config (or to PretrainedConfig) fails here until it is classified."""
-    cls = transformers.DeepseekV3Config
-    defined = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
-    defined |= set(transformers.PretrainedConfig().to_dict())
-    assert sorted(defined - KEYS.keys()) == []
-    assert {spec.kind for spec in KEYS.values()} == {HONOURED, REFUSED, INERT}
-
-
-def test_every_arithmetic_key_has_a_variant():
-    assert [k for k in arithmetic_keys() if k not in VARIANTS] == []
-
-
-@pytest.mark.parametrize("key", arithmetic_keys())
-def test_a_key_that_changes_the_arithmetic_is_honoured_with_equal_logits_or_refused(tmp_path, key):
-    base, value = copy.deepcopy(VARIANTS[key])
-    try:
-        make_config(**{**base, key: value})
-        fields = {**base, key: value}
-    except Exception:  # noqa: BLE001  (a key the class does not take: the folder's weights are the base model's)
-        fields = base
-    build_folder(tmp_path / "hf", fields, {**base, key: value})
-    try:
-        theirs = from_folder(tmp_path / "hf")
-    except Exception:  # noqa: BLE001
-        theirs = None
-    unshown = key in NOT_ON_EVAL_LOGITS
-    assert theirs is not None or unshown, f"transformers cannot build {key}={value!r}; say why in NOT_ON_EVAL_LOGITS"
-    if key == "attention_dropout":
-        torch.manual_seed(0)
-        assert (logits(theirs.train()) - logits(theirs.eval())).abs().max() > 1e-3
-    elif not unshown:  # the test can fail: a reader that drops the key computes other logits
-        plain = randomize_(transformers.AutoModelForCausalLM.from_config(make_config(**base), attn_implementation="eager"))
-        weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
-        own = plain.state_dict()
-        if not weights.keys() - own.keys() and all(own[k].shape == v.shape for k, v in weights.items()):
-            plain.load_state_dict(weights, strict=False)
-            assert (logits(plain) - logits(theirs)).abs().max().item() > 1e-4
-
-    spec = KEYS[key]
-    refused = not supports(spec, value, json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert refused == (spec.kind == REFUSED) or key == "hidden_act"  # an honoured key whose reader takes some values
-    if refused:
-        with pytest.raises(InputError, match=rf"hf/config.json: {key} = .* is not supported") as info:
-            run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-        assert "\n" not in str(info.value)
-        assert not (tmp_path / "ckpt").exists()
-        return
-    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-    ours, _ = load_model(tmp_path / "ckpt")
-    assert type(ours) is DeepseekV3
-    assert (logits(ours) - logits(theirs)).abs().max().item() <= 1e-5
-    if key == "max_position_embeddings":
-        assert ours.cfg.max_seq_len == value
-    if key == "attention_dropout":
-        assert ours.cfg.attn_dropout == value
-
-
-def test_inert_keys_change_neither_the_model_config_nor_transformers_logits(tmp_path):
-    build_folder(tmp_path / "plain", {}, {})
-    plain_json = json.loads((tmp_path / "plain" / "config.json").read_text())
-    plain_cfg = model_config_from_hf(plain_json)
-    reference = logits(from_folder(tmp_path / "plain"))
-    samples = {**INERT_SAMPLES, "qk_head_dim": 40, "num_nextn_predict_layers": 2}
-    checked = []
-    for key in sorted(k for k, spec in KEYS.items() if spec.kind == INERT):
-        sample = samples.get(key, "lmforge-test")
-        cfg = model_config_from_hf({**plain_json, key: sample})
-        assert cfg == (dataclasses.replace(plain_cfg, init_std=sample) if key == "initializer_range" else plain_cfg), key
-        if key in samples:
-            (tmp_path / "plain" / "config.json").write_text(json.dumps({**plain_json, key: sample}))
-            assert (logits(from_folder(tmp_path / "plain")) - reference).abs().max().item() == 0.0, key
-            checked.append(key)
-    assert len(checked) >= 10 and {"qk_head_dim", "num_nextn_predict_layers"} <= set(checked)
-
-
-def test_a_key_lmforge_does_not_know_is_refused_naming_it():
-    config = {**make_config().to_dict(), "attn_logit_softcapping": 50.0}
-    with pytest.raises(InputError, match=r"^x/config.json: key 'attn_logit_softcapping' = 50.0 is not one lmforge knows for "
-                                         r"model_type 'deepseek_v3'"):
-        model_config_from_hf(config, where="x/config.json")
+    return HF_KEYS.build_folder(path, "deepseek_v3", fields, patch)
 
 
 @pytest.mark.parametrize("rope", [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 import os
 from pathlib import Path
@@ -23,13 +22,14 @@ from lmforge.core.config import ConfigError, load_config
 from lmforge.core.io import InputError, atomic_directory
 from lmforge.model.config import ModelConfig, MupConfig
 from lmforge.model.families import build, model_config
+from lmforge.model.families.gemma import Gemma
 from lmforge.model.families.gemma import hf as gemma_hf
 from lmforge.model.families.gemma.config import GemmaConfig
 from lmforge.model.hf import hf_config_dict, state_dict_to_hf
-from lmforge.model.hf_parts import HONOURED, INERT, REFUSED, supports
 from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules, merge_lora
 from lmforge.stages.export import ExportRecipe, run_export
 from lmforge.stages.import_hf import ImportRecipe, run_import
+from tests.model.families.hf_keys import HfKeys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")  # the reference (a dev dependency)
@@ -230,78 +230,6 @@ NOT_ON_EVAL_LOGITS = {  # keys whose change the tiny model cannot show on eval l
 }
 
 
-def make_config(model_type: str, **fields) -> transformers.PretrainedConfig:
-    return CLASSES[model_type](**copy.deepcopy({**KEY_BASE[model_type], **fields}))
-
-
-def keys_of(model_type: str, kind: str | None = None) -> list[str]:
-    return sorted(k for k, spec in gemma_hf.CONFIG_KEYS[model_type].items() if kind is None or spec.kind == kind)
-
-
-def arithmetic_keys() -> list[tuple[str, str]]:
-    return [(t, k) for t in CLASSES for k in keys_of(t) if gemma_hf.CONFIG_KEYS[t][k].kind != INERT
-            and k not in ("model_type", "architectures")]
-
-
-def key_variant(model_type: str, key: str) -> tuple[dict, object]:
-    return copy.deepcopy(KEY_VARIANTS.get((model_type, key)) or KEY_VARIANTS[("*", key)])
-
-
-@pytest.mark.parametrize("model_type", CLASSES)
-def test_every_key_transformers_defines_is_classified(model_type):
-    cls = CLASSES[model_type]
-    defined = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
-    defined |= set(transformers.PretrainedConfig().to_dict())
-    assert sorted(defined - gemma_hf.CONFIG_KEYS[model_type].keys()) == []
-    assert {spec.kind for spec in gemma_hf.CONFIG_KEYS[model_type].values()} == {HONOURED, REFUSED, INERT}
-
-
-def test_every_arithmetic_key_has_a_variant():
-    assert [(t, k) for t, k in arithmetic_keys() if (t, k) not in KEY_VARIANTS and ("*", k) not in KEY_VARIANTS] == []
-
-
-@pytest.mark.parametrize("model_type, key", arithmetic_keys(), ids=[f"{t}-{k}" for t, k in arithmetic_keys()])
-def test_a_key_that_changes_the_arithmetic_is_honoured_with_equal_logits_or_refused(tmp_path, model_type, key):
-    base, value = key_variant(model_type, key)
-    spec = gemma_hf.CONFIG_KEYS[model_type][key]
-    try:
-        fields = {**base, key: value}
-        make_config(model_type, **fields)
-    except Exception:  # noqa: BLE001  (a key the class does not take: the folder's weights are the base model's)
-        fields = base
-    try:
-        theirs = hf_folder(tmp_path / "hf", make_config(model_type, **fields), {**base, key: value})
-    except Exception:  # noqa: BLE001
-        theirs = None
-    unshown = (model_type, key) in NOT_ON_EVAL_LOGITS or ("*", key) in NOT_ON_EVAL_LOGITS
-    assert theirs is not None or unshown, f"transformers cannot build {key}={value!r}; say why in NOT_ON_EVAL_LOGITS"
-    if key == "attention_dropout":
-        torch.manual_seed(0)
-        assert (logits(theirs.train()) - logits(theirs.eval())).abs().max() > 1e-3
-    elif not unshown:  # the test can fail: a reader that drops the key computes other logits
-        plain = randomize_(transformers.AutoModelForCausalLM.from_config(make_config(model_type, **base),
-                                                                         attn_implementation="eager"))
-        same_shapes = {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
-        if same_shapes:
-            plain.load_state_dict(theirs.state_dict())
-            assert (logits(plain) - logits(theirs)).abs().max().item() > 1e-4
-
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    refused = not supports(spec, value, written)
-    assert refused == (spec.kind == REFUSED) or key == "hidden_activation"  # an honoured key read at one value
-    if refused:
-        with pytest.raises(InputError, match=rf"hf/config.json: {key} = .* is not supported") as info:
-            run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-        assert "\n" not in str(info.value)
-        assert not (tmp_path / "ckpt").exists()
-        return
-    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-    ours, _ = load_model(tmp_path / "ckpt")
-    assert (logits(ours) - logits(theirs)).abs().max().item() <= 1e-5
-    if key == "max_position_embeddings":
-        assert ours.cfg.max_seq_len == value
-
-
 INERT_SAMPLES = {  # values a real config.json carries (a meaningful one where the key could matter)
     "bos_token_id": 5, "eos_token_id": [6, 7], "pad_token_id": 7, "use_cache": False, "dtype": "bfloat16",
     "torch_dtype": "bfloat16", "initializer_range": 0.5, "output_attentions": True, "output_hidden_states": True,
@@ -311,23 +239,10 @@ INERT_SAMPLES = {  # values a real config.json carries (a meaningful one where t
 }
 
 
-@pytest.mark.parametrize("model_type", CLASSES)
-def test_inert_keys_change_neither_the_model_config_nor_transformers_logits(tmp_path, model_type):
-    reference = logits(hf_folder(tmp_path / "plain", make_config(model_type)))
-    plain_json = json.loads((tmp_path / "plain" / "config.json").read_text())
-    plain_cfg = gemma_hf.model_config_from_hf(plain_json)
-    checked = []
-    for key in keys_of(model_type, INERT):
-        sample = INERT_SAMPLES.get(key, "lmforge-test")
-        cfg = gemma_hf.model_config_from_hf({**plain_json, key: sample})
-        assert cfg == (dataclasses.replace(plain_cfg, init_std=sample) if key == "initializer_range" else plain_cfg), key
-        if key in INERT_SAMPLES:
-            (tmp_path / "plain" / "config.json").write_text(json.dumps({**plain_json, key: sample}))
-            theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", attn_implementation="eager",
-                                                                       dtype=torch.float32).eval()
-            assert (logits(theirs) - reference).abs().max().item() == 0.0, key
-            checked.append(key)
-    assert len(checked) >= 10
+# tests/model/families/test_hf_config_keys.py holds every key of both classes against transformers by this
+HF_KEYS = HfKeys(family="gemma", classes=CLASSES, base=KEY_BASE, variants=KEY_VARIANTS,
+                 not_on_eval_logits=NOT_ON_EVAL_LOGITS, model_class=Gemma, inert_samples=INERT_SAMPLES,
+                 partly_honoured="hidden_activation", unknown_key=("attn_logit_softcap", 50.0), randomize=randomize_)
 
 
 @pytest.mark.parametrize("config, message", [

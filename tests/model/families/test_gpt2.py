@@ -5,8 +5,6 @@ checkpoints, FSDP and tensor parallelism; and nanoGPT's shakespeare_char recipe.
 
 from __future__ import annotations
 
-import copy
-import inspect
 import json
 import os
 from pathlib import Path
@@ -24,9 +22,8 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.model.config import ROPE_SCALING_KEYS, ModelConfig
 from lmforge.model.families import build, model_config
 from lmforge.model.families.gpt2 import GPT2, GPT2Config
-from lmforge.model.families.gpt2.hf import CONFIG_KEYS, TANH_GELUS
+from lmforge.model.families.gpt2.hf import TANH_GELUS
 from lmforge.model.hf import hf_config_dict, model_config_from_hf, state_dict_to_hf
-from lmforge.model.hf_parts import HONOURED, INERT, REFUSED, supports
 from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules, merge_lora
 from lmforge.stages.import_hf import ImportRecipe, run_import
 from lmforge.stages.prepare import PrepareRecipe, run_prepare
@@ -34,6 +31,7 @@ from lmforge.stages.pretrain import PretrainRecipe, run_pretrain
 from lmforge.stages.tokenizer import TokenizerRecipe, run_tokenizer
 from lmforge.train.metrics import read_metrics
 from tests.conftest import REPO
+from tests.model.families.hf_keys import HfKeys, from_folder
 from tests.train.conftest import shards_dir, tiny_pretrain_overrides  # noqa: F401  (a fixture of tests/train)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -182,84 +180,9 @@ NOT_ON_EVAL_LOGITS = {
 }
 
 
-def keys_of(kind: str | None = None) -> list[str]:
-    return sorted(k for k, spec in CONFIG_KEYS["gpt2"].items() if kind is None or spec.kind == kind)
-
-
-def arithmetic_keys() -> list[str]:
-    return [k for k in keys_of() if CONFIG_KEYS["gpt2"][k].kind != INERT and k not in ("model_type", "architectures")]
-
-
-def build_folder(path: Path, fields: dict, patch: dict, drop: tuple[str, ...] = ()) -> torch.nn.Module:
-    """A random GPT2LMHeadModel of ``fields`` saved by transformers, its config.json then holding
-    ``patch`` verbatim and none of ``drop``."""
-    model = randomize_(transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(**copy.deepcopy({**BASE, **fields}), attn_implementation="eager")))
-    model.save_pretrained(path)
-    saved = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({k: v for k, v in {**saved, **patch}.items() if k not in drop}))
-    return model
-
-
-def from_folder(path: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-
-
-def test_every_key_transformers_defines_is_classified():
-    """A key a newer transformers adds to GPT2Config (or to PretrainedConfig) fails here until it is classified."""
-    cls = transformers.GPT2Config
-    defined = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
-    defined |= set(transformers.PretrainedConfig().to_dict()) | set(cls.attribute_map)
-    assert sorted(defined - CONFIG_KEYS["gpt2"].keys()) == []
-    assert {spec.kind for spec in CONFIG_KEYS["gpt2"].values()} == {HONOURED, REFUSED, INERT}
-
-
-def test_every_arithmetic_key_has_a_variant():
-    assert [k for k in arithmetic_keys() if k not in VARIANTS] == []
-
-
-@pytest.mark.parametrize("key", arithmetic_keys())
-def test_a_key_that_changes_the_arithmetic_is_honoured_with_equal_logits_or_refused(tmp_path, key):
-    base, value = copy.deepcopy(VARIANTS[key])
-    spec = CONFIG_KEYS["gpt2"][key]
-    fields = {**base, ALIAS_OF.get(key, key): value}
-    try:
-        transformers.GPT2Config(**copy.deepcopy({**BASE, **fields}))
-    except Exception:  # noqa: BLE001  (a key the class does not take: the folder's weights are the base model's)
-        fields = base
-    build_folder(tmp_path / "hf", fields, {key: value}, drop=(ALIAS_OF[key],) if key in ALIAS_OF else ())
-    try:
-        theirs = from_folder(tmp_path / "hf")
-    except Exception:  # noqa: BLE001
-        theirs = None
-    unshown = key in NOT_ON_EVAL_LOGITS
-    assert theirs is not None or unshown, f"transformers cannot build {key}={value!r}; say why in NOT_ON_EVAL_LOGITS"
-    if key in DROPOUTS:
-        torch.manual_seed(0)
-        assert (logits(theirs.train()) - logits(theirs.eval())).abs().max() > 1e-3
-    elif not unshown:  # the test can fail: transformers' model without the key computes something else
-        plain = randomize_(transformers.GPT2LMHeadModel(transformers.GPT2Config(**BASE, **base, attn_implementation="eager")))
-        weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
-        expected = plain.state_dict()
-        other_weights = weights.keys() - expected.keys() or any(expected[k].shape != v.shape for k, v in weights.items())
-        if not other_weights:
-            plain.load_state_dict(weights, strict=False)
-        assert other_weights or max_diff(plain, theirs) > 1e-4
-
-    refused = not supports(spec, value, json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert refused == (spec.kind == REFUSED) or key == "activation_function"  # honoured at the tanh forms only
-    if refused:
-        with pytest.raises(InputError, match=rf"hf/config.json: {key} = .* is not supported") as info:
-            run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-        assert "\n" not in str(info.value)
-        assert not (tmp_path / "ckpt").exists()
-        return
-    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-    ours, _ = load_model(tmp_path / "ckpt")
-    assert type(ours) is GPT2
-    assert max_diff(ours, theirs) <= 1e-5
-    if key in DROPOUTS:
-        assert getattr(ours.cfg, DROPOUTS[key]) == value
+def build_folder(path: Path, fields: dict, patch: dict) -> torch.nn.Module:
+    """A random GPT2LMHeadModel of ``fields`` saved by transformers, its config.json then holding ``patch`` verbatim."""
+    return HF_KEYS.build_folder(path, "gpt2", fields, patch)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "quick_gelu"])
@@ -287,30 +210,12 @@ INERT_SAMPLES = {  # values a real config.json carries; the rest get a generic o
 }
 
 
-def test_inert_keys_change_neither_the_model_config_nor_transformers_logits(tmp_path):
-    """Each key called inert, set to a sample value: the same GPT2Config (initializer_range only moves init_std),
-    and, for those with a meaningful sample, the logits transformers computes from the folder do not move."""
-    build_folder(tmp_path / "plain", {}, {})
-    plain_json = json.loads((tmp_path / "plain" / "config.json").read_text())
-    plain_cfg = model_config_from_hf(plain_json)
-    reference = logits(from_folder(tmp_path / "plain"))
-    checked = []
-    for key in keys_of(INERT):
-        sample = INERT_SAMPLES.get(key, "lmforge-test")
-        cfg = model_config_from_hf({**plain_json, key: sample})
-        assert cfg == (GPT2Config(**{**vars(plain_cfg), "init_std": sample}) if key == "initializer_range" else plain_cfg), key
-        if key in INERT_SAMPLES:
-            (tmp_path / "plain" / "config.json").write_text(json.dumps({**plain_json, key: sample}))
-            assert (logits(from_folder(tmp_path / "plain")) - reference).abs().max().item() == 0.0, key
-            checked.append(key)
-    assert len(checked) >= 15
-
-
-def test_a_key_lmforge_does_not_know_is_refused_naming_it():
-    config = {**transformers.GPT2Config(**BASE).to_dict(), "rotary_dim": 16}
-    with pytest.raises(InputError, match=r"^x/config.json: key 'rotary_dim' = 16 is not one lmforge knows for "
-                                         r"model_type 'gpt2': lmforge does not know what it does"):
-        model_config_from_hf(config, where="x/config.json")
+# tests/model/families/test_hf_config_keys.py holds every key against transformers by this: GPT2Config's
+# attribute_map names written in place of GPT-2's own, the erf GELU refused (the tanh forms honoured)
+HF_KEYS = HfKeys(family="gpt2", classes={"gpt2": transformers.GPT2Config}, base={"gpt2": BASE}, variants=VARIANTS,
+                 not_on_eval_logits=NOT_ON_EVAL_LOGITS, model_class=GPT2, inert_samples=INERT_SAMPLES,
+                 min_inert_checked=15, dropouts=DROPOUTS, partly_honoured="activation_function",
+                 unknown_key=("rotary_dim", 16), randomize=randomize_, alias_of=ALIAS_OF)
 
 
 # --------------------------------------------------------------------------- import and export

@@ -5,9 +5,7 @@ decoding, a pipeline split and HF export), every config.json key classified and 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -22,18 +20,16 @@ from lmforge.checkpoints.files import write_checksums, write_model_files
 from lmforge.checkpoints.load import load_model
 from lmforge.cli.main import main
 from lmforge.core.config import ConfigError, load_config
-from lmforge.core.io import InputError, atomic_directory
+from lmforge.core.io import atomic_directory
 from lmforge.model.families import build, model_config
 from lmforge.model.families.mixtral import Mixtral, MixtralConfig
 from lmforge.model.families.mixtral.hf import to_hf_name
-from lmforge.model.hf import HF_CONFIG_KEYS, hf_config_dict, model_config_from_hf, state_dict_to_hf
-from lmforge.model.hf_parts import HONOURED, INERT, REFUSED, supports
+from lmforge.model.hf import hf_config_dict, model_config_from_hf, state_dict_to_hf
 from lmforge.model.moe import MoE, MoEConfig
 from lmforge.model.transformer import MLP
 from lmforge.peft.lora import LoraConfig, apply_lora, lora_modules, merge_lora
-from lmforge.stages.import_hf import ImportRecipe, run_import
 from lmforge.stages.pretrain import PretrainRecipe
-from tests.model.test_hf_fields import INERT_SAMPLES, logits, randomize_
+from tests.model.families.hf_keys import INERT_SAMPLES, HfKeys, from_folder, logits, randomize_
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: the reference these tests compare against)
@@ -240,113 +236,28 @@ NOT_ON_EVAL_LOGITS = {  # keys whose change a tiny model cannot show on its eval
 }
 
 
+def routed_as_the_class_routes(ours: torch.nn.Module, model_type: str, key: str, value: object) -> None:
+    assert ours.cfg.qk_norm == (model_type == "qwen3_moe")
+    if key in ("output_router_logits", "router_aux_loss_coef"):
+        assert ours.cfg.moe.aux_loss_coef == {"output_router_logits": 0.02, "router_aux_loss_coef": 0.05}[key]
+
+
+# tests/model/families/test_hf_config_keys.py holds every key of both classes against transformers by this
+HF_KEYS = HfKeys(family="mixtral", classes=CLASS_CONFIGS, base={t: {**BASE, **b} for t, b in CLASS_BASE.items()},
+                 variants=VARIANTS, not_on_eval_logits=NOT_ON_EVAL_LOGITS, model_class=Mixtral,
+                 inert_samples={**INERT_SAMPLES, "layer_types": ["full_attention"] * 2}, min_inert_checked=8,
+                 unknown_key=("n_shared_experts", 1), in_memory=lambda weights: hf_in_memory(weights, None),
+                 check_import=routed_as_the_class_routes)
+
+
 def make_config(model_type: str, **changes) -> transformers.PretrainedConfig:
-    return CLASS_CONFIGS[model_type](**copy.deepcopy({**BASE, **CLASS_BASE[model_type], **changes}))
+    return HF_KEYS.make_config(model_type, **changes)
 
 
 def build_folder(path: Path, model_type: str, changes: dict, patch: dict) -> torch.nn.Module:
     """A random model of ``changes`` saved by transformers (the Hub's per-expert layout), its config.json then
     holding ``patch`` verbatim."""
-    model = randomize_(transformers.AutoModelForCausalLM.from_config(make_config(model_type, **changes),
-                                                                    attn_implementation="eager"))
-    model.save_pretrained(path)
-    saved = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**saved, **copy.deepcopy(patch)}))
-    return model
-
-
-def from_folder(path: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-
-
-def arithmetic_keys() -> list[tuple[str, str]]:
-    return [(t, k) for t in CLASS_CONFIGS for k, spec in HF_CONFIG_KEYS[t].items()
-            if spec.kind != INERT and k not in ("model_type", "architectures")]
-
-
-@pytest.mark.parametrize("model_type", CLASS_CONFIGS)
-def test_every_key_transformers_defines_is_classified(model_type):
-    cls = CLASS_CONFIGS[model_type]
-    defined = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
-    defined |= set(transformers.PretrainedConfig().to_dict())
-    assert sorted(defined - HF_CONFIG_KEYS[model_type].keys()) == []
-    assert {spec.kind for spec in HF_CONFIG_KEYS[model_type].values()} == {HONOURED, REFUSED, INERT}
-
-
-def test_every_arithmetic_key_has_a_variant():
-    assert [(t, k) for t, k in arithmetic_keys() if (t, k) not in VARIANTS and ("*", k) not in VARIANTS] == []
-
-
-@pytest.mark.parametrize("model_type, key", arithmetic_keys(), ids=[f"{t}-{k}" for t, k in arithmetic_keys()])
-def test_a_key_that_changes_the_arithmetic_is_honoured_with_equal_logits_or_refused(tmp_path, model_type, key):
-    base, value = copy.deepcopy(VARIANTS.get((model_type, key)) or VARIANTS[("*", key)])
-    try:
-        make_config(model_type, **{**base, key: value})
-        changes = {**base, key: value}
-    except Exception:  # noqa: BLE001  (a key the class does not take: the folder's weights are the base model's)
-        changes = base
-    build_folder(tmp_path / "hf", model_type, changes, {**base, key: value})
-    try:
-        theirs = from_folder(tmp_path / "hf")
-    except Exception:  # noqa: BLE001
-        theirs = None
-    unshown = key in NOT_ON_EVAL_LOGITS
-    assert theirs is not None or unshown, f"transformers cannot build {key}={value!r}; say why in NOT_ON_EVAL_LOGITS"
-    if not unshown:  # the test can fail: a reader that drops the key computes other logits
-        plain = randomize_(transformers.AutoModelForCausalLM.from_config(make_config(model_type, **base),
-                                                                        attn_implementation="eager"))
-        saved = hf_in_memory(load_file(str(tmp_path / "hf" / "model.safetensors")), None)
-        own = plain.state_dict()
-        if not saved.keys() - own.keys() and all(own[k].shape == v.shape for k, v in saved.items()):
-            plain.load_state_dict(saved, strict=False)
-            assert (logits(plain) - logits(theirs)).abs().max().item() > 1e-4
-
-    spec = HF_CONFIG_KEYS[model_type][key]
-    refused = not supports(spec, value, json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert refused == (spec.kind == REFUSED) or key == "hidden_act"  # an honoured key whose reader takes some values
-    if refused:
-        with pytest.raises(InputError, match=rf"hf/config.json: {key} = .* is not supported") as info:
-            run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-        assert "\n" not in str(info.value)
-        assert not (tmp_path / "ckpt").exists()
-        return
-    run_import(ImportRecipe(hf_dir=str(tmp_path / "hf"), run_dir=str(tmp_path / "ckpt")))
-    ours, _ = load_model(tmp_path / "ckpt")
-    assert type(ours) is Mixtral and ours.cfg.qk_norm == (model_type == "qwen3_moe")
-    if theirs is not None:
-        assert (logits(ours) - logits(theirs)).abs().max().item() <= 1e-5
-    if key == "max_position_embeddings":
-        assert ours.cfg.max_seq_len == value
-    if key == "attention_dropout":
-        assert ours.cfg.attn_dropout == value
-    if key in ("output_router_logits", "router_aux_loss_coef"):
-        assert ours.cfg.moe.aux_loss_coef == {"output_router_logits": 0.02, "router_aux_loss_coef": 0.05}[key]
-
-
-@pytest.mark.parametrize("model_type", CLASS_CONFIGS)
-def test_inert_keys_change_neither_the_model_config_nor_transformers_logits(tmp_path, model_type):
-    build_folder(tmp_path / "plain", model_type, {}, {})
-    plain_json = json.loads((tmp_path / "plain" / "config.json").read_text())
-    plain_cfg = model_config_from_hf(plain_json)
-    reference = logits(from_folder(tmp_path / "plain"))
-    checked = []
-    for key in sorted(k for k, spec in HF_CONFIG_KEYS[model_type].items() if spec.kind == INERT):
-        sample = {**INERT_SAMPLES, "layer_types": ["full_attention"] * 2}.get(key, "lmforge-test")
-        cfg = model_config_from_hf({**plain_json, key: sample})
-        assert cfg == (dataclasses.replace(plain_cfg, init_std=sample) if key == "initializer_range" else plain_cfg), key
-        if key in INERT_SAMPLES:
-            (tmp_path / "plain" / "config.json").write_text(json.dumps({**plain_json, key: sample}))
-            assert (logits(from_folder(tmp_path / "plain")) - reference).abs().max().item() == 0.0, key
-            checked.append(key)
-    assert len(checked) >= 8
-
-
-def test_a_key_lmforge_does_not_know_is_refused_naming_it():
-    config = {**make_config("mixtral").to_dict(), "n_shared_experts": 1}
-    with pytest.raises(InputError, match=r"^x/config.json: key 'n_shared_experts' = 1 is not one lmforge knows for "
-                                         r"model_type 'mixtral'") as info:
-        model_config_from_hf(config, where="x/config.json")
-    assert "\n" not in str(info.value)
+    return HF_KEYS.build_folder(path, model_type, changes, patch)
 
 
 # --------------------------------------------------------------------------- import and export
