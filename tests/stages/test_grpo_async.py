@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.checkpoints.load import latest_valid_checkpoint
 from lmforge.core.config import ConfigError, load_config
 from lmforge.rl.workers import AsyncRolloutBatches, RolloutWorkerError
 from lmforge.stages.grpo import GRPORecipe, run_grpo
@@ -98,19 +99,18 @@ def test_a_negative_staleness_is_one_line_and_exit_2_on_the_command_line(tmp_pat
 
 
 def test_a_killed_trainer_resumes_with_every_prompt_trained_on_once(tmp_path, base_checkpoint):
-    prompts = write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"word {i} is", "id": i} for i in range(40)])
+    prompts = write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"word {i} is", "id": i} for i in range(90)])
     args = [sys.executable, "-m", "lmforge", "grpo", f"run_dir={tmp_path / 'run'}", f"checkpoint={base_checkpoint}",
             f"data.train=[{prompts}]", *FAST, *REWARD, "train.lr=1e-3", "objective.kl_coef=0", "rollout.n=2",
             "grpo.prompts_per_step=3", "train.checkpoint_every=4", "grpo.samples_every=1",
             "rl.rollout_workers=1", "rl.max_off_policy_steps=2", "train.log_every=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*args, "train.max_steps=400"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        checkpoints = tmp_path / "run" / "checkpoints"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (checkpoints.exists() and any(
-                p.name == "step_00000004" for p in checkpoints.iterdir())):
+    proc = subprocess.Popen([*args, "train.max_steps=400"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    run_dir = tmp_path / "run"
+    try:  # killed once its first checkpoint is whole (a loaded machine may have written a later one by then)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and latest_valid_checkpoint(run_dir) is None and proc.poll() is None:
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)  # the trainer alone: its workers see their parent gone and exit
         proc.wait(timeout=30)
@@ -118,13 +118,16 @@ def test_a_killed_trainer_resumes_with_every_prompt_trained_on_once(tmp_path, ba
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-    assert [p.name for p in checkpoints.iterdir() if p.name.startswith("step_")] == ["step_00000004"]
-    state = json.loads((checkpoints / "step_00000004" / "trainer_state.json").read_text())
+    found = latest_valid_checkpoint(run_dir)
+    assert found is not None and proc.returncode == -signal.SIGKILL
+    at = int(found.name.removeprefix("step_"))
+    assert 4 <= at <= 24 and not (run_dir / "final").exists()
+    state = json.loads((found / "trainer_state.json").read_text())
     assert state["loader"]["in_flight"], "the checkpoint holds the prompts in flight"
-    summary = run_grpo(load_config(GRPORecipe, None, [*args[4:], "train.max_steps=8"]))  # resumed, in this process
-    assert summary["start_step"] == 4 and summary["step"] == 8
-    lines = [json.loads(line) for p in sorted((tmp_path / "run" / "samples").iterdir())
-             for line in p.read_text().splitlines()]
-    assert sorted({line["step"] for line in lines}) == list(range(1, 9))
+    end = at + 4
+    summary = run_grpo(load_config(GRPORecipe, None, [*args[4:], f"train.max_steps={end}"]))  # resumed, in-process
+    assert summary["start_step"] == at and summary["step"] == end
+    lines = [json.loads(line) for step in range(1, end + 1)
+             for line in (run_dir / "samples" / f"step-{step:06d}.jsonl").read_text().splitlines()]
     prompts_trained = [line["prompt"] for line in lines if line["sample"] == 0]
-    assert len(prompts_trained) == 8 * 3 and len(set(prompts_trained)) == 8 * 3  # each exactly once, none lost
+    assert len(prompts_trained) == end * 3 and len(set(prompts_trained)) == end * 3  # each exactly once, none lost
