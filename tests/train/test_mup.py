@@ -167,9 +167,13 @@ def coordinates(width: int, mup: bool, optimizer: str, steps: int = 5) -> dict[s
 
 @pytest.fixture(scope="module")
 def coord_data() -> dict[tuple[bool, str], dict[int, dict[str, float]]]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same arithmetic whatever the machine's core count
-    return {(mup, opt): {w: coordinates(w, mup, opt) for w in WIDTHS}
-            for mup, opt in [(True, "adamw"), (False, "adamw"), (True, "muon")]}
+    try:
+        return {(mup, opt): {w: coordinates(w, mup, opt) for w in WIDTHS}
+                for mup, opt in [(True, "adamw"), (False, "adamw"), (True, "muon")]}
+    finally:
+        torch.set_num_threads(threads)  # the tests after it keep their process's count
 
 
 def spread(by_width: dict[int, dict[str, float]], key: str) -> float:
