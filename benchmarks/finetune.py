@@ -10,7 +10,8 @@ Each mode runs in its own child process (so peak memory is that mode's alone) wi
 same model, batch and precision: forward, backward, clip, AdamW on the trainable
 parameters. Reported: tokens/s (best median of rounds), peak resident memory (CPU) or
 peak allocated memory (GPU), and the bytes held by weights, gradients and optimizer
-state. LoRA and QLoRA adapt every attention and MLP projection with r=16, alpha=32.
+state. LoRA and QLoRA adapt every attention and MLP projection with r=16, alpha=32; QLoRA's base
+is NF4 (``qlora``) or HQQ's 4, 3 or 2-bit integers (``qlora-int4`` ...).
 
 ``--lowbit`` runs ``lmforge sft recipes/demo/sft.yaml`` from ``--base`` (``make demo``'s pre-trained
 model) with LoRA r=16, alpha=32 (the demo's LoRA command, lr 3e-3) for ``--sft-steps`` steps over
@@ -32,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("full", "lora", "qlora")
+MODES = ("full", "lora", "qlora", "qlora-int4", "qlora-int3", "qlora-int2")  # qlora: NF4; then HQQ's, groups of 64
 # (row, lora.quantize_base, lora.init)
 LOWBIT_ROWS = [("full precision", "false", "kaiming"), *((f, f, "kaiming") for f in ("nf4", "int4", "int3", "int2")),
                *((f"{f} + LoftQ", f, "loftq") for f in ("nf4", "int4", "int3", "int2"))]
@@ -57,7 +58,8 @@ def child(args: argparse.Namespace) -> dict:
     with torch.device(device):
         model = build_model(cfg)
     if args.mode != "full":
-        apply_lora(model, LoraConfig(r=16, alpha=32, quantize_base=args.mode == "qlora"))
+        base = {"lora": False, "qlora": "nf4"}.get(args.mode, args.mode.removeprefix("qlora-"))
+        apply_lora(model, LoraConfig(r=16, alpha=32, quantize_base=base))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
@@ -142,6 +144,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the modes to measure (full first)")
     p.add_argument("--out", help=f"results JSON (default benchmarks/results/finetune.json; --lowbit: {LOWBIT_RESULTS})")
     p.add_argument("--lowbit", action="store_true", help="the low-bit bases table on the demo's SFT instead")
     p.add_argument("--base", default="runs/demo/pretrain", help="--lowbit: the model fine-tuned (make demo's)")
@@ -162,18 +165,18 @@ def main() -> None:
     from record import command, commit, machine, now  # torch: in this parent only, not in each mode's child
 
     started, rows = now(), []
-    for mode in MODES:
+    for mode in args.modes:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"the {mode} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     full = rows[0]
-    print(f"{'mode':<7}{'tokens/s':>10}{'vs full':>9}{'peak MB':>10}{'weights MB':>12}{'trainable':>12}{'optim MB':>10}")
+    print(f"{'mode':<11}{'tokens/s':>10}{'vs full':>9}{'peak MB':>10}{'weights MB':>12}{'trainable':>12}{'optim MB':>10}")
     for r in rows:
         r["speed_vs_full"] = round(r["tokens_per_s"] / full["tokens_per_s"], 3)
         r["peak_memory_vs_full"] = round(r["peak_memory_bytes"] / full["peak_memory_bytes"], 3)
-        print(f"{r['mode']:<7}{r['tokens_per_s']:>10.0f}{r['speed_vs_full']:>9.2f}{r['peak_memory_bytes'] / 2**20:>10.0f}"
+        print(f"{r['mode']:<11}{r['tokens_per_s']:>10.0f}{r['speed_vs_full']:>9.2f}{r['peak_memory_bytes'] / 2**20:>10.0f}"
               f"{r['weights_and_buffers_bytes'] / 2**20:>12.1f}{r['trainable_params']:>12,}{r['optimizer_state_bytes'] / 2**20:>10.1f}")
     result = {
         "benchmark": "finetune",

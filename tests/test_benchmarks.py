@@ -158,17 +158,18 @@ def test_prepare_reports_its_rate_and_the_tokenizers_peer(tmp_path, corpus_jsonl
                     result["tokenizers_encode_batch_fast_mb_per_s"], result["ratio"], result["ratio_vs_encode_batch_fast"])
 
 
-def test_finetune_measures_full_lora_and_qlora(tmp_path):
+def test_finetune_measures_full_and_qlora_over_nf4_and_int2(tmp_path):
     out = tmp_path / "finetune.json"
     run("finetune.py", "--model", "n_layers=1", "--batch", 1, "--seq", 16, "--precision", "fp32", "--steps", 1,
-        "--rounds", 1, "--out", out)
+        "--rounds", 1, "--out", out, "--modes", "full", "qlora", "qlora-int2")
     rows = {r["mode"]: r for r in read_json(out)["rows"]}
-    assert list(rows) == ["full", "lora", "qlora"]
+    assert list(rows) == ["full", "qlora", "qlora-int2"]  # lora, qlora-int4 and -int3 run the same code
     for r in rows.values():
         assert positive(r["tokens_per_s"], r["peak_memory_bytes"], r["weights_and_buffers_bytes"], r["trainable_params"],
                         r["optimizer_state_bytes"], r["speed_vs_full"])
-    assert rows["lora"]["trainable_params"] == rows["qlora"]["trainable_params"] < rows["full"]["trainable_params"]
+    assert rows["qlora-int2"]["trainable_params"] == rows["qlora"]["trainable_params"] < rows["full"]["trainable_params"]
     assert rows["qlora"]["weights_and_buffers_bytes"] < rows["full"]["weights_and_buffers_bytes"]
+    assert rows["qlora-int2"]["weights_and_buffers_bytes"] < rows["qlora"]["weights_and_buffers_bytes"]
 
 
 def test_finetune_lowbit_tunes_over_each_base_and_records_its_memory_and_losses(tmp_path, small_tokenizer_dir):
