@@ -93,6 +93,8 @@ NOT_ARITHMETIC = {
     "init_std": "the initial weights only; the test draws its own random weights",
     **dict.fromkeys(("embed_dropout", "attn_dropout", "resid_dropout"),
                     "training only (evaluation, decoding and export compute without it): test_transformer.py's dropout tests"),
+    "mtp": "the multi-token prediction modules run in training and drafting only, never in the model's forward "
+           "(export leaves them out): tests/model/test_mtp.py, tests/inference/test_speculative.py",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPTS = [[1, 17, 45, 200, 8, 91, 2, 77, 5, 12, 250, 33], [1, 250, 3], [1, 9, 9, 130, 41, 66, 200]]
