@@ -15,6 +15,12 @@ The ``sampled`` rows draw ``--samples`` continuations of one prompt (lmforge's `
 prefill shared by the samples) against ``generate(do_sample=True, num_return_sequences=n)``
 with the same temperature, top-k (off) and top-p, again for exactly --new-tokens tokens.
 
+With ``--draft-checkpoint`` (a checkpoint with multi-token prediction modules, e.g. ``benchmarks/mtp.py``'s
+``runs/mtp/mtp``) the result also has a ``drafting`` section: that model's batch-1 greedy decoding of
+held-out prompts (``--draft-data``'s validation windows) without drafting and with 1 .. D drafted tokens a
+step (``benchmarks/mtp.py``'s ``measure_drafting``): tokens/s, the speed-up, the share of drafts accepted,
+and whether every token is greedy decoding's.
+
 lmforge's first call on a model also builds its decoding layout (``decoding_view``: joined
 q/k/v and w1/w3, q/k in RoPE's pair order, matrices packed for oneDNN on a CPU), which later
 calls reuse while the weights are unchanged; that first call is the warm-up, reported as
@@ -113,6 +119,19 @@ def measure(batch: int, dtype: str, args: argparse.Namespace, samples: int = 1) 
     }
 
 
+def measure_drafting_of(args: argparse.Namespace) -> dict:
+    """``--draft-checkpoint``'s batch-1 greedy decoding of 8 held-out 32-token prompts, 64 new tokens each, without
+    drafting and with each draft length its MTP modules allow (``benchmarks/mtp.py``'s ``measure_drafting``)."""
+    from mtp import held_out_prompts, measure_drafting
+
+    from lmforge.checkpoints.load import load_model
+
+    model, where = load_model(args.draft_checkpoint)
+    prompts = held_out_prompts(8, 32, Path(args.draft_data))
+    rows = measure_drafting(model.eval(), prompts, 64, args.repeats, list(range(1, model.cfg.mtp.depth + 1)))
+    return {"checkpoint": str(where), "prompts": len(prompts), "prompt_len": 32, "new_tokens": 64, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
@@ -126,6 +145,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--draft-checkpoint", default=None, help="a model with MTP modules: measure its drafting too")
+    parser.add_argument("--draft-data", default="runs/mup/data", help="prepared shards whose validation windows prompt it")
     parser.add_argument("--out", default="benchmarks/results/generate.json")
     args = parser.parse_args()
     if args.threads:
@@ -134,6 +155,7 @@ def main() -> None:
     started = now()
     rows = [measure(b, d, args) for d in args.dtypes for b in args.batch_sizes]
     sampled = [measure(1, d, args, samples=k) for d in args.dtypes for k in args.samples]
+    drafting = measure_drafting_of(args) if args.draft_checkpoint else None
     result = {
         "benchmark": "generate",
         "date": started,
@@ -150,6 +172,7 @@ def main() -> None:
         "results": rows,
         "sampled": sampled,
         "sampling": {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0},
+        **({"drafting": drafting} if drafting else {}),
     }
     print(f"{'batch':>5} {'dtype':>9} {'lmforge tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}  greedy rows equal")
     for r in rows:

@@ -75,9 +75,9 @@ def train(name: str, run_dir: Path, extra: list[str], reuse: bool = False) -> di
     return run
 
 
-def held_out_prompts(n: int, length: int) -> list[list[int]]:
-    """The first ``length`` tokens of ``n`` validation windows of the runs' shards, evenly spaced."""
-    windows = TokenDataset(REPO / "runs/mup/data", "val", length - 1, False)
+def held_out_prompts(n: int, length: int, data: Path = REPO / "runs/mup/data") -> list[list[int]]:
+    """The first ``length`` tokens of ``n`` validation windows of ``data`` (the runs' shards), evenly spaced."""
+    windows = TokenDataset(data, "val", length - 1, False)
     picks = np.linspace(0, len(windows) - 1, n).astype(int)
     return [windows.window(int(i)).tolist() for i in picks]
 

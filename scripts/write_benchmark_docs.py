@@ -227,6 +227,12 @@ def render_generate(r: dict) -> Rendered:
         lines += table(["batch", "samples", "dtype", "lmforge tokens/s", "transformers tokens/s", "ratio"],
                        [[x["batch"], x["samples"], x["dtype"], num(x["lmforge_tokens_per_s"]),
                          num(x["transformers_tokens_per_s"]), num(x["ratio"])] for x in r["sampled"]])
+    if r.get("drafting"):
+        dr = r["drafting"]
+        lines += ["", f"Drafting with the MTP modules of `{dr['checkpoint']}` (`draft_tokens`): batch-1 greedy decoding of "
+                      f"{dr['prompts']} held-out prompts of {dr['prompt_len']} tokens, {dr['new_tokens']} new tokens each; "
+                      "accepted: the share of drafts kept (`benchmarks/mtp.py` trains that model):", ""]
+        lines += drafting_table(dr["rows"])
     target = r.get("target_ratio")
     res = r["results"]
     by = {}
@@ -614,6 +620,13 @@ def render_moe(r: dict) -> Rendered:
                     f"{num(s['tokens_per_s_moe_over_dense'], 3)}x tokens/s")
 
 
+def drafting_table(rows: list[dict]) -> list[str]:
+    """``benchmarks/mtp.py``'s ``measure_drafting`` rows (also in generate.json's ``drafting``) as a table."""
+    return table(["drafts a step", "tokens/s", "speed-up", "accepted", "tokens equal to greedy"],
+                 [[x["draft_tokens"] or "none", num(x["tokens_per_s"]), num(x["speedup"], 3),
+                   "-" if x["acceptance"] is None else num(x["acceptance"], 3), num(x["identical_to_greedy"])] for x in rows])
+
+
 def render_mtp(r: dict) -> Rendered:
     s, dec = r["summary"], r["decoding"]
     rows = [[x["name"], x["depth"], num(x["val_loss"], 4), num(x["tokens_per_s"]), span(x["load_average"], 2),
@@ -624,13 +637,10 @@ def render_mtp(r: dict) -> Rendered:
              "machine's load average (1 min) before and after the run (a shared machine: the speeds are noisy, the "
              "losses are not), and each depth's training loss at the last step.", ""]
     lines += table(["model", "MTP depth", "validation loss", "tokens/s", "load", "parameters", "depth losses"], rows)
-    drows = [[x["draft_tokens"] or "none", num(x["tokens_per_s"]), num(x["speedup"], 3),
-              "-" if x["acceptance"] is None else num(x["acceptance"], 3), num(x["identical_to_greedy"])]
-             for x in r["drafting"]]
     lines += ["", f"Greedy decoding of {dec['prompts']} held-out prompts of {dec['prompt_len']} tokens, one at a time, "
               f"{dec['new_tokens']} new tokens each, best of {dec['repeats']} (runs alternating), the `mtp` model's "
               "modules drafting; accepted: the share of drafts kept.", ""]
-    lines += table(["drafts a step", "tokens/s", "speed-up", "accepted", "tokens equal to greedy"], drows)
+    lines += drafting_table(r["drafting"])
     return Rendered(lines, f"MTP - plain val loss {num(s['val_loss_mtp_minus_plain'], 3)}",
                     f"plain {num(next(x['val_loss'] for x in r['runs'] if x['name'] == 'plain'), 4)}",
                     f"drafting {num(s['best_speedup'], 3)}x")
