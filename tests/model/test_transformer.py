@@ -161,7 +161,9 @@ def reference_attention(q, k, v):
 def test_attend_in_training_is_at_least_as_accurate_as_16_bit_sdpa(dtype):
     """``attend``'s float32 route for CPU training (no AMX) keeps the 16-bit output dtype and is
     no further from the float64 answer, in value and in gradients, than the 16-bit kernel."""
-    grad = torch.randn(2, 4, 48, 16, dtype=torch.float64)
+    # seeded: the comparison is of one draw's largest errors, which the global RNG state left by other
+    # tests (their order under xdist) must not choose
+    grad = torch.randn(2, 4, 48, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     errors = {}
     for name in ("attend", "sdpa", "reference"):
         q, k, v = attention_case(dtype, requires_grad=True)
